@@ -1,0 +1,1 @@
+"""meshpipe.runtime."""

@@ -1,0 +1,249 @@
+"""The schedule IR: actions, and a schedule as one ordered action list per rank.
+
+The text form of an action is the notation of ``torch.distributed.pipelining`` CSV
+schedules: ``<stage><kind><microbatch>``, e.g. ``0F3`` (stage 0, forward, microbatch 3),
+``2W1``, ``1SEND_F3``, and ``(0F3;0B1)OVERLAP_F_B`` for a forward co-scheduled with a
+backward. Pipeline messages always flow between adjacent stages, so the peer of a send or
+receive is implied by its kind and stage and is not written.
+"""
+
+from __future__ import annotations
+
+import csv
+import enum
+import io
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+
+class Kind(enum.Enum):
+    """What an action does. Values are the torch.distributed.pipelining spellings."""
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 - the published name of the input-gradient half of a backward
+    W = "W"
+    OVERLAP = "OVERLAP_F_B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in _COMPUTE
+
+    @property
+    def is_comm(self) -> bool:
+        return not self.is_compute
+
+    @property
+    def is_backward(self) -> bool:
+        """B, I and W: the kinds that consume a forward's saved activations."""
+        return self in (Kind.B, Kind.I, Kind.W)
+
+
+_COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP})
+
+# Direction of the peer stage for each communication kind.
+_PEER_OFFSET = {Kind.SEND_F: +1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: +1}
+
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+_OVERLAP_RE = re.compile(r"^\((.+);(.+)\)OVERLAP_F_B$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one rank: ``kind`` applied to ``microbatch`` on ``stage``.
+
+    An ``OVERLAP`` action carries its two halves in ``parts`` (a forward, then a
+    backward, usually of another microbatch and possibly another stage); its own
+    ``stage`` and ``microbatch`` are those of the forward half.
+    """
+
+    kind: Kind
+    stage: int
+    microbatch: int
+    parts: tuple[Action, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.stage < 0 or self.microbatch < 0:
+            raise ValueError(f"action {self.kind.value}: stage and microbatch must be >= 0, "
+                             f"got stage={self.stage} microbatch={self.microbatch}")
+        if (self.kind is Kind.OVERLAP) != bool(self.parts):
+            raise ValueError("only an OVERLAP action has parts; use Action.overlap(f, b)")
+
+    @staticmethod
+    def overlap(forward: Action, backward: Action) -> Action:
+        """Co-schedule ``forward`` (an F) with ``backward`` (a B) as one OVERLAP action."""
+        if forward.kind is not Kind.F or backward.kind is not Kind.B:
+            raise ValueError(f"OVERLAP pairs an F with a B, got {forward} and {backward}")
+        return Action(Kind.OVERLAP, forward.stage, forward.microbatch, (forward, backward))
+
+    @property
+    def peer(self) -> int | None:
+        """The stage on the other end of a send or receive; None for compute actions."""
+        offset = _PEER_OFFSET.get(self.kind)
+        return None if offset is None else self.stage + offset
+
+    @property
+    def computations(self) -> tuple[Action, ...]:
+        """The plain compute actions this action performs: its parts for OVERLAP, else itself."""
+        return self.parts if self.parts else (self,)
+
+    def __str__(self) -> str:
+        if self.kind is Kind.OVERLAP:
+            return f"({self.parts[0]};{self.parts[1]}){self.kind.value}"
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @staticmethod
+    def parse(text: str) -> Action:
+        """Parse the text form (inverse of ``str``)."""
+        text = text.strip()
+        if match := _OVERLAP_RE.match(text):
+            return Action.overlap(Action.parse(match.group(1)), Action.parse(match.group(2)))
+        if match := _ACTION_RE.match(text):
+            stage, kind, microbatch = match.groups()
+            return Action(Kind(kind), int(stage), int(microbatch))
+        raise ValueError(f"cannot parse action {text!r}: expected <stage><kind><microbatch> "
+                         f"such as '0F3', '1SEND_B2' or '(0F3;0B1)OVERLAP_F_B'")
+
+
+def F(stage: int, microbatch: int) -> Action:
+    return Action(Kind.F, stage, microbatch)
+
+
+def B(stage: int, microbatch: int) -> Action:
+    return Action(Kind.B, stage, microbatch)
+
+
+def I(stage: int, microbatch: int) -> Action:  # noqa: E741,E743
+    return Action(Kind.I, stage, microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:
+    return Action(Kind.W, stage, microbatch)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A complete pipeline schedule: for each rank, the ordered actions it runs in one step.
+
+    ``placement[s]`` is the rank that holds stage ``s``. A schedule is *lowered* once it
+    contains SEND/RECV actions (see ``lowering.lower``); before that it holds compute
+    actions only and stage-to-stage data flow is implicit.
+    """
+
+    num_ranks: int
+    num_stages: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    ranks: tuple[tuple[Action, ...], ...]
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", tuple(self.placement))
+        object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
+        if len(self.placement) != self.num_stages:
+            raise ValueError(f"placement names {len(self.placement)} stages, "
+                             f"schedule has {self.num_stages}")
+        if len(self.ranks) != self.num_ranks:
+            raise ValueError(f"{len(self.ranks)} action lists for {self.num_ranks} ranks")
+        for stage, rank in enumerate(self.placement):
+            if not 0 <= rank < self.num_ranks:
+                raise ValueError(f"stage {stage} placed on rank {rank}, "
+                                 f"outside 0..{self.num_ranks - 1}")
+        for rank, actions in enumerate(self.ranks):
+            for index, action in enumerate(actions):
+                for part in action.computations:
+                    if part.stage >= self.num_stages or part.microbatch >= self.num_microbatches:
+                        raise ValueError(f"rank {rank} action #{index} {action}: stage or "
+                                         f"microbatch out of range ({self.num_stages} stages, "
+                                         f"{self.num_microbatches} microbatches)")
+                    if self.placement[part.stage] != rank:
+                        raise ValueError(f"rank {rank} action #{index} {action}: stage "
+                                         f"{part.stage} is placed on rank "
+                                         f"{self.placement[part.stage]}")
+
+    @property
+    def is_lowered(self) -> bool:
+        return any(a.kind.is_comm for a in self.actions())
+
+    @property
+    def forward_only(self) -> bool:
+        return not any(p.kind.is_backward for a in self.actions() for p in a.computations)
+
+    @property
+    def stages_per_rank(self) -> int:
+        """The largest number of stages any one rank holds (the virtual pipeline size)."""
+        return max(self.placement.count(rank) for rank in range(self.num_ranks))
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages rank ``rank`` holds, in increasing order."""
+        return tuple(s for s, r in enumerate(self.placement) if r == rank)
+
+    def actions(self) -> Iterator[Action]:
+        """Every action of every rank, rank by rank."""
+        for actions in self.ranks:
+            yield from actions
+
+    def replace_ranks(self, ranks: Iterable[Iterable[Action]], name: str | None = None) -> Schedule:
+        """A copy with other action lists (same sizes and placement)."""
+        return Schedule(self.num_ranks, self.num_stages, self.num_microbatches, self.placement,
+                        tuple(tuple(a) for a in ranks), self.name if name is None else name)
+
+    def to_csv(self) -> str:
+        """One row per rank, one action per cell: the torch.distributed.pipelining CSV form."""
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        for actions in self.ranks:
+            writer.writerow([str(a) for a in actions])
+        return buffer.getvalue()
+
+    @staticmethod
+    def from_csv(text: str, name: str = "") -> Schedule:
+        """Parse ``to_csv`` output (or a torch.distributed.pipelining CSV schedule).
+
+        Ranks, stages, microbatches and placement are read off the actions: a stage's rank
+        is the rank whose row holds its actions.
+        """
+        rows = [[cell for cell in row if cell.strip()]
+                for row in csv.reader(io.StringIO(text))]
+        ranks = []
+        for rank, row in enumerate(rows):
+            try:
+                ranks.append(tuple(Action.parse(cell) for cell in row))
+            except ValueError as error:
+                raise ValueError(f"CSV row {rank} (rank {rank}): {error}") from None
+        parts = [(rank, p) for rank, actions in enumerate(ranks)
+                 for a in actions for p in a.computations]
+        if not parts:
+            raise ValueError("CSV schedule holds no compute actions")
+        num_stages = 1 + max(p.stage for _, p in parts)
+        placement: dict[int, int] = {}
+        for rank, part in parts:
+            if placement.setdefault(part.stage, rank) != rank:
+                raise ValueError(f"stage {part.stage} has actions on ranks "
+                                 f"{placement[part.stage]} and {rank}")
+        missing = sorted(set(range(num_stages)) - placement.keys())
+        if missing:
+            raise ValueError(f"stages {missing} have no compute actions on any rank")
+        return Schedule(
+            num_ranks=len(ranks),
+            num_stages=num_stages,
+            num_microbatches=1 + max(p.microbatch for _, p in parts),
+            placement=tuple(placement[s] for s in range(num_stages)),
+            ranks=tuple(ranks),
+            name=name,
+        )
+
+    def __str__(self) -> str:
+        header = (f"{self.name or 'schedule'}: {self.num_ranks} ranks, {self.num_stages} stages, "
+                  f"{self.num_microbatches} microbatches")
+        rows = [f"  rank {r}: " + " ".join(str(a) for a in actions)
+                for r, actions in enumerate(self.ranks)]
+        return "\n".join([header, *rows])

@@ -1,0 +1,75 @@
+"""The action IR: text form, CSV round trip, structural checks."""
+
+import pytest
+
+from meshpipe.schedules.actions import Action, B, F, Kind, Schedule, W
+
+
+@pytest.mark.parametrize("text", ["0F3", "1B0", "2I1", "2W1", "0SEND_F3", "1RECV_F3",
+                                  "1SEND_B0", "0RECV_B0", "12F105", "(0F3;0B1)OVERLAP_F_B",
+                                  "(0F3;1B1)OVERLAP_F_B"])
+def test_text_form_round_trips(text):
+    assert str(Action.parse(text)) == text
+
+
+def test_peer_follows_the_direction_of_the_message():
+    assert Action.parse("1SEND_F3").peer == 2
+    assert Action.parse("2RECV_F3").peer == 1
+    assert Action.parse("2SEND_B3").peer == 1
+    assert Action.parse("1RECV_B3").peer == 2
+    assert F(1, 3).peer is None
+
+
+def test_overlap_holds_a_forward_and_a_backward():
+    action = Action.overlap(F(0, 3), B(1, 0))
+    assert action.kind is Kind.OVERLAP
+    assert action.computations == (F(0, 3), B(1, 0))
+    with pytest.raises(ValueError, match="pairs an F with a B"):
+        Action.overlap(B(0, 0), F(0, 1))
+
+
+@pytest.mark.parametrize("bad", ["", "F3", "0X3", "0F", "-1F0", "(0F3)OVERLAP_F_B"])
+def test_unparseable_text_is_rejected(bad):
+    with pytest.raises(ValueError, match="cannot parse action"):
+        Action.parse(bad)
+
+
+def _two_rank_schedule():
+    return Schedule(2, 2, 2, (0, 1), (
+        (F(0, 0), F(0, 1), B(0, 0), B(0, 1)),
+        (F(1, 0), B(1, 0), F(1, 1), Action.overlap(F(1, 1), B(1, 1)), W(1, 1)),
+    ), name="hand")
+
+
+def test_csv_round_trips_exactly():
+    schedule = _two_rank_schedule()
+    text = schedule.to_csv()
+    assert text.splitlines()[0] == "0F0,0F1,0B0,0B1"
+    assert Schedule.from_csv(text) == schedule
+
+
+def test_csv_infers_placement_from_rows():
+    schedule = Schedule.from_csv("0F0,3F0,3B0,0B0\n1F0,1B0\n2F0,2B0\n")
+    assert schedule.placement == (0, 1, 2, 0)
+    assert schedule.stages_of(0) == (0, 3)
+    assert schedule.stages_per_rank == 2
+
+
+def test_csv_rejects_a_stage_on_two_ranks():
+    with pytest.raises(ValueError, match="stage 0 has actions on ranks 0 and 1"):
+        Schedule.from_csv("0F0\n0B0\n")
+
+
+def test_schedule_rejects_an_action_on_the_wrong_rank():
+    with pytest.raises(ValueError, match="stage 1 is placed on rank 1"):
+        Schedule(2, 2, 1, (0, 1), ((F(1, 0),), ()))
+
+
+def test_derived_properties():
+    schedule = _two_rank_schedule()
+    assert not schedule.is_lowered
+    assert not schedule.forward_only
+    forward = schedule.replace_ranks([[F(0, 0)], [F(1, 0)]])
+    assert forward.forward_only
+    lowered = schedule.replace_ranks([[F(0, 0), Action(Kind.SEND_F, 0, 0)], [F(1, 0)]])
+    assert lowered.is_lowered
