@@ -1,0 +1,44 @@
+"""The local launcher runs every rank and stops the run when one rank fails."""
+
+import json
+import time
+
+import pytest
+
+from meshpipe.train.launch import LaunchError, launch
+
+
+def _write_rank(out_dir):
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value)
+    with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
+        json.dump({"sum": value.item(), "threads": torch.get_num_threads(),
+                   "world": dist.get_world_size()}, f)
+
+
+def _fail_on_rank_one_while_others_wait():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("stage 1 microbatch 0: deliberate failure")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_every_rank_runs_in_an_initialised_group(tmp_path):
+    launch(_write_rank, 2, str(tmp_path))
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {
+            "sum": 1.0, "threads": 1, "world": 2}
+
+
+def test_a_failing_rank_stops_the_others_and_is_named():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 1 failed") as info:
+        launch(_fail_on_rank_one_while_others_wait, 3)
+    assert info.value.rank == 1
+    assert "deliberate failure" in str(info.value)
+    assert time.monotonic() - start < 60
