@@ -1,0 +1,538 @@
+"""Discrete-event simulation of a schedule, and timelines of simulated or measured steps.
+
+``simulate(schedule, costs)`` runs every rank's action list in order under a cost model:
+an action starts as soon as its rank is free and its inputs have arrived, so the result is
+the earliest possible execution of that exact order. It yields a ``Timeline``: per rank,
+the start and end of every action. A ``Timeline`` can equally be built from times measured
+in a real training step, and everything derived from it (makespan, bubbles, live
+activations) and every picture drawn from it (``render``) works the same for both.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, fields
+from functools import cached_property
+
+from meshpipe.schedules.actions import Action, Kind, Schedule
+
+Cost = float | Sequence[float]
+"""One value for every stage, or one value per stage (index = stage)."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How long each kind of action takes, per stage, and what a message between ranks costs.
+
+    Every field is a number (the same for every stage) or a sequence with one entry per
+    stage. ``backward`` (a full B) defaults to ``backward_input + backward_weight`` of the
+    stage. ``overlap`` (an OVERLAP action) is indexed by the stage of its forward half and
+    defaults to the forward of that stage plus the backward of its backward half's stage.
+    ``comm`` is the latency of one message sent by a stage to a neighbour stage on another
+    rank (stages on the same rank hand over for free). ``activation_bytes`` is the size of
+    one microbatch's saved activations on a stage; with it the simulation reports peak
+    live activation memory.
+    """
+
+    forward: Cost = 1.0
+    backward: Cost | None = None
+    backward_input: Cost = 1.0
+    backward_weight: Cost = 1.0
+    overlap: Cost | None = None
+    comm: Cost = 0.0
+    activation_bytes: Cost | None = None
+
+    def __post_init__(self) -> None:
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if value is not None:
+                object.__setattr__(self, spec.name, _checked_cost(spec.name, value))
+
+    def per_stage(self, name: str, num_stages: int) -> tuple[float, ...] | None:
+        """Field ``name`` expanded to one value per stage (None stays None)."""
+        value = getattr(self, name)
+        if value is None or isinstance(value, float):
+            return None if value is None else (value,) * num_stages
+        if len(value) != num_stages:
+            raise ValueError(f"CostModel.{name} has {len(value)} per-stage values but the "
+                             f"schedule has {num_stages} stages: give one value per stage "
+                             f"or a single number")
+        return value
+
+
+def _checked_cost(name: str, value: object) -> float | tuple[float, ...]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        values: tuple[object, ...] = (value,)
+    elif isinstance(value, Sequence) and not isinstance(value, str):
+        values = tuple(value)
+        if not values:
+            raise ValueError(f"CostModel.{name} is an empty sequence: give a number or "
+                             f"one value per stage")
+    else:
+        raise TypeError(f"CostModel.{name} must be a number or a sequence of numbers "
+                        f"(one per stage), got {type(value).__name__}")
+    for item in values:
+        if isinstance(item, bool) or not isinstance(item, (int, float)):
+            raise TypeError(f"CostModel.{name} holds {item!r}: costs are numbers")
+        if not math.isfinite(item) or item < 0:
+            raise ValueError(f"CostModel.{name} holds {item!r}: costs must be finite and >= 0")
+    floats = tuple(float(item) for item in values)
+    return floats if isinstance(value, Sequence) else floats[0]
+
+
+@dataclass(frozen=True, slots=True)
+class TimedAction:
+    """One action of one rank with when it started and ended (simulated units or seconds)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class Timeline:
+    """Per rank, the actions it ran in execution order, each with a start and an end.
+
+    Build one from ``TimedAction`` lists (``Timeline([[...], [...]])``) or from flat
+    records of measured data (``Timeline.from_records``). ``seconds_per_unit`` says what
+    one time unit is (``1.0`` for times measured in seconds; ``None`` for the abstract
+    units of a simulation). ``origin`` is time zero of the step, by default the earliest
+    start. Times are kept in flat arrays so that simulating millions of actions stays
+    cheap; ``ranks`` materialises the ``TimedAction`` tuples on first use.
+    """
+
+    def __init__(self, ranks: Iterable[Iterable[TimedAction]], *,
+                 origin: float | None = None, seconds_per_unit: float | None = None) -> None:
+        actions: list[tuple[Action, ...]] = []
+        starts: list[array] = []
+        ends: list[array] = []
+        for rank, timed in enumerate(ranks):
+            timed = tuple(timed)
+            for item in timed:
+                if not isinstance(item, TimedAction):
+                    raise TypeError(f"rank {rank}: a Timeline holds TimedAction values, "
+                                    f"got {type(item).__name__}")
+                if item.rank != rank:
+                    raise ValueError(f"{item.action} says rank {item.rank} but is listed "
+                                     f"under rank {rank}")
+                if not item.end >= item.start:
+                    raise ValueError(f"rank {rank} {item.action}: ends at {item.end} before "
+                                     f"it starts at {item.start}")
+            actions.append(tuple(item.action for item in timed))
+            starts.append(array("d", (item.start for item in timed)))
+            ends.append(array("d", (item.end for item in timed)))
+        self._init_columns(actions, starts, ends, origin, seconds_per_unit)
+
+    @classmethod
+    def from_columns(cls, actions: Sequence[Sequence[Action]], starts: Sequence[Sequence[float]],
+                     ends: Sequence[Sequence[float]], *, origin: float | None = None,
+                     seconds_per_unit: float | None = None) -> Timeline:
+        """Per rank, parallel sequences of actions, start times and end times."""
+        if not len(actions) == len(starts) == len(ends):
+            raise ValueError(f"{len(actions)} action lists, {len(starts)} start lists and "
+                             f"{len(ends)} end lists: give one of each per rank")
+        for rank, (acts, begin, finish) in enumerate(zip(actions, starts, ends)):
+            if not len(acts) == len(begin) == len(finish):
+                raise ValueError(f"rank {rank}: {len(acts)} actions, {len(begin)} starts and "
+                                 f"{len(finish)} ends: give one start and end per action")
+        timeline = cls.__new__(cls)
+        timeline._init_columns([tuple(a) for a in actions],
+                               [b if isinstance(b, array) else array("d", b) for b in starts],
+                               [e if isinstance(e, array) else array("d", e) for e in ends],
+                               origin, seconds_per_unit)
+        return timeline
+
+    @classmethod
+    def from_records(cls, records: Iterable[tuple[int, Action | str, float, float]], *,
+                     num_ranks: int | None = None, origin: float | None = None,
+                     seconds_per_unit: float | None = 1.0) -> Timeline:
+        """Build from ``(rank, action, start, end)`` records, e.g. times measured in a step.
+
+        Actions may be ``Action`` values or their text form (``"1F3"``). Records are grouped
+        by rank and ordered by start time; ranks without records get empty lists.
+        """
+        per_rank: dict[int, list[TimedAction]] = {}
+        for rank, action, start, end in records:
+            if isinstance(action, str):
+                action = Action.parse(action)
+            per_rank.setdefault(rank, []).append(
+                TimedAction(rank, action, float(start), float(end)))
+        count = num_ranks if num_ranks is not None else 1 + max(per_rank, default=-1)
+        outside = sorted(r for r in per_rank if not 0 <= r < count)
+        if outside:
+            raise ValueError(f"records name ranks {outside}, outside 0..{count - 1}")
+        ranks = [sorted(per_rank.get(r, ()), key=lambda t: (t.start, t.end)) for r in range(count)]
+        return cls(ranks, origin=origin, seconds_per_unit=seconds_per_unit)
+
+    def _init_columns(self, actions: list[tuple[Action, ...]], starts: list[array],
+                      ends: list[array], origin: float | None,
+                      seconds_per_unit: float | None) -> None:
+        self._actions = tuple(actions)
+        self._starts = tuple(starts)
+        self._ends = tuple(ends)
+        if origin is None:
+            origin = min((min(column) for column in starts if column), default=0.0)
+        self.origin = float(origin)
+        self.seconds_per_unit = seconds_per_unit
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self._actions)
+
+    @cached_property
+    def ranks(self) -> tuple[tuple[TimedAction, ...], ...]:
+        """Per rank, a tuple of ``TimedAction`` in execution order."""
+        return tuple(self.rank(r) for r in range(self.num_ranks))
+
+    def rank(self, rank: int) -> tuple[TimedAction, ...]:
+        """The timed actions of one rank, in execution order."""
+        return tuple(TimedAction(rank, a, s, e) for a, s, e in
+                     zip(self._actions[rank], self._starts[rank], self._ends[rank]))
+
+    def __iter__(self) -> Iterator[TimedAction]:
+        """Every timed action, rank by rank."""
+        for rank in range(self.num_ranks):
+            yield from self.rank(rank)
+
+    def __len__(self) -> int:
+        return sum(len(actions) for actions in self._actions)
+
+    @cached_property
+    def end(self) -> float:
+        """When the last action ends."""
+        return max((max(column) for column in self._ends if column), default=self.origin)
+
+    @property
+    def makespan(self) -> float:
+        """Time from the origin until the last action ends."""
+        return max(0.0, self.end - self.origin)
+
+    @cached_property
+    def busy(self) -> tuple[float, ...]:
+        """Per rank, the total time spent in compute actions (sends and receives excluded)."""
+        return tuple(
+            math.fsum(e - s for a, s, e in zip(acts, starts, ends) if a.kind.is_compute)
+            for acts, starts, ends in zip(self._actions, self._starts, self._ends))
+
+    @property
+    def bubble_ratios(self) -> tuple[float, ...]:
+        """Per rank, the fraction of the makespan it spent idle."""
+        span = self.makespan
+        return tuple(0.0 if span == 0 else max(0.0, span - b) / span for b in self.busy)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle time of all ranks over ``num_ranks * makespan``."""
+        total = self.num_ranks * self.makespan
+        return 0.0 if total == 0 else max(0.0, total - math.fsum(self.busy)) / total
+
+    @cached_property
+    def forward_only(self) -> bool:
+        return not any(p.kind.is_backward for acts in self._actions
+                       for a in acts for p in a.computations)
+
+    def peak_activations(self, activation_bytes: Sequence[float] | None = None
+                         ) -> tuple[float, ...]:
+        """Per rank, the peak of live activations: a count, or bytes if sizes are given.
+
+        A (stage, microbatch) pair is live from the start of its forward until the end of
+        its backward (of its W for a split backward); in a forward-only timeline, until
+        the end of its forward. ``activation_bytes[stage]`` weighs each pair; without it
+        each pair counts 1. Each rank's actions are swept in execution order.
+        """
+        forward_only = self.forward_only
+        return tuple(_peak_live(actions, activation_bytes, forward_only)
+                     for actions in self._actions)
+
+    def __repr__(self) -> str:
+        return (f"Timeline({self.num_ranks} ranks, {len(self)} actions, "
+                f"makespan={self.makespan:g})")
+
+
+def _peak_live(actions: Sequence[Action], weights: Sequence[float] | None,
+               forward_only: bool) -> float:
+    live = peak = 0.0
+    for action in actions:
+        if not action.kind.is_compute:
+            continue
+        parts = action.computations
+        for part in parts:
+            if part.kind is Kind.F:
+                live += 1 if weights is None else weights[part.stage]
+        peak = max(peak, live)
+        for part in parts:
+            if part.kind in (Kind.B, Kind.W) or (forward_only and part.kind is Kind.F):
+                live -= 1 if weights is None else weights[part.stage]
+    return int(peak) if weights is None else peak
+
+
+class SimulationDeadlock(ValueError):
+    """The schedule cannot finish: some rank waits for something that never happens."""
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """The outcome of ``simulate``: the timeline and what it costs in time and memory."""
+
+    schedule: Schedule
+    costs: CostModel
+    timeline: Timeline
+
+    @property
+    def makespan(self) -> float:
+        return self.timeline.makespan
+
+    @property
+    def busy(self) -> tuple[float, ...]:
+        return self.timeline.busy
+
+    @property
+    def bubble_ratios(self) -> tuple[float, ...]:
+        return self.timeline.bubble_ratios
+
+    @property
+    def bubble_ratio(self) -> float:
+        return self.timeline.bubble_ratio
+
+    @cached_property
+    def peak_activations(self) -> tuple[int, ...]:
+        """Per rank, the most (stage, microbatch) pairs whose activations are live at once."""
+        return tuple(int(p) for p in self.timeline.peak_activations())
+
+    @cached_property
+    def peak_activation_bytes(self) -> tuple[float, ...] | None:
+        """Per rank, the peak live activation size; None without ``costs.activation_bytes``."""
+        sizes = self.costs.per_stage("activation_bytes", self.schedule.num_stages)
+        return None if sizes is None else self.timeline.peak_activations(sizes)
+
+    def summary(self) -> str:
+        """One line: makespan, overall bubble and the largest peak of live activations."""
+        peak = max(self.peak_activations, default=0)
+        return (f"makespan {self.makespan:g}, bubble {100 * self.bubble_ratio:.1f}%, "
+                f"peak live activations {peak}")
+
+
+# Token spaces of the simulation: what a finished action makes available.
+_FORWARD_DONE, _GRAD_DONE, _INPUT_GRAD_DONE = 0, 1, 2
+_TOKEN_NAMES = {_FORWARD_DONE: "F", _GRAD_DONE: "B or I", _INPUT_GRAD_DONE: "I"}
+
+
+def simulate(schedule: Schedule, costs: CostModel | None = None) -> Simulation:
+    """Execute ``schedule`` under ``costs`` as early as its order and data flow allow.
+
+    Each rank runs its list in order; a compute action starts when its rank is free and its
+    inputs are ready: F(s,m) after F(s-1,m), B or I(s,m) after F(s,m) and the input
+    gradient from B or I(s+1,m), W(s,m) after I(s,m), an OVERLAP after both halves'
+    inputs. An input produced on another rank arrives ``costs.comm`` later. SEND/RECV
+    actions of a lowered schedule take no time (communication is modelled by ``comm``).
+    Raises ``SimulationDeadlock`` naming the stuck ranks if the schedule cannot finish.
+    """
+    costs = CostModel() if costs is None else costs
+    return Simulation(schedule, costs, _Simulator(schedule, costs).run())
+
+
+class _Simulator:
+    """The event-driven core: each rank advances until an input is missing, then parks
+    on that input until the action producing it ends. Linear in the number of actions."""
+
+    def __init__(self, schedule: Schedule, costs: CostModel) -> None:
+        self.schedule = schedule
+        num_stages = schedule.num_stages
+        placement = schedule.placement
+        self.forward = costs.per_stage("forward", num_stages)
+        self.backward_input = costs.per_stage("backward_input", num_stages)
+        self.backward_weight = costs.per_stage("backward_weight", num_stages)
+        self.backward = costs.per_stage("backward", num_stages) or tuple(
+            i + w for i, w in zip(self.backward_input, self.backward_weight))
+        self.overlap = costs.per_stage("overlap", num_stages)
+        comm = costs.per_stage("comm", num_stages)
+        # Latency of the input of stage s: from s-1 (forward) or s+1 (backward).
+        self.forward_latency = tuple(
+            comm[s - 1] if s > 0 and placement[s - 1] != placement[s] else 0.0
+            for s in range(num_stages))
+        self.backward_latency = tuple(
+            comm[s + 1] if s + 1 < num_stages and placement[s + 1] != placement[s] else 0.0
+            for s in range(num_stages))
+        size = num_stages * schedule.num_microbatches
+        # End time of each token (index stage * M + microbatch); -1 while not produced.
+        self.done = [array("d", [-1.0]) * size for _ in range(3)]
+        self.waiting: list[dict[int, list[int]]] = [{}, {}, {}]
+
+    def run(self) -> Timeline:
+        schedule = self.schedule
+        num_ranks = schedule.num_ranks
+        self.position = [0] * num_ranks
+        self.clock = [0.0] * num_ranks
+        self.starts = [array("d") for _ in range(num_ranks)]
+        self.ends = [array("d") for _ in range(num_ranks)]
+        self.blocked_on: list[tuple[int, int] | None] = [None] * num_ranks
+        runnable = list(range(num_ranks))
+        while runnable:
+            runnable.extend(self._advance(runnable.pop()))
+        stuck = [r for r in range(num_ranks) if self.position[r] < len(schedule.ranks[r])]
+        if stuck:
+            raise SimulationDeadlock(self._deadlock_message(stuck))
+        return Timeline.from_columns(schedule.ranks, self.starts, self.ends, origin=0.0)
+
+    def _advance(self, rank: int) -> list[int]:
+        """Run ``rank`` until it finishes or waits; return the ranks its actions woke up."""
+        actions = self.schedule.ranks[rank]
+        num_microbatches = self.schedule.num_microbatches
+        last_stage = self.schedule.num_stages - 1
+        forward_done, grad_done, input_grad_done = self.done
+        forward, backward = self.forward, self.backward
+        backward_input, backward_weight = self.backward_input, self.backward_weight
+        forward_latency, backward_latency = self.forward_latency, self.backward_latency
+        starts, ends = self.starts[rank], self.ends[rank]
+        woken: list[int] = []
+        position = self.position[rank]
+        clock = self.clock[rank]
+        while position < len(actions):
+            action = actions[position]
+            kind = action.kind
+            if kind is Kind.F or kind is Kind.B or kind is Kind.I:
+                stage = action.stage
+                token = stage * num_microbatches + action.microbatch
+                if kind is Kind.F:
+                    if stage:
+                        ready = forward_done[token - num_microbatches]
+                        if ready < 0:
+                            self._park(rank, _FORWARD_DONE, token - num_microbatches)
+                            break
+                        ready += forward_latency[stage]
+                        if ready > clock:
+                            clock = ready
+                    start = clock
+                    clock += forward[stage]
+                    self._produce(woken, _FORWARD_DONE, token, clock, action, rank)
+                else:
+                    ready = forward_done[token]
+                    if ready < 0:
+                        self._park(rank, _FORWARD_DONE, token)
+                        break
+                    if stage < last_stage:
+                        grad = grad_done[token + num_microbatches]
+                        if grad < 0:
+                            self._park(rank, _GRAD_DONE, token + num_microbatches)
+                            break
+                        grad += backward_latency[stage]
+                        if grad > ready:
+                            ready = grad
+                    if ready > clock:
+                        clock = ready
+                    start = clock
+                    if kind is Kind.B:
+                        clock += backward[stage]
+                    else:
+                        clock += backward_input[stage]
+                        self._produce(woken, _INPUT_GRAD_DONE, token, clock, action, rank)
+                    self._produce(woken, _GRAD_DONE, token, clock, action, rank)
+            elif kind is Kind.W:
+                stage = action.stage
+                token = stage * num_microbatches + action.microbatch
+                ready = input_grad_done[token]
+                if ready < 0:
+                    self._park(rank, _INPUT_GRAD_DONE, token)
+                    break
+                if ready > clock:
+                    clock = ready
+                start = clock
+                clock += backward_weight[stage]
+            elif kind is Kind.OVERLAP:
+                ready = self._overlap_ready(rank, action)
+                if ready is None:
+                    break
+                if ready > clock:
+                    clock = ready
+                start = clock
+                clock += self._overlap_cost(action)
+                for part in action.parts:
+                    token = part.stage * num_microbatches + part.microbatch
+                    space = _FORWARD_DONE if part.kind is Kind.F else _GRAD_DONE
+                    self._produce(woken, space, token, clock, action, rank)
+            else:
+                start = clock
+            starts.append(start)
+            ends.append(clock)
+            position += 1
+        self.position[rank] = position
+        self.clock[rank] = clock
+        return woken
+
+    def _overlap_ready(self, rank: int, action: Action) -> float | None:
+        """When both halves' inputs are ready, or None after parking on a missing one."""
+        forward_part, backward_part = action.parts
+        num_microbatches = self.schedule.num_microbatches
+        needs = []
+        if forward_part.stage:
+            needs.append((_FORWARD_DONE, forward_part, -1, self.forward_latency))
+        needs.append((_FORWARD_DONE, backward_part, 0, None))
+        if backward_part.stage < self.schedule.num_stages - 1:
+            needs.append((_GRAD_DONE, backward_part, +1, self.backward_latency))
+        ready = 0.0
+        for space, part, offset, latency in needs:
+            token = (part.stage + offset) * num_microbatches + part.microbatch
+            end = self.done[space][token]
+            if end < 0:
+                self._park(rank, space, token)
+                return None
+            ready = max(ready, end + (latency[part.stage] if latency else 0.0))
+        return ready
+
+    def _overlap_cost(self, action: Action) -> float:
+        forward_part, backward_part = action.parts
+        if self.overlap is not None:
+            return self.overlap[forward_part.stage]
+        return self.forward[forward_part.stage] + self.backward[backward_part.stage]
+
+    def _park(self, rank: int, space: int, token: int) -> None:
+        self.waiting[space].setdefault(token, []).append(rank)
+        self.blocked_on[rank] = (space, token)
+
+    def _produce(self, woken: list[int], space: int, token: int, end: float,
+                 action: Action, rank: int) -> None:
+        done = self.done[space]
+        if done[token] >= 0:
+            stage, microbatch = divmod(token, self.schedule.num_microbatches)
+            raise ValueError(
+                f"rank {rank} action #{len(self.starts[rank])} {action}: {_TOKEN_NAMES[space]} "
+                f"of stage {stage} microbatch {microbatch} runs a second time; each "
+                f"(stage, microbatch) needs exactly one F and one B (or one I and one W): "
+                f"check the schedule with meshpipe.schedules.validation.validate")
+        done[token] = end
+        waiters = self.waiting[space].pop(token, None)
+        if waiters:
+            woken.extend(waiters)
+
+    def _deadlock_message(self, stuck: list[int]) -> str:
+        schedule = self.schedule
+        producers = {}
+        for rank, actions in enumerate(schedule.ranks):
+            for index, action in enumerate(actions):
+                for part in action.computations:
+                    producers.setdefault((part.kind, part.stage, part.microbatch), (rank, index))
+        lines = []
+        for rank in stuck:
+            index = self.position[rank]
+            space, token = self.blocked_on[rank]
+            stage, microbatch = divmod(token, schedule.num_microbatches)
+            kinds = {_FORWARD_DONE: (Kind.F,), _GRAD_DONE: (Kind.B, Kind.I),
+                     _INPUT_GRAD_DONE: (Kind.I,)}[space]
+            wanted = " or ".join(f"{stage}{k.value}{microbatch}" for k in kinds)
+            found = [producers[(k, stage, microbatch)] for k in kinds
+                     if (k, stage, microbatch) in producers]
+            if found:
+                where = ", ".join(f"rank {r} action #{i}" for r, i in found)
+                reason = f"scheduled at {where}, which never runs"
+            else:
+                reason = "which no rank runs"
+            lines.append(f"rank {rank} is stuck at action #{index} "
+                         f"{schedule.ranks[rank][index]}: it waits for {wanted}, {reason}")
+        return ("schedule cannot finish (deadlock): " + "; ".join(lines)
+                + ". Reorder the actions so every input is produced before it is needed.")

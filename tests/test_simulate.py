@@ -1,0 +1,237 @@
+"""The discrete-event simulator, on hand-built schedules (independent of the builders)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshpipe.schedules.actions import Action, B, F, I, Kind, Schedule, W
+from meshpipe.schedules.simulate import (
+    CostModel,
+    SimulationDeadlock,
+    TimedAction,
+    Timeline,
+    simulate,
+)
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """Every rank runs all forwards, then all backwards."""
+    ranks = [[F(r, i) for i in range(m)] + [B(r, i) for i in range(m)] for r in range(p)]
+    return Schedule(p, p, m, tuple(range(p)), ranks, name="gpipe")
+
+
+def one_f_one_b(p: int, m: int, split: bool = False) -> Schedule:
+    """Warm-up forwards, then alternate F and B; ``split`` runs each B as I then W."""
+    ranks = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        actions = [F(r, i) for i in range(warmup)]
+        for i in range(m):
+            if warmup + i < m:
+                actions.append(F(r, warmup + i))
+            actions.extend([I(r, i), W(r, i)] if split else [B(r, i)])
+        ranks.append(actions)
+    return Schedule(p, p, m, tuple(range(p)), ranks, name="1f1b")
+
+
+def lowered(schedule: Schedule) -> Schedule:
+    """Hand-lowered: a receive before each compute that needs a remote input, a send after
+    each compute whose output goes to another rank."""
+    last = schedule.num_stages - 1
+    ranks = []
+    for actions in schedule.ranks:
+        out = []
+        for a in actions:
+            if a.kind is Kind.F and a.stage > 0:
+                out.append(Action(Kind.RECV_F, a.stage, a.microbatch))
+            if a.kind is Kind.B and a.stage < last:
+                out.append(Action(Kind.RECV_B, a.stage, a.microbatch))
+            out.append(a)
+            if a.kind is Kind.F and a.stage < last:
+                out.append(Action(Kind.SEND_F, a.stage, a.microbatch))
+            if a.kind is Kind.B and a.stage > 0:
+                out.append(Action(Kind.SEND_B, a.stage, a.microbatch))
+        ranks.append(out)
+    return schedule.replace_ranks(ranks)
+
+
+def starts(simulation) -> dict[str, float]:
+    return {str(t.action): t.start for t in simulation.timeline}
+
+
+sizes = st.tuples(st.integers(1, 16), st.integers(1, 64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes, st.sampled_from([1.0, 2.0]))
+def test_gpipe_and_1f1b_bubbles_match_the_closed_form(size, backward):
+    p, m = size
+    costs = CostModel(forward=1.0, backward=backward)
+    for schedule in (gpipe(p, m), one_f_one_b(p, m)):
+        simulation = simulate(schedule, costs)
+        assert simulation.makespan == pytest.approx((m + p - 1) * (1 + backward))
+        assert simulation.bubble_ratio == pytest.approx((p - 1) / (m + p - 1))
+        assert simulation.busy == pytest.approx([m * (1 + backward)] * p)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes)
+def test_1f1b_peak_live_activations_is_min_of_remaining_ranks_and_microbatches(size):
+    p, m = size
+    assert simulate(one_f_one_b(p, m)).peak_activations == tuple(
+        min(p - r, m) for r in range(p))
+    assert simulate(gpipe(p, m)).peak_activations == (m,) * p
+
+
+def test_split_backward_keeps_activations_until_the_weight_gradient():
+    split = simulate(one_f_one_b(4, 8, split=True))
+    # The gradient travels up with each I (1) instead of each B (2): 3 ranks save 1 each.
+    assert split.makespan == simulate(one_f_one_b(4, 8)).makespan - 3
+    assert split.peak_activations == (4, 3, 2, 1)
+    # Deferring every W to the end keeps all microbatches live.
+    deferred = Schedule(1, 1, 3, (0,), [[F(0, 0), I(0, 0), F(0, 1), I(0, 1), F(0, 2), I(0, 2),
+                                         W(0, 0), W(0, 1), W(0, 2)]])
+    assert simulate(deferred).peak_activations == (3,)
+
+
+def test_forward_only_schedules_hold_one_activation_at_a_time():
+    schedule = Schedule(2, 2, 3, (0, 1), [[F(0, i) for i in range(3)],
+                                          [F(1, i) for i in range(3)]])
+    simulation = simulate(schedule)
+    assert simulation.makespan == 4
+    assert simulation.peak_activations == (1, 1)
+
+
+def test_backward_waits_for_the_input_gradient_and_weight_waits_for_its_input_half():
+    schedule = Schedule(2, 2, 1, (0, 1), [[F(0, 0), I(0, 0), W(0, 0)],
+                                          [F(1, 0), B(1, 0)]])
+    costs = CostModel(forward=1, backward=3, backward_input=2, backward_weight=5)
+    assert starts(simulate(schedule, costs)) == {
+        "0F0": 0, "1F0": 1, "1B0": 2, "0I0": 5, "0W0": 7}
+    assert simulate(schedule, costs).makespan == 12
+
+
+def test_comm_latency_applies_only_between_ranks():
+    # Stages 0 and 1 share rank 0; stage 2 is on rank 1.
+    schedule = Schedule(2, 3, 1, (0, 0, 1), [[F(0, 0), F(1, 0), B(1, 0), B(0, 0)],
+                                             [F(2, 0), B(2, 0)]])
+    simulation = simulate(schedule, CostModel(forward=1, backward=1, comm=0.5))
+    assert starts(simulation) == {"0F0": 0, "1F0": 1, "2F0": 2.5, "2B0": 3.5,
+                                  "1B0": 5, "0B0": 6}
+    assert simulation.makespan == 7
+
+
+def test_per_stage_costs_and_per_stage_comm_of_the_sender():
+    schedule = Schedule(2, 2, 1, (0, 1), [[F(0, 0), B(0, 0)], [F(1, 0), B(1, 0)]])
+    costs = CostModel(forward=(1, 2), backward=(3, 4), comm=(0.25, 0.5))
+    # 1F0 waits for 0F0's message (0.25), 0B0 for 1B0's (0.5).
+    assert starts(simulate(schedule, costs)) == {"0F0": 0, "1F0": 1.25, "1B0": 3.25,
+                                                 "0B0": 7.75}
+
+
+def test_overlap_costs_its_halves_by_default_and_waits_for_both_inputs():
+    halves = [F(1, 1), B(1, 0)]
+    schedule = Schedule(2, 2, 2, (0, 1), [
+        [F(0, 0), F(0, 1), B(0, 0), B(0, 1)],
+        [F(1, 0), Action.overlap(*halves), B(1, 1)],
+    ])
+    simulation = simulate(schedule, CostModel(forward=(1, 2), backward=(3, 4)))
+    assert starts(simulation)["(1F1;1B0)OVERLAP_F_B"] == 3
+    timed = {str(t.action): t for t in simulation.timeline}
+    assert timed["(1F1;1B0)OVERLAP_F_B"].duration == 6
+    assert timed["0B0"].start == 9  # gradient of microbatch 0 leaves with the OVERLAP
+    assert simulation.peak_activations == (2, 2)
+    explicit = simulate(schedule, CostModel(forward=(1, 2), backward=(3, 4), overlap=(9, 5)))
+    assert {str(t.action): t for t in explicit.timeline}[
+        "(1F1;1B0)OVERLAP_F_B"].duration == 5
+
+
+def test_activation_bytes_weigh_the_live_pairs_per_stage():
+    schedule = Schedule(1, 2, 2, (0, 0), [[F(0, 0), F(1, 0), F(0, 1), F(1, 1),
+                                           B(1, 0), B(0, 0), B(1, 1), B(0, 1)]])
+    simulation = simulate(schedule, CostModel(activation_bytes=(10.0, 100.0)))
+    assert simulation.peak_activations == (4,)
+    assert simulation.peak_activation_bytes == (220.0,)
+    assert simulate(schedule).peak_activation_bytes is None
+
+
+def test_lowered_schedules_simulate_like_unlowered_ones_with_free_sends_and_receives():
+    schedule = one_f_one_b(4, 6)
+    costs = CostModel(comm=0.5)
+    plain, low = simulate(schedule, costs), simulate(lowered(schedule), costs)
+    assert low.makespan == plain.makespan
+    assert low.bubble_ratio == plain.bubble_ratio
+    comm = [t for t in low.timeline if t.action.kind.is_comm]
+    assert comm and all(t.duration == 0 for t in comm)
+    compute = {str(t.action): (t.start, t.end) for t in low.timeline if t.action.kind.is_compute}
+    assert compute == {str(t.action): (t.start, t.end) for t in plain.timeline}
+
+
+def test_a_deadlock_names_the_stuck_ranks_actions_and_what_they_wait_for():
+    schedule = Schedule(2, 2, 1, (0, 1), [[F(0, 0), B(0, 0)], [B(1, 0), F(1, 0)]])
+    with pytest.raises(SimulationDeadlock) as error:
+        simulate(schedule)
+    message = str(error.value)
+    assert "rank 1 is stuck at action #0 1B0: it waits for 1F0, scheduled at rank 1 " \
+           "action #1" in message
+    assert "rank 0 is stuck at action #1 0B0: it waits for 1B0 or 1I0" in message
+
+
+def test_a_missing_producer_is_reported_as_run_by_no_rank():
+    schedule = Schedule(2, 2, 2, (0, 1), [[F(0, 0), B(0, 0)], [F(1, 0), F(1, 1), B(1, 0)]])
+    with pytest.raises(SimulationDeadlock, match=r"rank 1 is stuck at action #1 1F1: it waits "
+                                                 r"for 0F1, which no rank runs"):
+        simulate(schedule)
+
+
+def test_a_duplicated_forward_is_an_error_not_a_silent_overwrite():
+    schedule = Schedule(1, 1, 1, (0,), [[F(0, 0), F(0, 0), B(0, 0)]])
+    with pytest.raises(ValueError, match=r"rank 0 action #1 0F0: F of stage 0 microbatch 0 "
+                                         r"runs a second time"):
+        simulate(schedule)
+
+
+def test_cost_model_checks_its_values():
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        CostModel(forward=-1)
+    with pytest.raises(TypeError, match="CostModel.comm must be a number"):
+        CostModel(comm="fast")
+    with pytest.raises(ValueError, match="empty sequence"):
+        CostModel(backward_input=[])
+    with pytest.raises(ValueError, match="CostModel.forward has 3 per-stage values but the "
+                                         "schedule has 2 stages"):
+        simulate(gpipe(2, 2), CostModel(forward=[1, 1, 1]))
+    assert CostModel(forward=[1, 2]).forward == (1.0, 2.0)
+
+
+def test_large_schedules_simulate_in_linear_passes():
+    simulation = simulate(one_f_one_b(64, 512))
+    assert simulation.bubble_ratio == pytest.approx(63 / 575)
+    assert simulation.peak_activations[0] == 64
+
+
+def test_timeline_from_measured_records():
+    records = [
+        (1, "1F0", 10.5, 11.5), (0, "0F0", 10.0, 10.5), (0, "0SEND_F0", 10.5, 10.6),
+        (1, "1B0", 11.5, 13.0), (0, "0B0", 13.0, 14.0),
+    ]
+    timeline = Timeline.from_records(records)
+    assert timeline.seconds_per_unit == 1.0
+    assert timeline.origin == 10.0
+    assert timeline.makespan == 4.0
+    assert [str(t.action) for t in timeline.ranks[0]] == ["0F0", "0SEND_F0", "0B0"]
+    assert timeline.busy == (1.5, 2.5)
+    assert timeline.bubble_ratios == (pytest.approx(2.5 / 4), pytest.approx(1.5 / 4))
+    assert timeline.bubble_ratio == pytest.approx(4 / 8)
+    assert timeline.peak_activations() == (1, 1)
+
+
+def test_timeline_rejects_inconsistent_data():
+    with pytest.raises(ValueError, match="says rank 1 but is listed under rank 0"):
+        Timeline([[TimedAction(1, F(0, 0), 0, 1)]])
+    with pytest.raises(ValueError, match="ends at 1 before it starts at 2"):
+        Timeline([[TimedAction(0, F(0, 0), 2, 1)]])
+    with pytest.raises(ValueError, match="records name ranks \\[3\\], outside 0..1"):
+        Timeline.from_records([(3, "0F0", 0, 1)], num_ranks=2)
+    with pytest.raises(ValueError, match="rank 0: 1 actions, 2 starts"):
+        Timeline.from_columns([[F(0, 0)]], [[0, 1]], [[1]])
