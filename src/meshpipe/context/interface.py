@@ -1,0 +1,56 @@
+"""The attention contract every meshpipe attention honours, and its input checks.
+
+An attention is a callable ``attn(q, k, v, *, positions=None, doc_ids=None, causal=True)``
+with q ``[batch, seq_local, heads_q, head_dim]``, k and v ``[batch, seq_local, heads_kv,
+head_dim]`` (``heads_q`` a multiple of ``heads_kv``: grouped-query attention) returning
+``[batch, seq_local, heads_q, head_dim]``. ``positions`` (int64 ``[seq_local]``) is each local
+token's position inside its document and ``doc_ids`` (int64 ``[seq_local]``) its document:
+a query may attend a key of the same document, and with ``causal`` only one whose position
+is not after its own. Every context-parallel layout (contiguous, zigzag, packed, hybrid) is
+expressed through these two tensors, so no attention needs to know how the loader sharded.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class AttentionError(ValueError):
+    """The inputs or the configuration of an attention cannot be honoured."""
+
+
+class Attention(Protocol):
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
+                 doc_ids: Tensor | None = None, causal: bool = True) -> Tensor: ...
+
+
+def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None,
+                           doc_ids: Tensor | None, where: str) -> None:
+    """Raise ``AttentionError`` naming ``where`` and the offending shapes if the inputs break the contract."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise AttentionError(
+            f"{where}: q, k, v must be [batch, seq, heads, head_dim]; got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise AttentionError(f"{where}: k and v must have the same shape; got {tuple(k.shape)} "
+                             f"and {tuple(v.shape)}")
+    batch, seq, heads_q, head_dim = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (batch, seq, head_dim):
+        raise AttentionError(
+            f"{where}: k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in batch, sequence "
+            f"or head_dim")
+    heads_kv = k.shape[2]
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise AttentionError(
+            f"{where}: {heads_q} query heads are not a multiple of {heads_kv} key/value heads")
+    for name, ids in (("positions", positions), ("doc_ids", doc_ids)):
+        if ids is None:
+            continue
+        if ids.dim() != 1 or ids.shape[0] != seq:
+            raise AttentionError(f"{where}: {name} must have shape [{seq}] (the local sequence "
+                                 f"length); got {tuple(ids.shape)}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise AttentionError(f"{where}: {name} must be an integer tensor; got {ids.dtype}")

@@ -1,0 +1,83 @@
+"""Which tokens every rank of a context-parallel group holds.
+
+Before a context-parallel attention moves any activation, the ranks of the group exchange
+their local sequence length, the shapes they were given and their ``positions`` /
+``doc_ids`` (small int64 tensors). Every rank then knows the mask of every block, and a
+rank whose shapes disagree with its peers' makes *every* rank raise the same clear error
+instead of one rank hanging in a mismatched send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .interface import AttentionError
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """The tokens of each rank of a group, in group-rank order."""
+
+    sizes: list[int]
+    positions: list[Tensor]
+    doc_ids: list[Tensor] | None
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    def gathered_positions(self) -> Tensor:
+        """Positions of the group's whole sequence, rank 0's tokens first."""
+        return torch.cat(self.positions)
+
+    def gathered_doc_ids(self) -> Tensor | None:
+        return None if self.doc_ids is None else torch.cat(self.doc_ids)
+
+
+def _all_gather_equal(tensor: Tensor, group: dist.ProcessGroup | None) -> list[Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return parts
+
+
+def _all_gather_ragged(tensor: Tensor, sizes: list[int],
+                       group: dist.ProcessGroup | None) -> list[Tensor]:
+    """All-gather 1-D tensors of different lengths (padded in transit: they are tiny metadata)."""
+    padded = torch.zeros(max(sizes), dtype=torch.int64, device=tensor.device)
+    padded[: tensor.shape[0]] = tensor
+    return [part[:size] for part, size in zip(_all_gather_equal(padded, group), sizes)]
+
+
+def gather_layout(positions: Tensor | None, doc_ids: Tensor | None, seq_local: int,
+                  signature: dict[str, int], group: dist.ProcessGroup | None,
+                  where: str, device: torch.device) -> GroupLayout:
+    """Exchange every rank's tokens and check that ``signature`` (named sizes) agrees across ranks.
+
+    ``positions=None`` means the group holds one sequence split contiguously in rank order,
+    so rank ``i``'s tokens are the global indices following those of ranks ``0..i-1``.
+    """
+    names = ["seq_local", "has positions", "has doc_ids", *signature]
+    values = [seq_local, positions is not None, doc_ids is not None, *signature.values()]
+    mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+    table = torch.stack(_all_gather_equal(mine, group)).tolist()
+    for column, name in enumerate(names[1:], start=1):
+        column_values = [row[column] for row in table]
+        if len(set(column_values)) > 1:
+            raise AttentionError(
+                f"{where}: ranks of the context-parallel group disagree on {name}: "
+                f"{column_values} (by group rank); every rank must pass the same shapes and "
+                f"the same optional inputs")
+    sizes = [row[0] for row in table]
+    if positions is None:
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        all_positions = [torch.arange(offset, offset + size, device=device)
+                         for offset, size in zip(offsets, sizes)]
+    else:
+        all_positions = _all_gather_ragged(positions.to(torch.int64), sizes, group)
+    all_doc_ids = None if doc_ids is None else _all_gather_ragged(doc_ids.to(torch.int64), sizes,
+                                                                  group)
+    return GroupLayout(sizes=sizes, positions=all_positions, doc_ids=all_doc_ids)

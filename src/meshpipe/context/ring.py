@@ -1,0 +1,200 @@
+"""Ring attention: key/value blocks travel around the context-parallel group.
+
+Each rank keeps its queries. At step ``t`` it holds the key/value block of group rank
+``(rank - t) mod n``: it posts the send of that block to the next rank and the receive of
+the following one from the previous rank, computes its queries against the block it holds
+while the transfer runs, and folds the result into a running output with a log-sum-exp
+merge. Backward runs the same ring again; each block's key/value gradient accumulator
+travels with it and, after a full turn, arrives back at the block's owner. Communication
+sits inside one ``autograd.Function``, so autograd never traces through it.
+
+The layout is data: every rank learns every block's positions and document ids (see
+``layout.py``), plans each tile (``masks.plan_block``) and computes only its live rows and
+columns. With the zigzag layout (rank ``r`` holds chunks ``r`` and ``2n-1-r``) a causal
+off-diagonal tile is exactly half live, so every rank does the same work; a tile that is
+fully masked (another document of a pack, or the future) is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .blockwise import (block_backward, block_forward, group_queries, heads_first, merge_block,
+                        ungroup_queries)
+from .interface import check_attention_inputs
+from .layout import GroupLayout, gather_layout
+from .masks import BlockPlan, plan_block
+
+# Key/value blocks and their gradient accumulators use different tags so the two streams
+# between a pair of ranks can never be matched with each other.
+_KV_TAG = 11
+_GRAD_KV_TAG = 12
+
+
+class _Transfer:
+    """A posted send/receive pair; ``wait`` returns the received tensor."""
+
+    def __init__(self, received: Tensor, works: list, keep_alive: Tensor | None = None):
+        self._received = received
+        self._works = works
+        self._keep_alive = keep_alive
+
+    def wait(self) -> Tensor:
+        for work in self._works:
+            work.wait()
+        self._keep_alive = None
+        return self._received
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """A context-parallel group seen as a ring, with each rank's block length."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    block_sizes: list[int]
+
+    def source(self, step: int) -> int:
+        """Group rank whose key/value block this rank holds at ``step``."""
+        return (self.rank - step) % self.size
+
+    def shift(self, tensor: Tensor, incoming_rows: int, tag: int) -> _Transfer:
+        """Send ``tensor`` ([2, b, s, ...]) to the next rank, receive the previous rank's one."""
+        if self.size == 1:
+            return _Transfer(tensor, [])
+        shape = list(tensor.shape)
+        shape[2] = incoming_rows
+        received = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        operations = [
+            dist.P2POp(dist.isend, tensor, group=self.group,
+                       group_peer=(self.rank + 1) % self.size, tag=tag),
+            dist.P2POp(dist.irecv, received, group=self.group,
+                       group_peer=(self.rank - 1) % self.size, tag=tag),
+        ]
+        return _Transfer(received, dist.batch_isend_irecv(operations), keep_alive=tensor)
+
+
+def _select(x: Tensor, dim: int, index: Tensor | None) -> Tensor:
+    return x if index is None else x.index_select(dim, index)
+
+
+class _RingAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring,
+                plans: list[BlockPlan | None], scale: float) -> Tensor:
+        queries = group_queries(q, k.shape[2])
+        out = torch.zeros_like(queries)
+        lse = torch.full(queries.shape[:-1], float("-inf"), device=q.device)
+        kv = torch.stack((k, v))
+        for step in range(ring.size):
+            incoming = None
+            if step < ring.size - 1:
+                incoming = ring.shift(kv, ring.block_sizes[ring.source(step + 1)], _KV_TAG)
+            plan = plans[step]
+            if plan is not None:
+                keys = heads_first(_select(kv[0], 1, plan.cols))
+                values = heads_first(_select(kv[1], 1, plan.cols))
+                block_out, block_lse = block_forward(_select(queries, 3, plan.rows), keys,
+                                                     values, plan.mask, scale)
+                merge_block(out, lse, block_out, block_lse, plan.rows)
+            if incoming is not None:
+                kv = incoming.wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.plans, ctx.scale = ring, plans, scale
+        return ungroup_queries(out).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, plans, scale = ctx.ring, ctx.plans, ctx.scale
+        queries = group_queries(q, k.shape[2])
+        grad_out = group_queries(grad_output, k.shape[2])
+        delta = (grad_out * out).sum(dim=-1)
+        grad_queries = torch.zeros_like(queries)
+        kv = torch.stack((k, v))
+        grad_kv_transfer = None
+        for step in range(ring.size):
+            incoming = None
+            if step < ring.size - 1:
+                incoming = ring.shift(kv, ring.block_sizes[ring.source(step + 1)], _KV_TAG)
+            grad_kv = (torch.zeros(kv.shape, device=kv.device) if grad_kv_transfer is None
+                       else grad_kv_transfer.wait())
+            plan = plans[step]
+            if plan is not None:
+                _accumulate_block_grads(plan, queries, grad_out, kv, lse, delta, scale,
+                                        grad_queries, grad_kv)
+            grad_kv_transfer = ring.shift(grad_kv, ring.block_sizes[ring.source(step + 1)],
+                                          _GRAD_KV_TAG)
+            if incoming is not None:
+                kv = incoming.wait()
+        grad_kv = grad_kv_transfer.wait()
+        grad_q = ungroup_queries(grad_queries).to(q.dtype)
+        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
+
+
+def _accumulate_block_grads(plan: BlockPlan, queries: Tensor, grad_out: Tensor, kv: Tensor,
+                            lse: Tensor, delta: Tensor, scale: float, grad_queries: Tensor,
+                            grad_kv: Tensor) -> None:
+    """Add one tile's gradients to this rank's query gradient and the travelling block's accumulator."""
+    keys = heads_first(_select(kv[0], 1, plan.cols))
+    values = heads_first(_select(kv[1], 1, plan.cols))
+    grad_q, grad_k, grad_v = block_backward(
+        _select(grad_out, 3, plan.rows), _select(queries, 3, plan.rows), keys, values,
+        _select(lse, 3, plan.rows), _select(delta, 3, plan.rows), plan.mask, scale)
+    if plan.rows is None:
+        grad_queries += grad_q
+    else:
+        grad_queries.index_add_(3, plan.rows, grad_q)
+    grad_kv_block = torch.stack((grad_k, grad_v)).transpose(2, 3)
+    if plan.cols is None:
+        grad_kv += grad_kv_block
+    else:
+        grad_kv.index_add_(2, plan.cols, grad_kv_block)
+
+
+class RingAttention(nn.Module):
+    """Context-parallel attention over ``group`` with key/value blocks passed around a ring.
+
+    Each rank passes its own queries/keys/values, and ``positions`` / ``doc_ids`` of its local
+    tokens; any layout works, and the zigzag layout balances causal work. With
+    ``positions=None`` the group holds one sequence split contiguously in rank order.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, scale: float | None = None):
+        super().__init__()
+        self.group = group
+        self.scale = scale
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
+                doc_ids: Tensor | None = None, causal: bool = True) -> Tensor:
+        where = f"RingAttention (rank {dist.get_rank()})"
+        check_attention_inputs(q, k, v, positions, doc_ids, where)
+        batch, seq_local, heads_q, head_dim = q.shape
+        signature = {"batch": batch, "query heads": heads_q, "key/value heads": k.shape[2],
+                     "head_dim": head_dim, "causal": causal}
+        layout = gather_layout(positions, doc_ids, seq_local, signature, self.group, where,
+                               q.device)
+        ring = _Ring(group=self.group, rank=dist.get_rank(self.group),
+                     size=dist.get_world_size(self.group), block_sizes=layout.sizes)
+        plans = _plan_ring(ring, layout, causal)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
+        return _RingAttentionFunction.apply(q, k, v, ring, plans, scale)
+
+
+def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool) -> list[BlockPlan | None]:
+    """This rank's tile plan for each ring step."""
+    mine = ring.rank
+    doc_ids = layout.doc_ids
+    plans = []
+    for step in range(ring.size):
+        source = ring.source(step)
+        plans.append(plan_block(
+            layout.positions[mine], None if doc_ids is None else doc_ids[mine],
+            layout.positions[source], None if doc_ids is None else doc_ids[source], causal))
+    return plans

@@ -1,0 +1,105 @@
+"""Ulysses (DeepSpeed-style) context parallelism: trade the sequence shard for a head shard.
+
+Each rank holds a shard of the sequence with every head. One all-to-all turns that into the
+whole sequence (of the group) for a subset of the heads; any attention runs on it
+unchanged; a second all-to-all turns the output back. Sequence lengths and head counts
+need not divide by the group size (``comm.collectives.all_to_all`` is exact for uneven
+sizes), and grouped-query attention sends each rank only the key/value heads its query
+heads use (``heads.plan_heads``). ``positions`` and ``doc_ids`` are gathered alongside, so
+the inner attention sees the masks of the whole gathered sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..comm.collectives import all_to_all
+from ..comm.shards import split_sizes
+from .heads import HeadPlan, plan_heads
+from .interface import Attention, AttentionError, check_attention_inputs
+from .layout import gather_layout
+from .local import LocalAttention
+
+_SEQ_DIM = 1
+_HEAD_DIM = 2
+
+
+def _take_heads(x: Tensor, heads: list[int], dim: int) -> Tensor:
+    """``x`` with its heads in the order ``heads`` (no copy when that is the identity)."""
+    if heads == list(range(x.shape[dim])):
+        return x
+    return x.index_select(dim, torch.tensor(heads, device=x.device))
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for position, head in enumerate(order):
+        inverse[head] = position
+    return inverse
+
+
+class UlyssesAttention(nn.Module):
+    """Context-parallel attention over ``group`` by head/sequence all-to-all around ``inner``.
+
+    ``inner`` is any attention (default: ``LocalAttention``; ``RingAttention`` over another
+    group gives the hybrid). The ranks must hold the group's sequence split contiguously in
+    rank order with ``split_sizes`` (what ``comm.collectives.split`` produces); the tokens'
+    own positions and documents are free (zigzag, packed), they only feed the mask.
+    """
+
+    def __init__(self, inner: Attention | None = None, group: dist.ProcessGroup | None = None):
+        super().__init__()
+        self.inner = inner if inner is not None else LocalAttention()
+        self.group = group
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
+                doc_ids: Tensor | None = None, causal: bool = True) -> Tensor:
+        where = f"UlyssesAttention (rank {dist.get_rank()})"
+        check_attention_inputs(q, k, v, positions, doc_ids, where)
+        batch, seq_local, heads_q, head_dim = q.shape
+        ranks, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        signature = {"batch": batch, "query heads": heads_q, "key/value heads": k.shape[2],
+                     "head_dim": head_dim, "causal": causal}
+        layout = gather_layout(positions, doc_ids, seq_local, signature, self.group, where,
+                               q.device)
+        expected = split_sizes(layout.total, ranks)
+        if layout.sizes != expected:
+            raise AttentionError(
+                f"{where}: the Ulysses ranks hold {layout.sizes} tokens (by group rank), but a "
+                f"sequence of {layout.total} tokens must be split as {expected} (the first "
+                f"ranks one more); shard the sequence with comm.collectives.split")
+        plan = plan_heads(heads_q, k.shape[2], ranks, where)
+        q_heads = all_to_all(_take_heads(q, plan.query_order(), _HEAD_DIM), self.group,
+                             scatter_dim=_HEAD_DIM, gather_dim=_SEQ_DIM, gather_size=layout.total)
+        k_heads, v_heads = self._gather_kv(k, v, plan, rank, layout.total)
+        out_heads = self.inner(
+            q_heads, k_heads, v_heads,
+            positions=None if positions is None else layout.gathered_positions(),
+            doc_ids=layout.gathered_doc_ids(), causal=causal)
+        out = all_to_all(out_heads, self.group, scatter_dim=_SEQ_DIM, gather_dim=_HEAD_DIM,
+                         gather_size=heads_q)
+        return _take_heads(out, _inverse(plan.query_order()), _HEAD_DIM)
+
+    def _gather_kv(self, k: Tensor, v: Tensor, plan: HeadPlan, rank: int,
+                   total: int) -> tuple[Tensor, Tensor]:
+        """This rank's key/value heads over the whole sequence, one per query head group."""
+        kv = _take_heads(torch.stack((k, v)), plan.kv_order(), _HEAD_DIM + 1)
+        kv = all_to_all(kv, self.group, scatter_dim=_HEAD_DIM + 1, gather_dim=_SEQ_DIM + 1,
+                        gather_size=total)
+        kv = _as_grouped_query_heads(kv, plan.local_kv_index(rank))
+        return kv[0], kv[1]
+
+
+def _as_grouped_query_heads(kv: Tensor, kv_of_query: list[int]) -> Tensor:
+    """Arrange the local key/value heads so that local query head ``i`` uses head ``i // g``.
+
+    When the local query heads come in equal runs per key/value head (the usual case) the
+    heads are already in that form; otherwise they are repeated to one per query head.
+    """
+    heads = kv.shape[_HEAD_DIM + 1]
+    group, remainder = divmod(len(kv_of_query), heads)
+    if remainder == 0 and kv_of_query == [i // group for i in range(len(kv_of_query))]:
+        return kv
+    return kv.index_select(_HEAD_DIM + 1, torch.tensor(kv_of_query, device=kv.device))
