@@ -12,6 +12,7 @@ from meshpipe.schedules.simulate import (
     Timeline,
     simulate,
 )
+from meshpipe.schedules.validation import ScheduleError
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -172,6 +173,7 @@ def test_a_deadlock_names_the_stuck_ranks_actions_and_what_they_wait_for():
     with pytest.raises(SimulationDeadlock) as error:
         simulate(schedule)
     message = str(error.value)
+    assert (error.value.rank, error.value.index, error.value.waiting_for) == (0, 1, "1B0 or 1I0")
     assert "rank 1 is stuck at action #0 1B0: it waits for 1F0, scheduled at rank 1 " \
            "action #1" in message
     assert "rank 0 is stuck at action #1 0B0: it waits for 1B0 or 1I0" in message
@@ -186,8 +188,8 @@ def test_a_missing_producer_is_reported_as_run_by_no_rank():
 
 def test_a_duplicated_forward_is_an_error_not_a_silent_overwrite():
     schedule = Schedule(1, 1, 1, (0,), [[F(0, 0), F(0, 0), B(0, 0)]])
-    with pytest.raises(ValueError, match=r"rank 0 action #1 0F0: F of stage 0 microbatch 0 "
-                                         r"runs a second time"):
+    with pytest.raises(ScheduleError, match=r"rank 0 action #1 0F0: F of stage 0 microbatch 0 "
+                                            r"runs a second time"):
         simulate(schedule)
 
 

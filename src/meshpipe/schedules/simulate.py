@@ -19,6 +19,7 @@ from itertools import compress
 from operator import attrgetter, sub
 
 from meshpipe.schedules.actions import Action, Kind, Schedule
+from meshpipe.schedules.validation import ScheduleError
 
 _COMPUTE_KINDS = frozenset(kind for kind in Kind if kind.is_compute)
 _kind_of = attrgetter("kind")
@@ -287,8 +288,12 @@ def _peak_live(actions: Sequence[Action], weights: Sequence[float] | None,
     return peak
 
 
-class SimulationDeadlock(ValueError):
-    """The schedule cannot finish: some rank waits for something that never happens."""
+class SimulationDeadlock(ScheduleError):
+    """The schedule cannot finish: some rank waits for something that never happens.
+
+    ``rank``, ``index``, ``action`` and ``waiting_for`` locate the first stuck rank; the
+    message lists every stuck rank.
+    """
 
 
 @dataclass(frozen=True)
@@ -392,7 +397,7 @@ class _Simulator:
             runnable.extend(self._advance(runnable.pop()))
         stuck = [r for r in range(num_ranks) if self.position[r] < len(schedule.ranks[r])]
         if stuck:
-            raise SimulationDeadlock(self._deadlock_message(stuck))
+            raise self._deadlock(stuck)
         return Timeline.from_columns(schedule.ranks, self.starts, self.ends, origin=0.0)
 
     def _advance(self, rank: int) -> list[int]:
@@ -537,20 +542,21 @@ class _Simulator:
 
     def _duplicate(self, rank: int, position: int, space: int, token: int) -> None:
         stage, microbatch = divmod(token, self.schedule.num_microbatches)
-        raise ValueError(
-            f"rank {rank} action #{position} {self.schedule.ranks[rank][position]}: "
-            f"{_TOKEN_NAMES[space]} of stage {stage} microbatch {microbatch} runs a second "
-            f"time; each (stage, microbatch) needs exactly one F and one B (or one I and one "
-            f"W): check the schedule with meshpipe.schedules.validation.validate")
+        action = self.schedule.ranks[rank][position]
+        raise ScheduleError(
+            f"rank {rank} action #{position} {action}: {_TOKEN_NAMES[space]} of stage {stage} "
+            f"microbatch {microbatch} runs a second time; each (stage, microbatch) needs "
+            f"exactly one F and one B (or one I and one W): check the schedule with "
+            f"meshpipe.schedules.validation.validate", rank=rank, index=position, action=action)
 
-    def _deadlock_message(self, stuck: list[int]) -> str:
+    def _deadlock(self, stuck: list[int]) -> SimulationDeadlock:
         schedule = self.schedule
         producers = {}
         for rank, actions in enumerate(schedule.ranks):
             for index, action in enumerate(actions):
                 for part in action.computations:
                     producers.setdefault((part.kind, part.stage, part.microbatch), (rank, index))
-        lines = []
+        lines, waits = [], []
         for rank in stuck:
             index = self.position[rank]
             space, token = self.blocked_on[rank]
@@ -567,5 +573,10 @@ class _Simulator:
                 reason = "which no rank runs"
             lines.append(f"rank {rank} is stuck at action #{index} "
                          f"{schedule.ranks[rank][index]}: it waits for {wanted}, {reason}")
-        return ("schedule cannot finish (deadlock): " + "; ".join(lines)
-                + ". Reorder the actions so every input is produced before it is needed.")
+            waits.append(wanted)
+        first = stuck[0]
+        return SimulationDeadlock(
+            "schedule cannot finish (deadlock): " + "; ".join(lines)
+            + ". Reorder the actions so every input is produced before it is needed.",
+            rank=first, index=self.position[first],
+            action=schedule.ranks[first][self.position[first]], waiting_for=waits[0])
