@@ -1,1 +1,17 @@
-"""meshpipe.models."""
+"""meshpipe.models: the reference transformer, its pipeline split and its loss."""
+
+from meshpipe.models.loss import causal_lm_loss
+from meshpipe.models.split import (SharedParameter, TransformerChunk, balanced_layers,
+                                   shared_parameters, split)
+from meshpipe.models.transformer import Transformer, TransformerConfig
+
+__all__ = [
+    "SharedParameter",
+    "Transformer",
+    "TransformerChunk",
+    "TransformerConfig",
+    "balanced_layers",
+    "causal_lm_loss",
+    "shared_parameters",
+    "split",
+]

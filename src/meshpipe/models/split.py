@@ -1,0 +1,119 @@
+"""Cut a ``Transformer`` into pipeline stages, and name the parameters stages share.
+
+A chunk speaks pipeline messages: the first takes ``(tokens, positions, doc_ids)``, every
+chunk but the last returns ``(hidden, positions, doc_ids)`` for the next one, and the last
+returns logits. ``positions`` and ``doc_ids`` may be None; int64 tensors and None travel beside
+the float activations (the multi-tensor message of seed 000).
+
+Chunks reuse the model's own submodules, so on one process chaining them is the model, and
+their parameter names are the full model's names (``layers.5.mlp.w_up.weight`` on whichever
+chunk holds layer 5), which keeps checkpoints layout-independent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from meshpipe.models.transformer import Transformer, default_positions
+
+PipelineMessage = tuple[Tensor, Tensor | None, Tensor | None]
+
+
+class TransformerChunk(nn.Module):
+    """Layers ``[start, stop)`` of a model, with the embedding if first, the norm and head if last."""
+
+    def __init__(self, model: Transformer, start: int, stop: int, *, first: bool, last: bool):
+        super().__init__()
+        self.is_first = first
+        self.is_last = last
+        self.layer_range = (start, stop)
+        if first:
+            self.embedding = model.embedding
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, stop)})
+        if last:
+            self.norm = model.norm
+            self.head = model.head
+
+    def forward(self, x: Tensor, positions: Tensor | None = None,
+                doc_ids: Tensor | None = None) -> Tensor | PipelineMessage:
+        hidden = self.embedding(x) if self.is_first else x
+        layer_positions = default_positions(hidden, positions)
+        for layer in self.layers.values():
+            hidden = layer(hidden, layer_positions, doc_ids)
+        if self.is_last:
+            return self.head(self.norm(hidden))
+        return hidden, positions, doc_ids
+
+    def extra_repr(self) -> str:
+        start, stop = self.layer_range
+        return f"layers=[{start}, {stop}), first={self.is_first}, last={self.is_last}"
+
+
+def balanced_layers(n_layers: int, num_stages: int) -> list[int]:
+    """Layer counts that differ by at most one, the larger counts on the earlier stages."""
+    base, extra = divmod(n_layers, num_stages)
+    return [base + 1 if stage < extra else base for stage in range(num_stages)]
+
+
+def split(model: Transformer, num_stages: int,
+          layers_per_stage: list[int] | None = None) -> list[TransformerChunk]:
+    """Cut ``model`` into ``num_stages`` chunks of consecutive layers.
+
+    ``layers_per_stage`` gives each stage's layer count (zeros allowed: a stage may hold only
+    the embedding, only the head, or nothing); by default the layers are balanced, which
+    needs at least one layer per stage.
+    """
+    if not isinstance(model, Transformer):
+        raise TypeError(f"split expects a meshpipe Transformer, got {type(model).__name__}")
+    n_layers = len(model.layers)
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+    if layers_per_stage is None:
+        if num_stages > n_layers:
+            raise ValueError(
+                f"cannot balance {n_layers} layers over {num_stages} stages; use fewer stages "
+                f"or pass layers_per_stage explicitly (zeros allowed)")
+        layers_per_stage = balanced_layers(n_layers, num_stages)
+    counts = list(layers_per_stage)
+    if len(counts) != num_stages:
+        raise ValueError(f"layers_per_stage has {len(counts)} entries for {num_stages} stages")
+    if any(not isinstance(c, int) or c < 0 for c in counts) or sum(counts) != n_layers:
+        raise ValueError(f"layers_per_stage {counts} must be non-negative ints summing to the "
+                         f"model's {n_layers} layers")
+    chunks = []
+    start = 0
+    for stage, count in enumerate(counts):
+        chunks.append(TransformerChunk(model, start, start + count, first=stage == 0,
+                                       last=stage == num_stages - 1))
+        start += count
+    return chunks
+
+
+@dataclass(frozen=True)
+class SharedParameter:
+    """A parameter held by several stages, e.g. the tied embedding and head weight.
+
+    ``locations`` lists ``(stage index, parameter name in that stage's chunk)``. What the
+    runtime must do: after the backward of a step and before the optimizer step, sum the
+    gradient of the parameter over the ranks holding those stages (stages on one rank share a
+    single tensor, whose gradient is already the local sum: count that rank once). The copies
+    start equal (same init on every rank) and then get equal gradients, so they stay equal.
+    """
+
+    locations: tuple[tuple[int, str], ...]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(stage for stage, _ in self.locations)
+
+
+def shared_parameters(chunks: list[nn.Module]) -> list[SharedParameter]:
+    """Parameters that appear (as the same tensor) in more than one chunk."""
+    by_identity: dict[int, list[tuple[int, str]]] = {}
+    for stage, chunk in enumerate(chunks):
+        for name, param in chunk.named_parameters():
+            by_identity.setdefault(id(param), []).append((stage, name))
+    return [SharedParameter(tuple(locations)) for locations in by_identity.values()
+            if len(locations) > 1]

@@ -1,0 +1,233 @@
+"""A decoder-only reference transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+The attention is pluggable (any callable honouring ``meshpipe.context.interface.Attention``),
+so the same model runs with local attention or with a context-parallel one. Token
+``positions`` drive both RoPE and the attention mask, which is how a context-parallel rank
+holding a zigzag or packed slice of a sequence still gets the right rotary angles.
+
+Initialisation is a pure function of ``TransformerConfig.init_seed``: every rank builds the
+same full model and keeps only its pipeline chunk (see ``meshpipe.models.split``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshpipe.context.interface import Attention
+from meshpipe.context.local import LocalAttention
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes of the reference transformer.
+
+    ``n_kv_heads`` None means plain multi-head attention (as many key/value heads as query
+    heads); ``ffn_hidden`` None picks the usual SwiGLU width, about 8/3 of ``dim`` rounded up to
+    a multiple of ``ffn_multiple_of``. ``init_seed`` None draws the initial weights from the
+    global RNG (seed it with ``torch.manual_seed`` before construction).
+    """
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    ffn_multiple_of: int = 32
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    init_seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransformerConfig.{name} must be positive, got "
+                                 f"{getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"TransformerConfig.dim ({self.dim}) must be a multiple of n_heads "
+                             f"({self.n_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dimension; dim/n_heads = {self.head_dim}")
+        if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a positive multiple of n_kv_heads "
+                             f"({self.kv_heads}) for grouped-query attention")
+        if self.ffn_hidden is not None and self.ffn_hidden <= 0:
+            raise ValueError(f"TransformerConfig.ffn_hidden must be positive, got {self.ffn_hidden}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_width(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        width = int(8 * self.dim / 3)
+        return self.ffn_multiple_of * math.ceil(width / self.ffn_multiple_of)
+
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    """A bias-free linear layer left uninitialised: ``Transformer`` initialises every weight."""
+    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain, computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding on ``[batch, seq, heads, head_dim]`` tensors.
+
+    Angles are computed from the given token positions rather than from a table indexed by
+    the local offset, so any slice of a sequence (zigzag, packed documents) rotates correctly.
+    Dimension ``i`` is paired with ``i + head_dim / 2``.
+    """
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        self.register_buffer("inv_freq", (1.0 / theta**exponents).float(), persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq
+        cos = angles.cos()[None, :, None, :]
+        sin = angles.sin()[None, :, None, :]
+        x32 = x.float()
+        first, second = x32.chunk(2, dim=-1)
+        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        return rotated.type_as(x)
+
+
+class SelfAttention(nn.Module):
+    """Grouped-query self-attention whose core is a pluggable ``Attention`` callable."""
+
+    def __init__(self, config: TransformerConfig, rope: RotaryEmbedding, attention: Attention):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.kv_heads
+        self.head_dim = config.head_dim
+        self.wq = _linear(config.dim, config.n_heads * config.head_dim)
+        self.wk = _linear(config.dim, config.kv_heads * config.head_dim)
+        self.wv = _linear(config.dim, config.kv_heads * config.head_dim)
+        self.wo = _linear(config.n_heads * config.head_dim, config.dim)
+        self.rope = rope
+        self.core_attention = attention
+
+    def forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        out = self.core_attention(q, k, v, positions=positions, doc_ids=doc_ids, causal=True)
+        return self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w_gate = _linear(dim, hidden)
+        self.w_up = _linear(dim, hidden)
+        self.w_down = _linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention then SwiGLU MLP."""
+
+    def __init__(self, config: TransformerConfig, rope: RotaryEmbedding, attention: Attention):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = SelfAttention(config, rope, attention)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = SwiGLU(config.dim, config.ffn_width)
+
+    def forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), positions, doc_ids)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def default_positions(tokens_or_hidden: Tensor, positions: Tensor | None) -> Tensor:
+    """``positions`` as given, or ``0..seq-1`` for an unpacked sequence; checked against ``seq``."""
+    seq = tokens_or_hidden.shape[1]
+    if positions is None:
+        return torch.arange(seq, device=tokens_or_hidden.device)
+    if positions.dim() != 1 or positions.shape[0] != seq:
+        raise ValueError(f"positions must have shape [{seq}] (one per token of the local "
+                         f"sequence); got {tuple(positions.shape)}")
+    return positions
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer: ``model(tokens, positions=None, doc_ids=None) -> logits``.
+
+    ``tokens`` is int64 ``[batch, seq]``; ``positions`` (int64 ``[seq]``) is each token's
+    position inside its document, ``doc_ids`` (int64 ``[seq]``) its document for packed
+    sequences. ``attention`` defaults to ``LocalAttention``; pass a context-parallel attention
+    to shard the sequence. The attention object is shared by every layer.
+    """
+
+    def __init__(self, config: TransformerConfig, attention: Attention | None = None):
+        super().__init__()
+        self.config = config
+        self.attention = LocalAttention() if attention is None else attention
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.embedding = nn.Embedding(config.vocab_size, config.dim,
+                                      _weight=torch.empty(config.vocab_size, config.dim))
+        self.layers = nn.ModuleList(TransformerBlock(config, self.rope, self.attention)
+                                    for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.head = _linear(config.dim, config.vocab_size)
+        if config.tie_embeddings:
+            self.head.weight = self.embedding.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 L)."""
+        generator = None
+        if self.config.init_seed is not None:
+            generator = torch.Generator().manual_seed(self.config.init_seed)
+        residual_std = self.config.init_std / math.sqrt(2 * self.config.n_layers)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                    continue
+                std = residual_std if name.endswith(("wo.weight", "w_down.weight")) \
+                    else self.config.init_std
+                values = torch.empty(param.shape, dtype=torch.float32)
+                values.normal_(0.0, std, generator=generator)
+                param.copy_(values)
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None,
+                doc_ids: Tensor | None = None) -> Tensor:
+        positions = default_positions(tokens, positions)
+        hidden = self.embedding(tokens)
+        for layer in self.layers:
+            hidden = layer(hidden, positions, doc_ids)
+        return self.head(self.norm(hidden))

@@ -1,0 +1,252 @@
+"""The reference transformer, its split into pipeline chunks, shared parameters and the loss."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshpipe.context.local import LocalAttention
+from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, balanced_layers,
+                             causal_lm_loss, shared_parameters, split)
+
+SMALL = TransformerConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                          max_seq_len=64)
+
+
+def _tokens(batch=2, seq=12, vocab=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=generator)
+
+
+def _chain(chunks, tokens, positions=None, doc_ids=None):
+    message = (tokens, positions, doc_ids)
+    for chunk in chunks:
+        message = chunk(*message)
+    return message
+
+
+def _grads(model):
+    return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+def test_forward_shapes_and_gqa_head_counts():
+    model = Transformer(SMALL)
+    logits = model(_tokens())
+    assert logits.shape == (2, 12, 64) and logits.dtype == torch.float32
+    attention = model.layers[0].attention
+    assert attention.wq.weight.shape == (32, 32)
+    assert attention.wk.weight.shape == (16, 32)  # 2 kv heads of dim 8
+    assert model.layers[0].mlp.w_gate.weight.shape == (SMALL.ffn_width, 32)
+
+
+def test_init_is_a_function_of_the_seed_and_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    a, b = Transformer(SMALL), Transformer(SMALL)
+    assert torch.equal(torch.get_rng_state(), before)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+    other = Transformer(TransformerConfig(**{**SMALL.__dict__, "init_seed": 1}))
+    assert not torch.equal(a.embedding.weight, other.embedding.weight)
+
+
+def test_init_from_the_global_rng_when_no_seed():
+    config = TransformerConfig(**{**SMALL.__dict__, "init_seed": None})
+    torch.manual_seed(5)
+    a = Transformer(config)
+    torch.manual_seed(5)
+    b = Transformer(config)
+    c = Transformer(config)
+    assert torch.equal(a.layers[1].mlp.w_up.weight, b.layers[1].mlp.w_up.weight)
+    assert not torch.equal(a.layers[1].mlp.w_up.weight, c.layers[1].mlp.w_up.weight)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"dim": 30}, "multiple of n_heads"),
+    ({"n_kv_heads": 3}, "multiple of n_kv_heads"),
+    ({"n_layers": 0}, "n_layers must be positive"),
+    ({"dim": 12, "n_heads": 4}, "even head dimension"),
+])
+def test_config_rejects_inconsistent_sizes(bad, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig(**{**SMALL.__dict__, **bad})
+
+
+def test_tied_embeddings_share_one_tensor():
+    model = Transformer(TransformerConfig(**{**SMALL.__dict__, "tie_embeddings": True}))
+    assert model.head.weight is model.embedding.weight
+
+
+def test_packed_documents_equal_separate_runs():
+    """positions and doc_ids reach RoPE and the mask: a packed row is its documents run alone."""
+    model = Transformer(SMALL)
+    first, second = _tokens(1, 7, seed=1), _tokens(1, 5, seed=2)
+    packed = torch.cat([first, second], dim=1)
+    positions = torch.cat([torch.arange(7), torch.arange(5)])
+    doc_ids = torch.tensor([0] * 7 + [1] * 5)
+    logits = model(packed, positions, doc_ids)
+    torch.testing.assert_close(logits[:, :7], model(first))
+    torch.testing.assert_close(logits[:, 7:], model(second))
+
+
+def test_rope_follows_positions_not_offsets():
+    """A suffix run with its true positions matches the same tokens inside the full sequence,
+    for an "attention" that returns the rotated queries (isolating RoPE from the mask)."""
+    def rotated_queries(q, k, v, *, positions=None, doc_ids=None, causal=True):
+        return q
+    model = Transformer(SMALL, attention=rotated_queries)
+    tokens = _tokens(1, 10)
+    full = model(tokens)
+    suffix = model(tokens[:, 6:], positions=torch.arange(6, 10))
+    torch.testing.assert_close(suffix, full[:, 6:])
+    shifted = model(tokens[:, 6:])
+    assert not torch.allclose(shifted, full[:, 6:])
+
+
+def test_attention_is_pluggable_and_gets_positions():
+    calls = []
+    local = LocalAttention()
+
+    def spy(q, k, v, *, positions=None, doc_ids=None, causal=True):
+        calls.append((q.shape, k.shape, positions.clone(), doc_ids, causal))
+        return local(q, k, v, positions=positions, doc_ids=doc_ids, causal=causal)
+    reference = Transformer(SMALL)
+    model = Transformer(SMALL, attention=spy)
+    tokens = _tokens()
+    torch.testing.assert_close(model(tokens), reference(tokens))
+    assert len(calls) == SMALL.n_layers
+    q_shape, k_shape, positions, doc_ids, causal = calls[0]
+    assert q_shape == (2, 12, 4, 8) and k_shape == (2, 12, 2, 8)
+    assert torch.equal(positions, torch.arange(12)) and doc_ids is None and causal
+
+
+@pytest.mark.parametrize("num_stages, layers, tie", [
+    (1, None, False), (2, None, True), (3, None, False), (4, None, True),
+    (3, [0, 4, 0], True), (4, [1, 0, 3, 0], False),
+])
+def test_chained_chunks_equal_the_full_model(num_stages, layers, tie):
+    config = TransformerConfig(**{**SMALL.__dict__, "tie_embeddings": tie})
+    tokens, targets = _tokens(seed=3), _tokens(seed=4)
+    positions = torch.cat([torch.arange(5), torch.arange(7)])
+    doc_ids = torch.tensor([0] * 5 + [1] * 7)
+
+    reference = Transformer(config)
+    expected = reference(tokens, positions, doc_ids)
+    causal_lm_loss(expected, targets).backward()
+
+    model = Transformer(config)
+    chunks = split(model, num_stages, layers)
+    logits = _chain(chunks, tokens, positions, doc_ids)
+    causal_lm_loss(logits, targets).backward()
+
+    assert torch.equal(logits, expected)
+    expected_grads = _grads(reference)
+    for name, grad in _grads(model).items():
+        assert torch.equal(grad, expected_grads[name]), name
+
+
+def test_chunks_keep_the_full_model_parameter_names():
+    model = Transformer(SMALL)
+    chunks = split(model, 3)
+    names = [name for chunk in chunks for name, _ in chunk.named_parameters()]
+    assert sorted(names) == sorted(name for name, _ in model.named_parameters())
+    assert [chunk.layer_range for chunk in chunks] == [(0, 2), (2, 3), (3, 4)]
+    assert "layers.2.mlp.w_up.weight" in dict(chunks[1].named_parameters())
+
+
+def test_middle_chunks_pass_positions_and_doc_ids_along():
+    model = Transformer(SMALL)
+    chunks = split(model, 2)
+    positions, doc_ids = torch.arange(12), torch.zeros(12, dtype=torch.int64)
+    hidden, out_positions, out_doc_ids = chunks[0](_tokens(), positions, doc_ids)
+    assert hidden.shape == (2, 12, 32)
+    assert out_positions is positions and out_doc_ids is doc_ids
+    assert chunks[0](_tokens())[1:] == (None, None)
+
+
+@given(n_layers=st.integers(1, 40), num_stages=st.integers(1, 40))
+@settings(max_examples=60, deadline=None)
+def test_balanced_layers_are_even_and_front_loaded(n_layers, num_stages):
+    counts = balanced_layers(n_layers, num_stages)
+    assert len(counts) == num_stages and sum(counts) == n_layers
+    assert max(counts) - min(counts) <= 1
+    assert counts == sorted(counts, reverse=True)
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((5,), ValueError, "cannot balance 4 layers over 5 stages"),
+    ((0,), ValueError, "positive int"),
+    ((2, [1, 2]), ValueError, "summing to the model's 4 layers"),
+    ((2, [1, 2, 1]), ValueError, "3 entries for 2 stages"),
+    ((2, [5, -1]), ValueError, "non-negative"),
+])
+def test_split_rejects_bad_layouts(args, error, message):
+    with pytest.raises(error, match=message):
+        split(Transformer(SMALL), *args)
+
+
+def test_split_rejects_other_modules():
+    with pytest.raises(TypeError, match="meshpipe Transformer"):
+        split(torch.nn.Linear(2, 2), 2)
+
+
+def test_shared_parameters_name_the_tied_head_on_both_stages():
+    tied = TransformerConfig(**{**SMALL.__dict__, "tie_embeddings": True})
+    chunks = split(Transformer(tied), 3)
+    assert shared_parameters(chunks) == [
+        SharedParameter(((0, "embedding.weight"), (2, "head.weight")))]
+    assert shared_parameters(chunks)[0].stages == (0, 2)
+    assert shared_parameters(split(Transformer(tied), 1)) == []
+    assert shared_parameters(split(Transformer(SMALL), 3)) == []
+
+
+def test_tied_stages_summing_their_grads_equal_the_tied_model():
+    """What the runtime does for a SharedParameter: two ranks' copies, gradients summed."""
+    tied = TransformerConfig(**{**SMALL.__dict__, "tie_embeddings": True})
+    tokens, targets = _tokens(seed=5), _tokens(seed=6)
+    reference = Transformer(tied)
+    causal_lm_loss(reference(tokens), targets).backward()
+
+    first_rank, last_rank = Transformer(tied), Transformer(tied)
+    chunks = [split(first_rank, 2)[0], split(last_rank, 2)[1]]
+    causal_lm_loss(_chain(chunks, tokens), targets).backward()
+    (shared,) = shared_parameters(split(Transformer(tied), 2))
+    copies = [dict(chunks[stage].named_parameters())[name] for stage, name in shared.locations]
+    assert copies[0] is not copies[1]
+    summed = copies[0].grad + copies[1].grad
+    torch.testing.assert_close(summed, reference.embedding.weight.grad)
+
+
+def test_causal_lm_loss_mean_matches_cross_entropy():
+    logits = torch.randn(2, 6, 10)
+    targets = torch.randint(0, 10, (2, 6))
+    expected = F.cross_entropy(logits.reshape(12, 10), targets.reshape(12))
+    torch.testing.assert_close(causal_lm_loss(logits, targets), expected)
+
+
+def test_causal_lm_loss_sums_and_counts_normalise_across_shards():
+    """Summing (loss, count) over sequence shards and dividing once is the unsharded mean."""
+    logits = torch.randn(2, 8, 10)
+    targets = torch.randint(0, 10, (2, 8))
+    targets[0, :3] = -100
+    targets[1, 6] = -100
+    whole = causal_lm_loss(logits, targets)
+    shards = [causal_lm_loss(logits[:, i:i + 4], targets[:, i:i + 4], reduction="sum")
+              for i in (0, 4)]
+    total = sum(loss for loss, _ in shards)
+    count = sum(count for _, count in shards)
+    assert int(count) == 12
+    torch.testing.assert_close(total / count, whole)
+
+
+def test_causal_lm_loss_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="need targets of shape"):
+        causal_lm_loss(torch.randn(2, 6, 10), torch.zeros(2, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="reduction"):
+        causal_lm_loss(torch.randn(2, 6, 10), torch.zeros(2, 6, dtype=torch.int64), reduction="x")
+
+
+def test_positions_of_the_wrong_length_are_rejected():
+    with pytest.raises(ValueError, match=r"positions must have shape \[12\]"):
+        Transformer(SMALL)(_tokens(), positions=torch.arange(11))
