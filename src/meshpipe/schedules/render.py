@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshpipe.schedules.actions import Action, Kind, Schedule
-from meshpipe.schedules.simulate import CostModel, Simulation, Timeline, TimedAction, simulate
+from meshpipe.schedules.simulate import (Comparison, CostModel, Simulation, Timeline,
+                                         TimedAction, simulate)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -49,6 +50,10 @@ class _Picture:
     @property
     def num_chunks(self) -> int:
         return 1 + max(self.chunk_of_stage.values(), default=0)
+
+    def chunk(self, action: Action) -> int:
+        """Which of its rank's stages ``action`` runs on (0 = the rank's first stage)."""
+        return self.chunk_of_stage.get(action.stage, 0)
 
     def label(self, action: Action) -> str:
         """Short cell text: ``F3``, or ``2F3`` (stage 2) where a rank holds several stages."""
@@ -193,19 +198,21 @@ def to_figure(x: Renderable, title: str | None = None) -> Figure:
     unit = _grid_quantum(boxes, origin, makespan)
     plot_width_in = min(80.0, max(6.0, 0.16 * makespan / unit))
     height_in = min(60.0, 1.6 + 0.42 * timeline.num_ranks)
-    left_in, right_in = 0.9, 1.7
+    num_chunks = picture.num_chunks
+    entries = sorted({(t.action.kind, picture.chunk(t.action)) for t in boxes},
+                     key=lambda entry: (_KIND_ORDER[entry[0]], entry[1]))
+    legend_names = [_legend_name(kind, chunk, num_chunks) for kind, chunk in entries]
+    left_in = 0.9
+    right_in = 0.5 + 0.075 * max((len(name) for name in legend_names), default=0)
     width_in = left_in + plot_width_in + right_in
     figure = Figure(figsize=(width_in, height_in))
     FigureCanvasAgg(figure)
     axes = figure.add_axes((left_in / width_in, 0.9 / height_in,
                             plot_width_in / width_in, 1 - 1.5 / height_in))
     points_per_unit = plot_width_in * 72 / makespan
-    used: dict[tuple[Kind, int], tuple[float, float, float]] = {}
     for timed in boxes:
         action = timed.action
-        chunk = picture.chunk_of_stage.get(action.stage, 0)
-        rgb = _shade(KIND_COLOURS[action.kind], chunk, picture.num_chunks)
-        used[(action.kind, chunk)] = rgb
+        rgb = _shade(KIND_COLOURS[action.kind], picture.chunk(action), num_chunks)
         start = timed.start - origin
         axes.add_patch(Rectangle((start, timed.rank - 0.4), timed.duration, 0.8,
                                  facecolor=rgb, edgecolor="white", linewidth=0.5))
@@ -223,9 +230,8 @@ def to_figure(x: Renderable, title: str | None = None) -> Figure:
                    fontsize=10, loc="left")
     for side in ("top", "right"):
         axes.spines[side].set_visible(False)
-    legend = [Patch(facecolor=rgb, label=_legend_name(kind, chunk, picture.num_chunks))
-              for (kind, chunk), rgb in sorted(used.items(), key=lambda i: (_KIND_ORDER[i[0][0]],
-                                                                            i[0][1]))]
+    legend = [Patch(facecolor=_shade(KIND_COLOURS[kind], chunk, num_chunks), label=name)
+              for (kind, chunk), name in zip(entries, legend_names)]
     if legend:
         axes.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0),
                     fontsize=8, frameon=False)
@@ -282,7 +288,7 @@ def to_chrome_trace(x: Renderable, *, microseconds_per_unit: float | None = None
 def _trace_args(action: Action, picture: _Picture) -> dict:
     args = {"action": str(action), "kind": action.kind.name, "stage": action.stage,
             "microbatch": action.microbatch,
-            "chunk": picture.chunk_of_stage.get(action.stage, 0)}
+            "chunk": picture.chunk(action)}
     if action.kind is Kind.OVERLAP:
         backward = action.parts[1]
         args.update(backward_stage=backward.stage, backward_microbatch=backward.microbatch)
@@ -295,3 +301,21 @@ def write_chrome_trace(x: Renderable, path: str | os.PathLike, **options: float)
     """Write ``to_chrome_trace(x, **options)`` as JSON to ``path``."""
     with open(path, "w", encoding="utf-8") as out:
         json.dump(to_chrome_trace(x, **options), out)
+
+
+def comparison_table(rows: Sequence[Comparison]) -> str:
+    """A Markdown table of ``simulate.compare`` rows: bubble, makespan, peak activations."""
+    lines = ["| schedule | stages/rank | bubble | makespan | peak live activations "
+             "| peak activation memory | note |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for row in rows:
+        if row.simulation is None:
+            lines.append(f"| {row.name} | {row.stages_per_rank} | - | - | - | - "
+                         f"| {row.reason} |")
+            continue
+        simulation = row.simulation
+        memory = row.peak_activation_memory
+        lines.append(f"| {row.name} | {row.stages_per_rank} | "
+                     f"{100 * simulation.bubble_ratio:.1f}% | {simulation.makespan:g} | "
+                     f"{row.peak_activations} | {'-' if memory is None else f'{memory:g}'} | |")
+    return "\n".join(lines) + "\n"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from itertools import compress
 from operator import attrgetter, sub
@@ -56,6 +56,16 @@ class CostModel:
             if value is not None:
                 object.__setattr__(self, spec.name, _checked_cost(spec.name, value))
 
+    def scaled(self, factor: float) -> CostModel:
+        """Compute costs and activation sizes times ``factor``; ``comm`` is per message and
+        stays. Splitting each rank's share of a model into v stages is ``scaled(1 / v)``."""
+        def scale(value: float | tuple[float, ...] | None) -> float | tuple[float, ...] | None:
+            if value is None or isinstance(value, float):
+                return None if value is None else value * factor
+            return tuple(v * factor for v in value)
+
+        return replace(self, **{name: scale(getattr(self, name)) for name in _SCALED_COSTS})
+
     def per_stage(self, name: str, num_stages: int) -> tuple[float, ...] | None:
         """Field ``name`` expanded to one value per stage (None stays None)."""
         value = getattr(self, name)
@@ -66,6 +76,10 @@ class CostModel:
                              f"schedule has {num_stages} stages: give one value per stage "
                              f"or a single number")
         return value
+
+
+_SCALED_COSTS = ("forward", "backward", "backward_input", "backward_weight", "overlap",
+                 "activation_bytes")
 
 
 def _checked_cost(name: str, value: object) -> float | tuple[float, ...]:
@@ -580,3 +594,77 @@ class _Simulator:
             + ". Reorder the actions so every input is produced before it is needed.",
             rank=first, index=self.position[first],
             action=schedule.ranks[first][self.position[first]], waiting_for=waits[0])
+
+
+VIRTUAL_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved", "combined-1f1b")
+"""The schedules that ``compare`` builds with ``stages_per_rank`` virtual stages; the others
+use their own layout (one stage per rank, or the V placement's two)."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One schedule in a comparison: its simulation, or why it cannot run at these sizes."""
+
+    name: str
+    stages_per_rank: int
+    simulation: Simulation | None
+    reason: str | None = None
+
+    @property
+    def peak_activations(self) -> int | None:
+        """The largest per-rank peak of live (stage, microbatch) pairs; None if not run."""
+        return None if self.simulation is None else max(self.simulation.peak_activations)
+
+    @property
+    def peak_activation_memory(self) -> float | None:
+        """The largest per-rank peak of ``activation_bytes`` (see ``compare``); None if not run."""
+        if self.simulation is None or self.simulation.peak_activation_bytes is None:
+            return None
+        return max(self.simulation.peak_activation_bytes)
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain values for JSON: sizes, makespan, bubbles, peaks, or the reason."""
+        row: dict[str, object] = {"schedule": self.name, "stages_per_rank": self.stages_per_rank}
+        if self.simulation is None:
+            row["reason"] = self.reason
+            return row
+        simulation = self.simulation
+        row.update(makespan=simulation.makespan, bubble_ratio=simulation.bubble_ratio,
+                   bubble_ratios=list(simulation.bubble_ratios),
+                   peak_activations=list(simulation.peak_activations))
+        if simulation.peak_activation_bytes is not None:
+            row["peak_activation_memory"] = list(simulation.peak_activation_bytes)
+        return row
+
+
+def compare(num_ranks: int, num_microbatches: int, *, stages_per_rank: int = 2,
+            costs: CostModel | None = None, names: Sequence[str] | None = None,
+            forward_only: bool = False) -> tuple[Comparison, ...]:
+    """Build and simulate every schedule (or those in ``names``) at the same sizes.
+
+    ``costs`` describe one rank's share of the model (one stage of a ``num_ranks``-stage
+    split); ``activation_bytes`` defaults to 1, one microbatch's activations on that
+    share. A schedule with v stages per rank runs ``costs.scaled(1 / v)`` on each stage,
+    so makespans and activation memory compare like for like. ``stages_per_rank`` applies
+    to ``VIRTUAL_STAGE_SCHEDULES``. A schedule whose builder (or the cost model) rejects
+    the sizes is kept with the error message as its ``reason``, so one unsupported size
+    never hides the others.
+    """
+    from meshpipe.schedules.builders import SCHEDULES, build
+
+    costs = CostModel() if costs is None else costs
+    if costs.activation_bytes is None:
+        costs = replace(costs, activation_bytes=1.0)
+    rows = []
+    for name in SCHEDULES if names is None else names:
+        virtual = stages_per_rank if name in VIRTUAL_STAGE_SCHEDULES else 1
+        try:
+            schedule = build(name, num_ranks, num_microbatches, stages_per_rank=virtual,
+                             forward_only=forward_only)
+            virtual = schedule.stages_per_rank
+            simulation = simulate(schedule, costs.scaled(1 / virtual))
+        except ValueError as error:
+            rows.append(Comparison(name, virtual, None, str(error)))
+            continue
+        rows.append(Comparison(name, virtual, simulation))
+    return tuple(rows)

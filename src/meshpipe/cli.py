@@ -1,0 +1,229 @@
+"""The ``meshpipe`` command line: a thin argparse layer over the library.
+
+``meshpipe schedule show`` builds, validates, simulates and draws one schedule;
+``meshpipe schedule compare`` tabulates every schedule under one cost model;
+``meshpipe demo`` runs the project's showcase. Bad input prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import NoReturn, TextIO
+
+from meshpipe.schedules.builders import SCHEDULES, build
+from meshpipe.schedules.lowering import lower
+from meshpipe.schedules.placement import PLACEMENTS
+from meshpipe.schedules.render import comparison_table, to_png, to_text, write_chrome_trace
+from meshpipe.schedules.simulate import (VIRTUAL_STAGE_SCHEDULES, CostModel, compare,
+                                         simulate)
+from meshpipe.schedules.validation import validate
+
+USAGE_ERROR = 2
+
+
+class CommandLineError(Exception):
+    """Bad input on the command line: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage block) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CommandLineError(f"{self.prog}: error: {message} (see --help)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _cost(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite cost >= 0, got {text}")
+    return value
+
+
+def _add_sizes(parser: argparse.ArgumentParser, *, vpp_default: int | None,
+               vpp_help: str) -> None:
+    parser.add_argument("--pp", type=_positive_int, required=True,
+                        help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=_positive_int, required=True,
+                        help="microbatches per step")
+    parser.add_argument("--vpp", type=_positive_int, default=vpp_default, help=vpp_help)
+    parser.add_argument("--forward-only", action="store_true",
+                        help="the inference variant: forwards only")
+
+
+def _add_costs(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("cost model (time units per stage)")
+    group.add_argument("--f", type=_cost, default=1.0, help="forward (default 1)")
+    group.add_argument("--b", type=_cost, default=None,
+                       help="full backward B (default: --i plus --w)")
+    group.add_argument("--i", type=_cost, default=1.0, help="input-gradient backward I "
+                                                            "(default 1)")
+    group.add_argument("--w", type=_cost, default=1.0, help="weight-gradient backward W "
+                                                            "(default 1)")
+    group.add_argument("--comm", type=_cost, default=0.0,
+                       help="latency of one message between ranks (default 0)")
+
+
+def _costs(args: argparse.Namespace) -> CostModel:
+    return CostModel(forward=args.f, backward=args.b, backward_input=args.i,
+                     backward_weight=args.w, comm=args.comm)
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="meshpipe", description="Pipeline- and context-parallel training "
+                     "for PyTorch: schedules as data, one executor.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    schedule = commands.add_parser("schedule", help="build, simulate and draw schedules")
+    schedule_commands = schedule.add_subparsers(dest="schedule_command", required=True,
+                                                metavar="SUBCOMMAND")
+    show = schedule_commands.add_parser(
+        "show", help="one schedule: text grid, bubble, makespan, peak activations")
+    show.add_argument("name", choices=SCHEDULES, metavar="NAME",
+                      help=f"one of: {', '.join(SCHEDULES)}")
+    _add_sizes(show, vpp_default=None, vpp_help="stages per rank (default 2 for interleaved "
+               "and combined-1f1b, else 1; gpipe / 1f1b take any)")
+    show.add_argument("--placement", choices=PLACEMENTS,
+                      help="stage placement for gpipe / 1f1b (default: the schedule's own)")
+    show.add_argument("--lowered", action="store_true",
+                      help="insert SEND/RECV actions (shown in --csv and --trace)")
+    show.add_argument("--png", type=Path, help="write a picture here")
+    show.add_argument("--trace", type=Path, help="write a Chrome trace (Perfetto) here")
+    show.add_argument("--csv", type=Path, help="write the schedule's CSV form here")
+    _add_costs(show)
+    show.set_defaults(handler=_show)
+
+    comparison = schedule_commands.add_parser(
+        "compare", help="every schedule's bubble, makespan and peak activations")
+    _add_sizes(comparison, vpp_default=2,
+               vpp_help="virtual stages per rank of interleaved and combined-1f1b (default 2)")
+    comparison.add_argument("--json", type=Path, help="write the comparison as JSON here")
+    _add_costs(comparison)
+    comparison.set_defaults(handler=_compare)
+
+    demo = commands.add_parser("demo", help="the showcase: compare the schedules and draw one")
+    demo.add_argument("--out", type=Path, default=Path("out"),
+                      help="directory for the picture (default: out)")
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def _show(args: argparse.Namespace, out: TextIO) -> None:
+    virtual = args.vpp or (2 if args.name in VIRTUAL_STAGE_SCHEDULES else 1)
+    schedule = build(args.name, args.pp, args.microbatches, stages_per_rank=virtual,
+                     placement=args.placement, forward_only=args.forward_only)
+    if args.lowered:
+        schedule = lower(schedule)
+    validate(schedule)
+    simulation = simulate(schedule, _costs(args))
+    out.write(to_text(simulation))
+    out.write(f"bubble per rank: "
+              f"{' '.join(f'{100 * r:.1f}%' for r in simulation.bubble_ratios)}\n")
+    out.write(f"peak live activations per rank: "
+              f"{' '.join(str(p) for p in simulation.peak_activations)}\n")
+    if args.csv:
+        _write(args.csv, schedule.to_csv)
+        out.write(f"wrote {args.csv}\n")
+    if args.png:
+        _write(args.png, lambda path: to_png(simulation, path), path_argument=True)
+        out.write(f"wrote {args.png}\n")
+    if args.trace:
+        _write(args.trace, lambda path: write_chrome_trace(simulation, path),
+               path_argument=True)
+        out.write(f"wrote {args.trace}\n")
+
+
+def _compare(args: argparse.Namespace, out: TextIO) -> None:
+    rows = compare(args.pp, args.microbatches, stages_per_rank=args.vpp, costs=_costs(args),
+                   forward_only=args.forward_only)
+    out.write(_comparison_heading(args.pp, args.microbatches, args.vpp, _costs(args)))
+    out.write(comparison_table(rows))
+    out.write(_COMPARISON_NOTE)
+    if args.json:
+        document = {"num_ranks": args.pp, "num_microbatches": args.microbatches,
+                    "stages_per_rank": args.vpp, "forward_only": args.forward_only,
+                    "costs": asdict(_costs(args)), "schedules": [r.as_dict() for r in rows]}
+        _write(args.json, lambda: json.dumps(document, indent=2) + "\n")
+        out.write(f"wrote {args.json}\n")
+
+
+_COMPARISON_NOTE = ("\nCosts are per rank's share of the model; a schedule with v stages per "
+                    "rank runs each stage at 1/v of them. Peak live activations counts "
+                    "(stage, microbatch) pairs; peak activation memory is in units of one "
+                    "microbatch's activations on one rank's share.\n")
+
+
+def _comparison_heading(pp: int, microbatches: int, vpp: int, costs: CostModel) -> str:
+    backward = "I+W" if costs.backward is None else f"{costs.backward:g}"
+    return (f"pp={pp}, microbatches={microbatches}, vpp={vpp}; costs F={costs.forward:g} "
+            f"B={backward} I={costs.backward_input:g} W={costs.backward_weight:g} "
+            f"comm={costs.comm:g}\n\n")
+
+
+def run_demo(out_dir: Path, out: TextIO) -> None:
+    """The showcase: compare every schedule at pp=4, m=8 and draw the one with the
+    smallest bubble into ``out_dir/schedule.png``."""
+    pp, microbatches, vpp = 4, 8, 2
+    costs = CostModel()
+    rows = compare(pp, microbatches, stages_per_rank=vpp, costs=costs)
+    out.write(_comparison_heading(pp, microbatches, vpp, costs))
+    out.write(comparison_table(rows))
+    out.write(_COMPARISON_NOTE)
+    best = min((r for r in rows if r.simulation is not None),
+               key=lambda r: r.simulation.bubble_ratio)
+    path = out_dir / "schedule.png"
+    _write(path, lambda target: to_png(best.simulation, target),
+           path_argument=True)
+    out.write(f"\nwrote {path}: {best.name}, the smallest bubble "
+              f"({100 * best.simulation.bubble_ratio:.1f}%)\n")
+
+
+def _demo(args: argparse.Namespace, out: TextIO) -> None:
+    run_demo(args.out, out)
+
+
+def _write(path: Path, produce, *, path_argument: bool = False) -> None:
+    """Write a file (creating its directory); an unwritable path is a command-line error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path_argument:
+            produce(path)
+        else:
+            path.write_text(produce(), encoding="utf-8")
+    except OSError as error:
+        raise CommandLineError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run the command line; returns the exit status (0, or 2 for bad input)."""
+    out = sys.stdout if out is None else out
+    try:
+        args = _parser().parse_args(argv)
+        args.handler(args, out)
+    except (CommandLineError, ValueError) as error:
+        message = " ".join(str(error).split())
+        prefix = "" if isinstance(error, CommandLineError) else "meshpipe: error: "
+        print(f"{prefix}{message}", file=sys.stderr)
+        return USAGE_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
