@@ -1,15 +1,18 @@
-"""The discrete-event simulator, on hand-built schedules (independent of the builders)."""
+"""The discrete-event simulator, on hand-built schedules (independent of the builders),
+and ``compare`` over the builders."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshpipe.schedules.actions import Action, B, F, I, Kind, Schedule, W
+from meshpipe.schedules.builders import SCHEDULES, build
 from meshpipe.schedules.simulate import (
     CostModel,
     SimulationDeadlock,
     TimedAction,
     Timeline,
+    compare,
     simulate,
 )
 from meshpipe.schedules.validation import ScheduleError
@@ -237,3 +240,38 @@ def test_timeline_rejects_inconsistent_data():
         Timeline.from_records([(3, "0F0", 0, 1)], num_ranks=2)
     with pytest.raises(ValueError, match="rank 0: 1 actions, 2 starts"):
         Timeline.from_columns([[F(0, 0)]], [[0, 1]], [[1]])
+
+
+def test_scaled_costs_scale_compute_and_memory_but_not_messages():
+    costs = CostModel(forward=2, backward_input=(1, 3), comm=0.5, activation_bytes=8).scaled(0.5)
+    assert (costs.forward, costs.backward_input, costs.comm, costs.activation_bytes) == (
+        1.0, (0.5, 1.5), 0.5, 4.0)
+    assert costs.backward is None and costs.overlap is None
+
+
+def test_compare_runs_every_schedule_like_for_like():
+    p, m, v = 4, 8, 2
+    rows = {row.name: row for row in compare(p, m, stages_per_rank=v)}
+    assert list(rows) == list(SCHEDULES)
+    assert rows["none"].simulation is None and "runs on 1 rank" in rows["none"].reason
+    assert rows["none"].as_dict() == {"schedule": "none", "stages_per_rank": 1,
+                                      "reason": rows["none"].reason}
+    assert rows["1f1b"].simulation.bubble_ratio == pytest.approx((p - 1) / (m + p - 1))
+    interleaved = rows["interleaved"]
+    assert interleaved.stages_per_rank == v
+    assert interleaved.simulation.bubble_ratio == pytest.approx((p - 1) / (v * m + p - 1))
+    halved = simulate(build("interleaved", p, m, stages_per_rank=v), CostModel().scaled(1 / v))
+    assert interleaved.simulation.makespan == halved.makespan
+    for row in rows.values():
+        if row.simulation is not None:
+            assert row.peak_activation_memory == pytest.approx(
+                max(row.simulation.peak_activations) / row.stages_per_rank)
+    assert rows["1f1b"].as_dict()["peak_activation_memory"] == [4, 3, 2, 1]
+
+
+def test_compare_reports_costs_that_do_not_fit_a_schedule_as_its_reason():
+    rows = {row.name: row for row in compare(2, 4, costs=CostModel(forward=(1, 1)),
+                                             names=["1f1b", "zb-v"])}
+    assert rows["1f1b"].simulation is not None
+    assert "CostModel.forward has 2 per-stage values but the schedule has 4 stages" in \
+        rows["zb-v"].reason

@@ -1,0 +1,125 @@
+"""``meshpipe schedule show / compare`` and ``meshpipe demo``."""
+
+import json
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+
+from meshpipe.cli import main
+from meshpipe.schedules.actions import Schedule
+from meshpipe.schedules.builders import SCHEDULES, build
+from meshpipe.schedules.lowering import lower
+from meshpipe.schedules.render import to_text
+from meshpipe.schedules.simulate import CostModel, compare, simulate
+
+
+def run(capsys, *argv):
+    status = main(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_show_prints_the_grid_and_the_simulated_figures(capsys):
+    status, out, err = run(capsys, "schedule", "show", "1f1b", "--pp", "4", "--microbatches", "8")
+    assert (status, err) == (0, "")
+    simulation = simulate(build("1f1b", 4, 8))
+    assert [line for line in out.splitlines() if line.startswith("rank ")] == [
+        line for line in to_text(simulation).splitlines() if line.startswith("rank ")]
+    assert f"makespan {simulation.makespan:g}, bubble {100 * simulation.bubble_ratio:.1f}%" in out
+    assert "peak live activations per rank: 4 3 2 1" in out
+
+
+def test_show_writes_csv_png_and_trace_of_the_lowered_schedule(capsys, tmp_path):
+    paths = {kind: tmp_path / "sub" / f"s.{kind}" for kind in ("csv", "png", "json")}
+    status, out, _ = run(capsys, "schedule", "show", "interleaved", "--pp", "2", "--vpp", "2",
+                         "--microbatches", "4", "--lowered", "--csv", str(paths["csv"]),
+                         "--png", str(paths["png"]), "--trace", str(paths["json"]))
+    assert status == 0
+    expected = lower(build("interleaved", 2, 4, stages_per_rank=2))
+    assert Schedule.from_csv(paths["csv"].read_text()) == expected
+    assert matplotlib.image.imread(paths["png"]).ndim == 3
+    trace = json.loads(paths["json"].read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(slices) == sum(len(actions) for actions in expected.ranks)
+    assert any(e["tid"] == 1 for e in slices)  # sends and receives on the comm thread
+    for path in paths.values():
+        assert f"wrote {path}" in out
+
+
+def test_show_takes_costs_placement_and_forward_only(capsys):
+    status, out, _ = run(capsys, "schedule", "show", "gpipe", "--pp", "3", "--microbatches",
+                         "4", "--placement", "wraparound", "--forward-only", "--f", "2",
+                         "--comm", "0.5")
+    assert status == 0
+    schedule = build("gpipe", 3, 4, placement="wraparound", forward_only=True)
+    simulation = simulate(schedule, CostModel(forward=2, comm=0.5))
+    assert f"makespan {simulation.makespan:g}," in out
+    assert "B0" not in out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["schedule", "show", "nope", "--pp", "2", "-m", "2"], "invalid choice: 'nope'"),
+    (["schedule", "show", "1f1b", "--pp", "0", "-m", "2"], "expected a number >= 1, got 0"),
+    (["schedule", "show", "1f1b", "--pp", "x", "-m", "2"], "expected a whole number"),
+    (["schedule", "show", "1f1b", "-m", "2"], "required: --pp"),
+    (["schedule", "compare", "--pp", "2", "-m", "2", "--comm", "-1"], "finite cost >= 0"),
+    (["schedule", "show", "none", "--pp", "2", "-m", "2"], "runs on 1 rank"),
+    (["schedule", "show", "zb-h1", "--pp", "2", "-m", "2", "--placement", "v"],
+     "runs on the loop placement"),
+    (["schedule"], "required: SUBCOMMAND"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(capsys, argv, fragment):
+    status, out, err = run(capsys, *argv)
+    assert status == 2
+    assert out == ""
+    assert err.count("\n") == 1 and fragment in err
+    assert "Traceback" not in err
+
+
+def test_an_unwritable_output_path_is_reported(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    status, _, err = run(capsys, "schedule", "show", "1f1b", "--pp", "2", "-m", "2",
+                         "--csv", str(blocker / "x.csv"))
+    assert status == 2 and f"cannot write {blocker / 'x.csv'}" in err
+
+
+def test_compare_lists_every_schedule_with_figures_or_the_reason(capsys, tmp_path):
+    path = tmp_path / "compare.json"
+    status, out, _ = run(capsys, "schedule", "compare", "--pp", "4", "--microbatches", "8",
+                         "--comm", "0.25", "--json", str(path))
+    assert status == 0
+    rows = compare(4, 8, costs=CostModel(comm=0.25))
+    table = [line for line in out.splitlines() if line.startswith("| ")][2:]
+    assert [line.split("|")[1].strip() for line in table] == list(SCHEDULES)
+    for line, row in zip(table, rows):
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if row.simulation is None:
+            assert cells[-1] == row.reason
+        else:
+            assert cells[2:5] == [f"{100 * row.simulation.bubble_ratio:.1f}%",
+                                  f"{row.simulation.makespan:g}", str(row.peak_activations)]
+    assert "runs on 1 rank" in out  # 'none' cannot run on 4 ranks: listed, not a crash
+    document = json.loads(path.read_text())
+    assert document["costs"]["comm"] == 0.25
+    assert [r["schedule"] for r in document["schedules"]] == list(SCHEDULES)
+    one_f_one_b = next(r for r in document["schedules"] if r["schedule"] == "1f1b")
+    assert one_f_one_b["peak_activations"] == [4, 3, 2, 1]
+
+
+def test_demo_compares_and_draws_the_best_schedule(capsys, tmp_path):
+    status, out, _ = run(capsys, "demo", "--out", str(tmp_path / "out"))
+    assert status == 0
+    assert "| zb-h1 |" in out and "| 1f1b |" in out
+    image = matplotlib.image.imread(tmp_path / "out" / "schedule.png")
+    assert image.shape[1] > 600
+
+
+def test_python_dash_m_meshpipe_runs_the_cli():
+    result = subprocess.run([sys.executable, "-m", "meshpipe", "schedule", "show", "1f1b",
+                             "--pp", "2", "--microbatches", "0"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith("expected a number >= 1, got 0 (see --help)")
+    assert "Traceback" not in result.stderr
