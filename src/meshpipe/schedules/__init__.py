@@ -1,5 +1,17 @@
 """Pipeline schedules as plain data. Pure Python: nothing here imports torch."""
 
 from meshpipe.schedules.actions import Action, Kind, Schedule
+from meshpipe.schedules.builders import (SCHEDULES, build, combined_1f1b, dualpipe_v, gpipe,
+                                         interleaved_1f1b, no_pipelining, one_f_one_b, zb_h1,
+                                         zb_v)
+from meshpipe.schedules.lowering import lower
+from meshpipe.schedules.placement import (PLACEMENTS, loop_placement, resolve_placement,
+                                          v_placement, wraparound_placement)
+from meshpipe.schedules.validation import ScheduleError, validate
 
-__all__ = ["Action", "Kind", "Schedule"]
+__all__ = [
+    "Action", "Kind", "PLACEMENTS", "SCHEDULES", "Schedule", "ScheduleError", "build",
+    "combined_1f1b", "dualpipe_v", "gpipe", "interleaved_1f1b", "loop_placement", "lower",
+    "no_pipelining", "one_f_one_b", "resolve_placement", "v_placement", "validate",
+    "wraparound_placement", "zb_h1", "zb_v",
+]

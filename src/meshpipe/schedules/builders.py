@@ -1,0 +1,168 @@
+"""Schedule builders: each returns a compute-only ``Schedule`` (lower it to add SEND/RECV).
+
+``SCHEDULES`` names every builder for the CLI and the trainer, and ``build`` dispatches on
+those names. The closed-form orders of GPipe and 1F1B (one stage per rank) live here; see
+``interleaved`` for interleaved and combined 1F1B, ``zero_bubble`` for ZB-H1, ZB-V and
+DualPipeV, and ``list_scheduler`` for GPipe and 1F1B on placements where a rank holds
+several stages.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from meshpipe.schedules._building import check_count, make_schedule
+from meshpipe.schedules.actions import Action, B, F, Schedule
+from meshpipe.schedules.interleaved import combined_1f1b, interleaved_1f1b
+from meshpipe.schedules.list_scheduler import Policy, list_schedule
+from meshpipe.schedules.placement import (check_placement, loop_placement, resolve_placement,
+                                          v_placement)
+from meshpipe.schedules.validation import validate
+from meshpipe.schedules.zero_bubble import dualpipe_v, zb_h1, zb_v
+
+__all__ = ["SCHEDULES", "build", "combined_1f1b", "dualpipe_v", "gpipe", "interleaved_1f1b",
+           "no_pipelining", "one_f_one_b", "zb_h1", "zb_v"]
+
+SCHEDULES: tuple[str, ...] = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
+                              "dualpipe-v", "combined-1f1b")
+
+
+def no_pipelining(num_microbatches: int, *, forward_only: bool = False) -> Schedule:
+    """One rank, one stage: F0 B0 F1 B1 ... (gradient accumulation over the microbatches).
+
+    Bubble: none (one rank never waits).
+    """
+    check_count("num_microbatches", num_microbatches)
+    order = [a for m in range(num_microbatches) for a in (F(0, m), B(0, m))]
+    return make_schedule("none", 1, num_microbatches, (0,), [order], forward_only)
+
+
+def _one_stage_per_rank(placement: Sequence[int]) -> bool:
+    return len(set(placement)) == len(placement)
+
+
+def _placement_for(num_ranks: int, placement: Sequence[int] | None) -> tuple[int, ...]:
+    check_count("num_ranks", num_ranks)
+    return loop_placement(num_ranks) if placement is None else check_placement(placement,
+                                                                               num_ranks)
+
+
+def _flush_order(stage: int, num_microbatches: int) -> list[Action]:
+    return ([F(stage, m) for m in range(num_microbatches)]
+            + [B(stage, m) for m in range(num_microbatches)])
+
+
+def _one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    order = [F(stage, m) for m in range(warmup)]
+    for m in range(num_microbatches - warmup):
+        order.extend((F(stage, warmup + m), B(stage, m)))
+    order.extend(B(stage, m) for m in range(num_microbatches - warmup, num_microbatches))
+    return order
+
+
+def _build_on_placement(name: str, policy: Policy, num_ranks: int, num_microbatches: int,
+                        placement: Sequence[int] | None, forward_only: bool) -> Schedule:
+    stages = _placement_for(num_ranks, placement)
+    check_count("num_microbatches", num_microbatches)
+    if _one_stage_per_rank(stages):
+        orders: list[list[Action]] = [[] for _ in range(num_ranks)]
+        for stage, rank in enumerate(stages):
+            orders[rank] = (_flush_order(stage, num_microbatches) if policy == "gpipe"
+                            else _one_f_one_b_order(stage, len(stages), num_microbatches))
+        return make_schedule(name, num_ranks, num_microbatches, stages, orders, forward_only)
+    orders = list_schedule(stages, num_microbatches, policy=policy, forward_only=forward_only)
+    schedule = make_schedule(name, num_ranks, num_microbatches, stages, orders, False)
+    validate(schedule)
+    return schedule
+
+
+def gpipe(num_ranks: int, num_microbatches: int, *, placement: Sequence[int] | None = None,
+          forward_only: bool = False) -> Schedule:
+    """GPipe: every stage runs all its forwards, then all its backwards (microbatch order).
+
+    ``placement`` (default: stage r on rank r) may be any stage -> rank map. With one stage
+    per rank the order is the closed form above; where a rank holds several stages (e.g.
+    the wrap-around placement) its order comes from the greedy list scheduler (forwards
+    first, backwards after the rank's last forward; see ``list_scheduler``) and is validated.
+
+    Bubble (one stage per rank, free communication, any F and B): ``(p-1) / (m+p-1)``;
+    the simulation at F = I = W gives exactly that. Peak live activations: m on every rank.
+    Any m >= 1.
+    """
+    return _build_on_placement("gpipe", "gpipe", num_ranks, num_microbatches, placement,
+                               forward_only)
+
+
+def one_f_one_b(num_ranks: int, num_microbatches: int, *,
+                placement: Sequence[int] | None = None, forward_only: bool = False) -> Schedule:
+    """1F1B (PipeDream-flush): stage s runs ``min(S-s-1, m)`` warmup forwards, then
+    alternates forward and backward, then drains the remaining backwards.
+
+    ``placement`` (default: stage r on rank r) may be any stage -> rank map; where a rank
+    holds several stages, its order comes from the greedy list scheduler (backwards first,
+    at most ``S - s`` microbatches in flight on stage s; see ``list_scheduler``) and is
+    validated.
+
+    Bubble (one stage per rank, free communication, any F and B): ``(p-1) / (m+p-1)``, the
+    same as GPipe, with peak live activations ``min(p-r, m)`` on rank r instead of m. The
+    simulation at F = I = W gives exactly that. Any m >= 1.
+    """
+    return _build_on_placement("1f1b", "1f1b", num_ranks, num_microbatches, placement,
+                               forward_only)
+
+
+def _require_placement(name: str, placement: str | Sequence[int] | None,
+                       expected: tuple[int, ...], expected_name: str) -> None:
+    if placement is None or placement == expected_name:
+        return
+    if isinstance(placement, str) or tuple(placement) != expected:
+        raise ValueError(f"schedule {name!r} runs on the {expected_name} placement "
+                         f"{expected}, not {placement!r}; leave placement unset or use "
+                         f"'gpipe' / '1f1b' for other placements")
+
+
+def _require_one_stage_per_rank(name: str, stages_per_rank: int) -> None:
+    if stages_per_rank != 1:
+        raise ValueError(f"schedule {name!r} holds one stage per rank, not {stages_per_rank}; "
+                         f"use schedule 'interleaved' for several stages per rank")
+
+
+def build(name: str, num_ranks: int, num_microbatches: int, *, stages_per_rank: int = 1,
+          placement: str | Sequence[int] | None = None, forward_only: bool = False) -> Schedule:
+    """The schedule called ``name`` (one of ``SCHEDULES``).
+
+    ``placement`` is a name ("loop", "v", "wraparound") or an explicit stage -> rank
+    sequence; only "gpipe" and "1f1b" take arbitrary placements, the others run on their
+    own ("interleaved" and "combined-1f1b" on loop with ``stages_per_rank``, "zb-v" and
+    "dualpipe-v" on V). "combined-1f1b" with stages_per_rank > 1 is combined interleaved.
+    """
+    check_count("stages_per_rank", stages_per_rank)
+    if name == "none":
+        if num_ranks != 1:
+            raise ValueError(f"schedule 'none' (no pipelining) runs on 1 rank, got "
+                             f"num_ranks={num_ranks}; use schedule '1f1b' for "
+                             f"{num_ranks} ranks")
+        _require_one_stage_per_rank(name, stages_per_rank)
+        _require_placement(name, placement, (0,), "loop")
+        return no_pipelining(num_microbatches, forward_only=forward_only)
+    if name in ("gpipe", "1f1b"):
+        stages = resolve_placement(placement, num_ranks, stages_per_rank)
+        builder = gpipe if name == "gpipe" else one_f_one_b
+        return builder(num_ranks, num_microbatches, placement=stages, forward_only=forward_only)
+    if name in ("interleaved", "combined-1f1b"):
+        _require_placement(name, placement, loop_placement(num_ranks, stages_per_rank), "loop")
+        builder = interleaved_1f1b if name == "interleaved" else combined_1f1b
+        return builder(num_ranks, num_microbatches, stages_per_rank, forward_only=forward_only)
+    if name == "zb-h1":
+        _require_one_stage_per_rank(name, stages_per_rank)
+        _require_placement(name, placement, loop_placement(num_ranks), "loop")
+        return zb_h1(num_ranks, num_microbatches, forward_only=forward_only)
+    if name in ("zb-v", "dualpipe-v"):
+        if stages_per_rank not in (1, 2):
+            raise ValueError(f"schedule {name!r} holds 2 stages per rank (V placement), not "
+                             f"{stages_per_rank}")
+        _require_placement(name, placement, v_placement(num_ranks), "v")
+        builder = zb_v if name == "zb-v" else dualpipe_v
+        return builder(num_ranks, num_microbatches, forward_only=forward_only)
+    raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")

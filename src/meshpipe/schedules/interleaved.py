@@ -1,0 +1,173 @@
+"""Interleaved 1F1B (virtual pipeline stages) in the exact order of Megatron-Core, and
+combined 1F1B, which pairs the steady-state forward and backward of that order.
+
+Rank r holds ``v`` model chunks (stages ``r, r + p, ..., r + (v-1) p``: the loop placement).
+Its work is a sequence of ``v * m`` *virtual microbatches*; a lookup table maps virtual
+microbatch k to (microbatch, chunk): microbatches go in groups of ``N``
+(``microbatch_group_size``, Megatron's ``microbatch_group_size_per_vp_stage``, default p),
+and each group runs through chunk 0, then chunk 1, ..., before the next group starts; the
+last group holds whatever is left. With ``N = p`` and m a multiple of p the chunk of virtual
+microbatch k is ``(k mod (p v)) div p``. Backward k runs the same microbatch on the mirrored
+chunk ``v - 1 - chunk``.
+
+Rank r runs ``W_r = 2 (p - r - 1) + (v - 1) N`` forwards of warmup (capped at ``v m``: when
+it covers everything, the rank runs all forwards, then all backwards), then ``v m - W_r``
+steady steps of forward ``W_r + k`` followed by backward ``k``, then the remaining backwards.
+
+Megatron-Core accepts ``N`` only in ``[p, m]`` and rejects a last group with fewer than p
+microbatches (``0 < m mod N < p``), which would stall the pipeline on dependencies; the
+builders here raise ValueError for the same inputs.
+"""
+
+from __future__ import annotations
+
+from meshpipe.schedules._building import check_count, make_schedule
+from meshpipe.schedules.actions import Action, B, F, Schedule
+from meshpipe.schedules.placement import loop_placement
+
+
+def virtual_microbatch_table(num_microbatches: int, stages_per_rank: int,
+                             group_size: int) -> list[tuple[int, int]]:
+    """Megatron-Core's schedule table: entry k is (microbatch, chunk) of virtual microbatch k."""
+    table = []
+    for first in range(0, num_microbatches, group_size):
+        group = range(first, min(first + group_size, num_microbatches))
+        table.extend((microbatch, chunk) for chunk in range(stages_per_rank) for microbatch in group)
+    return table
+
+
+def _valid_microbatch_counts_near(num_microbatches: int, num_ranks: int,
+                                  group_size: int) -> list[int]:
+    """The closest valid microbatch counts below and above ``num_microbatches``."""
+    def valid(m: int) -> bool:
+        return m >= group_size and (m % group_size == 0 or m % group_size >= num_ranks)
+    below = next((m for m in range(num_microbatches - 1, group_size - 1, -1) if valid(m)), None)
+    above = next(m for m in range(max(num_microbatches + 1, group_size), 2 * group_size
+                                  + num_microbatches + 1) if valid(m))
+    return [m for m in (below, above) if m is not None]
+
+
+def check_group_size(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int,
+                     microbatch_group_size: int | None) -> int:
+    """The microbatch group size, after Megatron-Core's checks on it (ValueError otherwise)."""
+    check_count("num_ranks", num_ranks)
+    check_count("num_microbatches", num_microbatches)
+    check_count("stages_per_rank", stages_per_rank)
+    group = num_ranks if microbatch_group_size is None else microbatch_group_size
+    check_count("microbatch_group_size", group)
+    if group < num_ranks:
+        raise ValueError(f"{name}: microbatch_group_size must be >= num_ranks ({num_ranks}), "
+                         f"got {group}; use microbatch_group_size={num_ranks}")
+    remainder = num_microbatches % group
+    if num_microbatches < group or 0 < remainder < num_ranks:
+        choices = " or ".join(str(m) for m in
+                              _valid_microbatch_counts_near(num_microbatches, num_ranks, group))
+        raise ValueError(
+            f"{name} with {num_ranks} ranks and microbatch_group_size {group} needs "
+            f"num_microbatches >= {group} whose remainder modulo {group} is 0 or >= "
+            f"{num_ranks} (a smaller last group stalls the pipeline), got {num_microbatches}; "
+            f"use {choices} microbatches, or schedule '1f1b'")
+    return group
+
+
+def _rank_order(rank: int, num_ranks: int, stages_per_rank: int,
+                table: list[tuple[int, int]], warmup: int, combined: bool) -> list[Action]:
+    """Warmup forwards, steady forward/backward pairs, cooldown backwards of one rank."""
+    def forward(k: int) -> Action:
+        microbatch, chunk = table[k]
+        return F(chunk * num_ranks + rank, microbatch)
+
+    def backward(k: int) -> Action:
+        microbatch, chunk = table[k]
+        return B((stages_per_rank - 1 - chunk) * num_ranks + rank, microbatch)
+
+    total = len(table)
+    order = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        if combined:
+            order.append(Action.overlap(forward(warmup + k), backward(k)))
+        else:
+            order.extend((forward(warmup + k), backward(k)))
+    order.extend(backward(k) for k in range(total - warmup, total))
+    return order
+
+
+def _interleaved_warmup(rank: int, num_ranks: int, stages_per_rank: int, group: int) -> int:
+    return 2 * (num_ranks - rank - 1) + (stages_per_rank - 1) * group
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int, *,
+                     microbatch_group_size: int | None = None,
+                     forward_only: bool = False) -> Schedule:
+    """Interleaved 1F1B (Megatron-Core's virtual pipeline schedule), loop placement.
+
+    Constraints: ``p <= N <= m`` and ``m mod N`` is 0 or ``>= p`` (N = microbatch_group_size,
+    default p: then m must be a multiple of p). Warmup ``2 (p-r-1) + (v-1) N`` on rank r.
+
+    Bubble (closed form, m a multiple of p, N = p, chunk costs F/v and B/v, free
+    communication): ``(p-1) / (v m + p - 1)``, for any ratio of B to F. Simulated at
+    F = I = W (each chunk costing 1/v of a full forward and 2/v of a full backward) the
+    figure is exactly that closed form. With stages_per_rank = 1 this is Megatron's
+    interleaved code path with one chunk: warmup ``2 (p-r-1)``, the same bubble as 1F1B at
+    up to twice its activation memory.
+
+    The forward-only variant runs the forwards in the same table order (Megatron's
+    all-warmup mode).
+    """
+    group = check_group_size("interleaved", num_ranks, num_microbatches, stages_per_rank,
+                             microbatch_group_size)
+    table = virtual_microbatch_table(num_microbatches, stages_per_rank, group)
+    ranks = [_rank_order(rank, num_ranks, stages_per_rank, table,
+                         min(len(table), _interleaved_warmup(rank, num_ranks, stages_per_rank,
+                                                             group)),
+                         combined=False)
+             for rank in range(num_ranks)]
+    return make_schedule("interleaved", num_ranks, num_microbatches,
+                         loop_placement(num_ranks, stages_per_rank), ranks, forward_only)
+
+
+def combined_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1, *,
+                  microbatch_group_size: int | None = None,
+                  forward_only: bool = False) -> Schedule:
+    """Combined 1F1B: every steady-state forward/backward pair runs as one OVERLAP action.
+
+    The forward of one microbatch and the backward of another are co-scheduled (layer by
+    layer, in the runtime) so that the expert-parallel all-to-all of one hides behind the
+    compute of the other. On one rank with one stage this is "F0; B0+F1; B1+F2; ...;
+    B(m-1)". With pipelining it is the interleaved 1F1B order above (same table, same
+    constraints on microbatches when stages_per_rank > 1; any m >= 1 with one stage per
+    rank) with **one extra warmup forward** on every rank, as Megatron-Core does when it
+    overlaps the expert-parallel all-to-all: rank r warms up with
+    ``2 (p-r-1) + (v-1) N + 1`` forwards. Without the extra one, the last rank's first
+    steady step would pair F(s, m) with B(s, m), a backward that depends on the forward it
+    is paired with. Megatron-Core offers the pairing for no pipelining and for interleaved
+    pipelining; stages_per_rank = 1 with p > 1 is meshpipe's extension of the same rule. It
+    keeps the interleaved warmup ``2 (p-r-1)``, not 1F1B's ``p-r-1``: with the shorter one
+    each OVERLAP waits for the next rank's OVERLAP of the same step, which waits for this
+    rank's previous step, and half of every rank's time is idle.
+
+    Bubble at F = I = W with an OVERLAP costing F + B (no overlap gain) and free
+    communication: the same as the uncombined order, ``(p-1) / (v m + p - 1)`` (m a multiple
+    of p when v > 1); simulated exactly so. Live activations: up to ``2 (p-r) + (v-1) N``
+    microbatches on rank r (twice 1F1B's for v = 1). The gain of combined 1F1B lies in an
+    overlap cost below F + B, which a cost model can express with ``overlap``. The
+    forward-only variant is plain forwards in table order (nothing to pair).
+    """
+    if stages_per_rank == 1:
+        check_count("num_ranks", num_ranks)
+        check_count("num_microbatches", num_microbatches)
+        if microbatch_group_size is not None:
+            raise ValueError("combined-1f1b: microbatch_group_size applies to interleaved "
+                             "pipelining (stages_per_rank > 1); leave it unset")
+        group = num_ranks
+    else:
+        group = check_group_size("combined-1f1b", num_ranks, num_microbatches,
+                                 stages_per_rank, microbatch_group_size)
+    table = virtual_microbatch_table(num_microbatches, stages_per_rank, group)
+    ranks = [_rank_order(rank, num_ranks, stages_per_rank, table,
+                         min(len(table), _interleaved_warmup(rank, num_ranks, stages_per_rank,
+                                                             group) + 1),
+                         combined=True)
+             for rank in range(num_ranks)]
+    return make_schedule("combined-1f1b", num_ranks, num_microbatches,
+                         loop_placement(num_ranks, stages_per_rank), ranks, forward_only)
