@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from meshpipe.comm.shards import ShardLayout, split_sizes
 from meshpipe.context import HybridAttention, RingAttention, UlyssesAttention, make_attention
 from meshpipe.testing import run_distributed
+from meshpipe.topology import ParallelLayout, Topology
 
 
 @dataclass(frozen=True)
@@ -67,25 +68,15 @@ CASES_4 = [
     Case("hybrid2x2-heads3-causal", "hybrid", "zigzag", (20,), 3, 3, True, ring=2),
 ]
 
-_GROUPS: dict[tuple[int, int], tuple] = {}
+_TOPOLOGIES: dict[tuple[int, int], Topology] = {}
 
 
 def _grid_groups(ring: int, ulysses: int) -> tuple:
-    """(ring group, Ulysses group) of this rank on a ring x Ulysses grid, Ulysses innermost."""
+    """(ring group, Ulysses group) of this rank from the project's topology (Ulysses innermost)."""
     key = (ring, ulysses)
-    if key not in _GROUPS:
-        rank = dist.get_rank()
-        mine = {}
-        for u in range(ulysses):
-            group = dist.new_group([r * ulysses + u for r in range(ring)])
-            if rank % ulysses == u:
-                mine["ring"] = group
-        for r in range(ring):
-            group = dist.new_group([r * ulysses + u for u in range(ulysses)])
-            if rank // ulysses == r:
-                mine["ulysses"] = group
-        _GROUPS[key] = (mine["ring"], mine["ulysses"])
-    return _GROUPS[key]
+    if key not in _TOPOLOGIES:
+        _TOPOLOGIES[key] = Topology.build(ParallelLayout(cp_ring=ring, cp_ulysses=ulysses))
+    return _TOPOLOGIES[key].cp_ring_group, _TOPOLOGIES[key].cp_ulysses_group
 
 
 def _ring_layout(case: Case, ring: int) -> ShardLayout:
@@ -191,10 +182,10 @@ def test_parity_on_4_ranks(case: Case) -> None:
 
 def _factory_kinds(rank: int, world: int) -> list[str]:
     ring_group, ulysses_group = _grid_groups(2, 2)
-    solo = dist.new_group([rank], use_local_synchronization=True)
+    no_cp = Topology.build(ParallelLayout(dp=world))
     return [type(make_attention(u, r)).__name__
-            for u, r in ((None, None), (solo, solo), (ulysses_group, None),
-                         (None, ring_group), (ulysses_group, ring_group))]
+            for u, r in ((None, None), (no_cp.cp_ulysses_group, no_cp.cp_ring_group),
+                         (ulysses_group, None), (None, ring_group), (ulysses_group, ring_group))]
 
 
 @pytest.mark.distributed

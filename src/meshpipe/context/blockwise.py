@@ -1,35 +1,43 @@
-"""Blockwise attention kernels with log-sum-exp, in explicit float32 math.
+"""Blockwise attention kernels that return the log-sum-exp, and the merge of partial results.
 
-Ring attention computes a query block against one key/value block at a time and merges the
-partial results. It needs each block's log-sum-exp and, in backward, the gradient of one
-block given the *final* output and log-sum-exp. The kernels here are plain tensor math
-rather than SDPA for three reasons: any mask (positions x documents) is exact, rows that a
-block masks completely never appear (the caller compacts blocks to their live rows), and
-grouped-query attention runs on a ``[batch, heads_kv, group, seq, head_dim]`` view, so key
-and value heads are never repeated and their gradients are summed over the group for free.
-Everything is computed in float32 and cast back by the caller.
+Ring attention computes its queries against one key/value block at a time and merges the
+partial outputs; in backward it needs the gradient of one block's share given the *final*
+output and log-sum-exp. Two kernels do this:
 
-Layouts: queries ``[b, hkv, g, s, d]`` (see ``group_queries``), keys and values
-``[b, hkv, s, d]``, masks ``[s_q, s_k]`` boolean or None, log-sum-exp ``[b, hkv, g, s]``.
+- ``CPU_FLASH``: PyTorch's CPU flash-attention kernel (the one SDPA uses on CPU), called
+  through its aten ops, which return the log-sum-exp and accept it back in backward. It
+  supports grouped-query attention natively (key/value gradients come out summed over each
+  group) and an additive mask. About 3x faster than the math kernel on CPU.
+- ``MATH``: the same computation in plain tensor operations, for any device.
+
+Both compute in float32 on layouts ``q``: ``[b, hq, s_q, d]``, ``k``/``v``: ``[b, hkv, s_k,
+d]``, log-sum-exp ``[b, hq, s_q]``; ``mask`` is boolean ``[s_q, s_k]`` (True = may attend)
+or None. Every query row must attend at least one key of the block: callers compact blocks
+to their live rows (``masks.plan_block``), so no row is ever fully masked.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import Tensor
 
-
-def group_queries(q: Tensor, heads_kv: int) -> Tensor:
-    """``[b, s, hq, d]`` -> float32 ``[b, hkv, g, s, d]``: query head ``i`` uses key/value head ``i // g``."""
-    batch, seq, heads_q, head_dim = q.shape
-    grouped = q.reshape(batch, seq, heads_kv, heads_q // heads_kv, head_dim)
-    return grouped.permute(0, 2, 3, 1, 4).float()
+Forward = Callable[[Tensor, Tensor, Tensor, Tensor | None, float], tuple[Tensor, Tensor]]
+Backward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, float],
+                    tuple[Tensor, Tensor, Tensor]]
 
 
-def ungroup_queries(x: Tensor) -> Tensor:
-    """Inverse of ``group_queries`` (without the dtype cast): ``[b, hkv, g, s, d]`` -> ``[b, s, hq, d]``."""
-    batch, heads_kv, group, seq, head_dim = x.shape
-    return x.permute(0, 3, 1, 2, 4).reshape(batch, seq, heads_kv * group, head_dim)
+@dataclass(frozen=True)
+class BlockKernel:
+    """``forward(q, k, v, mask, scale) -> (out, lse)`` and
+    ``backward(grad_out, q, k, v, out, lse, mask, scale) -> (dq, dk, dv)``, where ``out`` and
+    ``lse`` given to backward are the final ones over all blocks."""
+
+    name: str
+    forward: Forward
+    backward: Backward
 
 
 def heads_first(x: Tensor) -> Tensor:
@@ -37,51 +45,80 @@ def heads_first(x: Tensor) -> Tensor:
     return x.transpose(1, 2).float()
 
 
+def _grouped(x: Tensor, heads_kv: int) -> Tensor:
+    """``[b, hq, s, d]`` -> ``[b, hkv, g, s, d]``: query head ``i`` uses key/value head ``i // g``."""
+    batch, heads_q, seq, head_dim = x.shape
+    return x.view(batch, heads_kv, heads_q // heads_kv, seq, head_dim)
+
+
 def _masked_scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    scores = torch.matmul(_grouped(q, k.shape[1]), k.unsqueeze(2).transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores
 
 
-def block_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+def _math_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                   scale: float) -> tuple[Tensor, Tensor]:
-    """Attention of ``q`` over one key block: ``(out, lse)``. Every row must attend some key."""
     scores = _masked_scores(q, k, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    return torch.matmul(probs, v.unsqueeze(2)), lse
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.unsqueeze(2))
+    return out.flatten(1, 2), lse.flatten(1, 2)
 
 
-def block_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
+def _math_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` of one block's share of the attention.
-
-    ``lse`` is the log-sum-exp over *all* keys and ``delta = (grad_out * out).sum(-1)`` uses
-    the final output, so the probabilities here are the block's slice of the full softmax and
-    the block gradients add up to the gradient of the whole attention.
-    """
-    probs = torch.exp(_masked_scores(q, k, mask, scale) - lse.unsqueeze(-1))
-    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out).sum(dim=2)
-    grad_probs = torch.matmul(grad_out, v.unsqueeze(2).transpose(-1, -2))
-    grad_scores = probs * (grad_probs - delta.unsqueeze(-1))
+    heads_kv = k.shape[1]
+    probs = torch.exp(_masked_scores(q, k, mask, scale) - _grouped(lse.unsqueeze(-1), heads_kv))
+    grad_out_g = _grouped(grad_out, heads_kv)
+    delta = _grouped((grad_out * out).sum(dim=-1, keepdim=True), heads_kv)
+    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out_g).sum(dim=2)
+    grad_scores = probs * (torch.matmul(grad_out_g, v.unsqueeze(2).transpose(-1, -2)) - delta)
     grad_q = torch.matmul(grad_scores, k.unsqueeze(2)) * scale
-    grad_k = torch.matmul(grad_scores.transpose(-1, -2), q).sum(dim=2) * scale
-    return grad_q, grad_k, grad_v
+    grad_k = torch.matmul(grad_scores.transpose(-1, -2), _grouped(q, heads_kv)).sum(dim=2) * scale
+    return grad_q.flatten(1, 2), grad_k, grad_v
+
+
+def _additive(mask: Tensor | None) -> Tensor | None:
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                       scale: float) -> tuple[Tensor, Tensor]:
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=_additive(mask), scale=scale)
+
+
+def _cpu_flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                        lse: Tensor, mask: Tensor | None,
+                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask), scale=scale)
+
+
+MATH = BlockKernel("math", _math_forward, _math_backward)
+CPU_FLASH = BlockKernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward)
+
+
+def kernel_for(device: torch.device) -> BlockKernel:
+    """The fastest kernel available for tensors on ``device``."""
+    return CPU_FLASH if device.type == "cpu" else MATH
 
 
 def merge_block(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor,
                 rows: Tensor | None) -> None:
     """Fold one block's ``(block_out, block_lse)`` into the running ``(out, lse)`` in place.
 
-    The merge rescales both sides by ``exp(lse_side - lse_new)`` with ``lse_new =
-    logaddexp(lse, block_lse)``, which never exponentiates a positive number. ``rows`` says
-    which query rows the block covers (None = all); the running ``lse`` starts at -inf.
+    Both sides are rescaled by ``exp(lse_side - lse_new)`` with ``lse_new = logaddexp(lse,
+    block_lse)``, which never exponentiates a positive number. ``rows`` are the query rows
+    the block covers (None = all); the running ``lse`` starts at -inf and its output at 0.
     """
     if rows is None:
         running_out, running_lse = out, lse
     else:
-        running_out, running_lse = out.index_select(3, rows), lse.index_select(3, rows)
+        running_out, running_lse = out.index_select(2, rows), lse.index_select(2, rows)
     merged_lse = torch.logaddexp(running_lse, block_lse)
     merged_out = (running_out * torch.exp(running_lse - merged_lse).unsqueeze(-1)
                   + block_out * torch.exp(block_lse - merged_lse).unsqueeze(-1))
@@ -89,5 +126,5 @@ def merge_block(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor,
         out.copy_(merged_out)
         lse.copy_(merged_lse)
     else:
-        out.index_copy_(3, rows, merged_out)
-        lse.index_copy_(3, rows, merged_lse)
+        out.index_copy_(2, rows, merged_out)
+        lse.index_copy_(2, rows, merged_lse)

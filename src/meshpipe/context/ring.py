@@ -13,6 +13,10 @@ The layout is data: every rank learns every block's positions and document ids (
 columns. With the zigzag layout (rank ``r`` holds chunks ``r`` and ``2n-1-r``) a causal
 off-diagonal tile is exactly half live, so every rank does the same work; a tile that is
 fully masked (another document of a pack, or the future) is skipped.
+
+Tiles run on ``blockwise.CPU_FLASH`` on CPU (PyTorch's CPU flash kernel, which returns the
+log-sum-exp and takes it back in backward) and on ``blockwise.MATH`` elsewhere; partial
+results and gradients are accumulated in float32 whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -24,8 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .blockwise import (block_backward, block_forward, group_queries, heads_first, merge_block,
-                        ungroup_queries)
+from .blockwise import BlockKernel, heads_first, kernel_for, merge_block
 from .interface import check_attention_inputs
 from .layout import GroupLayout, gather_layout
 from .masks import BlockPlan, plan_block
@@ -88,7 +91,8 @@ class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring,
                 plans: list[BlockPlan | None], scale: float) -> Tensor:
-        queries = group_queries(q, k.shape[2])
+        kernel = kernel_for(q.device)
+        queries = heads_first(q)
         out = torch.zeros_like(queries)
         lse = torch.full(queries.shape[:-1], float("-inf"), device=q.device)
         kv = torch.stack((k, v))
@@ -98,25 +102,22 @@ class _RingAttentionFunction(torch.autograd.Function):
                 incoming = ring.shift(kv, ring.block_sizes[ring.source(step + 1)], _KV_TAG)
             plan = plans[step]
             if plan is not None:
-                keys = heads_first(_select(kv[0], 1, plan.cols))
-                values = heads_first(_select(kv[1], 1, plan.cols))
-                block_out, block_lse = block_forward(_select(queries, 3, plan.rows), keys,
-                                                     values, plan.mask, scale)
+                keys, values = _block_kv(kv, plan)
+                block_out, block_lse = kernel.forward(_select(queries, 2, plan.rows), keys,
+                                                      values, plan.mask, scale)
                 merge_block(out, lse, block_out, block_lse, plan.rows)
             if incoming is not None:
                 kv = incoming.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.plans, ctx.scale = ring, plans, scale
-        return ungroup_queries(out).to(q.dtype)
+        ctx.ring, ctx.plans, ctx.scale, ctx.kernel = ring, plans, scale, kernel
+        return out.transpose(1, 2).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, plans, scale = ctx.ring, ctx.plans, ctx.scale
-        queries = group_queries(q, k.shape[2])
-        grad_out = group_queries(grad_output, k.shape[2])
-        delta = (grad_out * out).sum(dim=-1)
-        grad_queries = torch.zeros_like(queries)
+        ring, plans = ctx.ring, ctx.plans
+        tile = _TileGradients(ctx.kernel, heads_first(q), heads_first(grad_output), out, lse,
+                              ctx.scale)
         kv = torch.stack((k, v))
         grad_kv_transfer = None
         for step in range(ring.size):
@@ -127,35 +128,47 @@ class _RingAttentionFunction(torch.autograd.Function):
                        else grad_kv_transfer.wait())
             plan = plans[step]
             if plan is not None:
-                _accumulate_block_grads(plan, queries, grad_out, kv, lse, delta, scale,
-                                        grad_queries, grad_kv)
+                tile.accumulate(plan, kv, grad_kv)
             grad_kv_transfer = ring.shift(grad_kv, ring.block_sizes[ring.source(step + 1)],
                                           _GRAD_KV_TAG)
             if incoming is not None:
                 kv = incoming.wait()
         grad_kv = grad_kv_transfer.wait()
-        grad_q = ungroup_queries(grad_queries).to(q.dtype)
+        grad_q = tile.grad_queries.transpose(1, 2).to(q.dtype)
         return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
 
 
-def _accumulate_block_grads(plan: BlockPlan, queries: Tensor, grad_out: Tensor, kv: Tensor,
-                            lse: Tensor, delta: Tensor, scale: float, grad_queries: Tensor,
-                            grad_kv: Tensor) -> None:
-    """Add one tile's gradients to this rank's query gradient and the travelling block's accumulator."""
-    keys = heads_first(_select(kv[0], 1, plan.cols))
-    values = heads_first(_select(kv[1], 1, plan.cols))
-    grad_q, grad_k, grad_v = block_backward(
-        _select(grad_out, 3, plan.rows), _select(queries, 3, plan.rows), keys, values,
-        _select(lse, 3, plan.rows), _select(delta, 3, plan.rows), plan.mask, scale)
-    if plan.rows is None:
-        grad_queries += grad_q
-    else:
-        grad_queries.index_add_(3, plan.rows, grad_q)
-    grad_kv_block = torch.stack((grad_k, grad_v)).transpose(2, 3)
-    if plan.cols is None:
-        grad_kv += grad_kv_block
-    else:
-        grad_kv.index_add_(2, plan.cols, grad_kv_block)
+def _block_kv(kv: Tensor, plan: BlockPlan) -> tuple[Tensor, Tensor]:
+    """The live keys and values of a ``[2, b, s, hkv, d]`` block, heads first, float32."""
+    return heads_first(_select(kv[0], 1, plan.cols)), heads_first(_select(kv[1], 1, plan.cols))
+
+
+class _TileGradients:
+    """This rank's query gradient, accumulated tile by tile in backward."""
+
+    def __init__(self, kernel: BlockKernel, queries: Tensor, grad_out: Tensor, out: Tensor,
+                 lse: Tensor, scale: float):
+        self.kernel, self.queries, self.grad_out = kernel, queries, grad_out
+        self.out, self.lse, self.scale = out, lse, scale
+        self.grad_queries = torch.zeros_like(queries)
+
+    def accumulate(self, plan: BlockPlan, kv: Tensor, grad_kv: Tensor) -> None:
+        """Add one tile's gradients to the query gradient and to ``grad_kv`` (the travelling
+        ``[2, b, s, hkv, d]`` accumulator of the block)."""
+        rows = plan.rows
+        keys, values = _block_kv(kv, plan)
+        grad_q, grad_k, grad_v = self.kernel.backward(
+            _select(self.grad_out, 2, rows), _select(self.queries, 2, rows), keys, values,
+            _select(self.out, 2, rows), _select(self.lse, 2, rows), plan.mask, self.scale)
+        if rows is None:
+            self.grad_queries += grad_q
+        else:
+            self.grad_queries.index_add_(2, rows, grad_q)
+        grad_kv_block = torch.stack((grad_k, grad_v)).transpose(2, 3)
+        if plan.cols is None:
+            grad_kv += grad_kv_block
+        else:
+            grad_kv.index_add_(2, plan.cols, grad_kv_block)
 
 
 class RingAttention(nn.Module):

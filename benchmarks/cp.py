@@ -1,0 +1,249 @@
+"""Context-parallel benchmark: all-to-all aligned vs unaligned, attention step per strategy.
+
+    .venv/bin/python benchmarks/cp.py                # defaults below; ~1-2 min on 2 cores
+    .venv/bin/python benchmarks/cp.py --seq 4096 --iters 10
+
+Part 1 times ``comm.collectives.all_to_all`` (scatter heads, gather sequence: the Ulysses
+exchange) on the same number of bytes with aligned sizes (heads and sequence divisible by
+the group: the single-copy fast path) and unaligned ones (exact per-peer blocks).
+Part 2 times one attention step (forward + backward, causal) of a fixed global problem for
+a single process (SDPA, and the ring's blockwise kernel on one rank) and for Ulysses, ring
+(zigzag, and contiguous for contrast) and hybrid at cp 2 and 4. A step's time is the slowest
+rank's; the table shows the median over iterations. Every configuration runs in freshly
+spawned gloo processes with ``torch.set_num_threads(1)``; on a machine with fewer cores
+than ranks the ranks share cores, so read cp 4 on 2 cores as oversubscribed.
+
+Writes ``<out>/cp.json`` and ``<out>/cp.md`` (default ``benchmarks/results``). A benchmark
+prints and records times; it never asserts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from meshpipe.comm.collectives import all_to_all
+from meshpipe.comm.shards import ShardLayout, split_sizes
+from meshpipe.context import (HybridAttention, LocalAttention, RingAttention,
+                              UlyssesAttention)
+from meshpipe.topology import ParallelLayout, Topology
+
+HEAD_DIM_A2A = 64
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq", type=int, default=2048, help="global sequence length")
+    parser.add_argument("--heads", type=int, default=8, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--a2a-tokens", type=int, default=512,
+                        help="all-to-all: per-rank tokens of the aligned case, a multiple of 3")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    return parser.parse_args(argv)
+
+
+def _timed(step: Callable[[], None], warmup: int, iters: int) -> list[float]:
+    """Seconds per iteration, each the slowest rank's (ranks start together at a barrier)."""
+    times = []
+    for iteration in range(warmup + iters):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if iteration >= warmup:
+            times.append(elapsed.item())
+    return times
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times)}
+
+
+# ------------------------------------------------------------------------- all-to-all
+
+
+def _all_to_all_cases(world: int, tokens: int) -> list[tuple[str, int, int, int]]:
+    """(case, local tokens, heads, gathered tokens): the same bytes per rank in each case.
+
+    Aligned: 8 heads. Unaligned: 3 heads (not divisible by 2 or 4) on 8/3 as many tokens;
+    the second unaligned case also gathers a sequence one token longer than world x local,
+    so the ranks' sequence shards differ by one.
+    """
+    unaligned_tokens = tokens * 8 // 3
+    ragged_total = world * unaligned_tokens + 1
+    ragged_local = split_sizes(ragged_total, world)[dist.get_rank()]
+    return [("aligned (8 heads)", tokens, 8, world * tokens),
+            ("unaligned heads (3)", unaligned_tokens, 3, world * unaligned_tokens),
+            ("unaligned heads + sequence", ragged_local, 3, ragged_total)]
+
+
+def _all_to_all_rows(world: int, args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for case, local_tokens, heads, total in _all_to_all_cases(world, args.a2a_tokens):
+        x = torch.randn(1, local_tokens, heads, HEAD_DIM_A2A)
+
+        def exchange() -> None:
+            with torch.no_grad():
+                all_to_all(x, None, scatter_dim=2, gather_dim=1, gather_size=total)
+
+        times = _timed(exchange, args.warmup, args.iters)
+        megabytes = x.numel() * x.element_size() / 1e6
+        rows.append({"cp": world, "case": case, "local_shape": list(x.shape),
+                     "megabytes_per_rank": megabytes, **_summary(times),
+                     "gb_per_s": megabytes / 1e3 / statistics.median(times)})
+    return rows
+
+
+# -------------------------------------------------------------------------- attention
+
+
+def _attention_cases(world: int) -> list[tuple[str, str, Callable[[int], tuple]]]:
+    """(strategy, layout, builder: sequence length -> (attention, positions this rank holds))."""
+    rank = dist.get_rank()
+
+    def ring(layout_name: str) -> Callable[[int], tuple]:
+        def build(seq: int) -> tuple:
+            layout = (ShardLayout.zigzag(seq, world) if layout_name == "zigzag"
+                      else ShardLayout.contiguous(split_sizes(seq, world)))
+            return RingAttention(), layout.positions(rank)
+        return build
+
+    def ulysses(seq: int) -> tuple:
+        return UlyssesAttention(), ShardLayout.contiguous(split_sizes(seq, world)).positions(rank)
+
+    def hybrid(seq: int) -> tuple:
+        topology = Topology.build(ParallelLayout(cp_ring=2, cp_ulysses=world // 2))
+        coords = topology.coords
+        ring_tokens = ShardLayout.zigzag(seq, 2).positions(coords["cp_ring"])
+        piece = ShardLayout.contiguous(split_sizes(len(ring_tokens), world // 2))
+        return (HybridAttention(topology.cp_ring_group, topology.cp_ulysses_group),
+                ring_tokens[piece.positions(coords["cp_ulysses"])])
+
+    if world == 1:
+        return [("local SDPA", "whole sequence", lambda seq: (LocalAttention(), None)),
+                ("ring kernel, 1 rank", "whole sequence", ring("contiguous"))]
+    cases = [("ulysses", "contiguous", ulysses), ("ring", "zigzag", ring("zigzag")),
+             ("ring", "contiguous", ring("contiguous"))]
+    if world >= 4 and world % 2 == 0:
+        cases.append((f"hybrid 2x{world // 2}", "zigzag x contiguous", hybrid))
+    return cases
+
+
+def _attention_rows(world: int, args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for strategy, layout, build in _attention_cases(world):
+        attention, positions = build(args.seq)
+        local = args.seq if positions is None else len(positions)
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        q = torch.randn(args.batch, local, args.heads, args.head_dim, generator=generator)
+        k = torch.randn(args.batch, local, args.kv_heads, args.head_dim, generator=generator)
+        v = torch.randn(args.batch, local, args.kv_heads, args.head_dim, generator=generator)
+        grad_out = torch.randn_like(q)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+
+        def step() -> None:
+            for leaf in leaves:
+                leaf.grad = None
+            attention(*leaves, positions=positions, causal=True).backward(grad_out)
+
+        times = _timed(step, args.warmup, args.iters)
+        rows.append({"strategy": strategy, "cp": world, "layout": layout,
+                     "local_tokens": local, **_summary(times)})
+    return rows
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _worker(rank: int, world: int, init_file: str, result_file: str,
+            args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        result = {"attention": _attention_rows(world, args),
+                  "all_to_all": _all_to_all_rows(world, args) if world > 1 else []}
+        if rank == 0:
+            Path(result_file).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(world: int, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="meshpipe-cp-bench-") as scratch:
+        init_file, result_file = os.path.join(scratch, "init"), os.path.join(scratch, "result")
+        mp.spawn(_worker, args=(world, init_file, result_file, args), nprocs=world, join=True)
+        return json.loads(Path(result_file).read_text())
+
+
+def _markdown(config: dict, attention: list[dict], exchanges: list[dict]) -> str:
+    baseline = next(row["median_ms"] for row in attention if row["strategy"] == "local SDPA")
+    lines = [
+        "# Context-parallel benchmark",
+        "",
+        f"Causal attention step (forward + backward), batch {config['batch']}, sequence "
+        f"{config['seq']}, {config['heads']} query / {config['kv_heads']} key-value heads, "
+        f"head_dim {config['head_dim']}, float32, gloo on CPU, 1 thread per rank, "
+        f"{config['cpu_count']} cores. Times: slowest rank, median of {config['iters']} "
+        f"iterations.",
+        "",
+        "| strategy | cp | layout | tokens per rank | step ms | min ms | vs single process |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for row in attention:
+        lines.append(f"| {row['strategy']} | {row['cp']} | {row['layout']} | "
+                     f"{row['local_tokens']} | {row['median_ms']:.1f} | {row['min_ms']:.1f} | "
+                     f"{baseline / row['median_ms']:.2f}x |")
+    lines += ["", "All-to-all (scatter heads, gather sequence), float32, head_dim "
+              f"{HEAD_DIM_A2A}, same bytes per rank in each group of rows:", "",
+              "| cp | case | local shape (rank 0) | MB per rank | ms | min ms | GB/s |",
+              "| ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+    for row in exchanges:
+        lines.append(f"| {row['cp']} | {row['case']} | {row['local_shape']} | "
+                     f"{row['megabytes_per_rank']:.3f} | {row['median_ms']:.2f} | "
+                     f"{row['min_ms']:.2f} | {row['gb_per_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.a2a_tokens % 3 != 0:
+        raise SystemExit(f"--a2a-tokens {args.a2a_tokens} must be a multiple of 3 so the "
+                         f"unaligned case (3 heads) carries the same bytes as 8 heads")
+    config = {key: value for key, value in vars(args).items() if key != "out"}
+    config.update(cpu_count=os.cpu_count(), torch=torch.__version__,
+                  python=platform.python_version())
+    attention, exchanges = [], []
+    for world in [1, *args.cp]:
+        print(f"cp {world}: spawning {world} process(es)...", flush=True)
+        result = _run(world, args)
+        attention += result["attention"]
+        exchanges += result["all_to_all"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cp.json").write_text(json.dumps(
+        {"config": config, "attention": attention, "all_to_all": exchanges}, indent=2) + "\n")
+    table = _markdown(config, attention, exchanges)
+    (args.out / "cp.md").write_text(table)
+    print(table)
+    print(f"wrote {args.out / 'cp.json'} and {args.out / 'cp.md'}")
+
+
+if __name__ == "__main__":
+    main()

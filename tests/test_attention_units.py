@@ -1,0 +1,171 @@
+"""Single-process pieces of the context-parallel attention: masks, tile plans, blockwise
+kernels with log-sum-exp merge, the Ulysses head deal and LocalAttention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshpipe.comm.shards import ShardLayout, split_sizes
+from meshpipe.context import AttentionError, LocalAttention, attention_mask, plan_heads
+from meshpipe.context.blockwise import CPU_FLASH, MATH, heads_first, merge_block
+from meshpipe.context.masks import plan_block
+
+
+def _masked_attention(q, k, v, mask, scale):
+    """Textbook attention on [b, s, h, d] tensors with an explicit mask (GQA by repeating)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+def test_attention_mask_combines_causality_and_documents():
+    positions = torch.tensor([0, 1, 2, 0, 1])
+    doc_ids = torch.tensor([0, 0, 0, 1, 1])
+    expected = torch.block_diag(torch.ones(3, 3).tril(), torch.ones(2, 2).tril()).bool()
+    assert torch.equal(attention_mask(positions, positions, doc_ids, doc_ids, True), expected)
+    assert torch.equal(attention_mask(positions, positions, doc_ids, doc_ids, False),
+                       torch.block_diag(torch.ones(3, 3), torch.ones(2, 2)).bool())
+    assert attention_mask(positions, positions, None, None, causal=False) is None
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_zigzag_tiles_are_half_live_and_need_no_mask(ranks):
+    chunk = 3
+    layout = ShardLayout.zigzag(2 * ranks * chunk, ranks)
+    for mine in range(ranks):
+        for source in range(ranks):
+            plan = plan_block(layout.positions(mine), None, layout.positions(source), None, True)
+            rows = 2 * chunk if plan.rows is None else len(plan.rows)
+            cols = 2 * chunk if plan.cols is None else len(plan.cols)
+            if source == mine:
+                assert (rows, cols) == (2 * chunk, 2 * chunk) and plan.mask is not None
+            else:
+                assert rows * cols == 2 * chunk * chunk and plan.mask is None
+
+
+def test_fully_masked_tiles_are_skipped():
+    layout = ShardLayout.contiguous([4, 4])
+    assert plan_block(layout.positions(0), None, layout.positions(1), None, True) is None
+    docs = torch.tensor([0, 0, 1, 1])
+    assert plan_block(torch.arange(4), docs, torch.arange(4), docs + 2, False) is None
+
+
+@pytest.mark.parametrize("kernel", [MATH, CPU_FLASH], ids=lambda k: k.name)
+@settings(max_examples=30, deadline=None)
+@given(seq=st.integers(1, 12), heads_kv=st.integers(1, 3), group=st.integers(1, 3),
+       blocks=st.integers(1, 4), causal=st.booleans(), docs=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_blockwise_merge_and_backward_equal_full_attention(kernel, seq, heads_kv, group, blocks,
+                                                           causal, docs, seed):
+    generator = torch.Generator().manual_seed(seed)
+    batch, head_dim, heads_q = 2, 4, heads_kv * group
+    q = torch.randn(batch, seq, heads_q, head_dim, generator=generator, requires_grad=True)
+    k = torch.randn(batch, seq, heads_kv, head_dim, generator=generator, requires_grad=True)
+    v = torch.randn(batch, seq, heads_kv, head_dim, generator=generator, requires_grad=True)
+    grad_out = torch.randn(batch, seq, heads_q, head_dim, generator=generator)
+    doc_ids = torch.sort(torch.randint(0, docs, (seq,), generator=generator)).values
+    positions = torch.randperm(seq, generator=generator)  # any order: the mask is data
+    scale = head_dim ** -0.5
+    mask = attention_mask(positions, positions, doc_ids, doc_ids, causal)
+    reference = _masked_attention(q, k, v, mask, scale)
+    reference.backward(grad_out)
+
+    queries, grad_o = heads_first(q.detach()), heads_first(grad_out)
+    out = torch.zeros_like(queries)
+    lse = torch.full(queries.shape[:-1], float("-inf"))
+    tiles = []
+    for cols in (b for b in torch.arange(seq).tensor_split(blocks) if len(b)):
+        plan = plan_block(positions, doc_ids, positions[cols], doc_ids[cols], causal)
+        if plan is None:
+            continue
+        keys = cols if plan.cols is None else cols[plan.cols]
+        rows = torch.arange(seq) if plan.rows is None else plan.rows
+        tiles.append((rows, keys, plan.mask))
+        block_out, block_lse = kernel.forward(queries[:, :, rows], heads_first(k.detach()[:, keys]),
+                                              heads_first(v.detach()[:, keys]), plan.mask, scale)
+        merge_block(out, lse, block_out, block_lse, plan.rows)
+    torch.testing.assert_close(out.transpose(1, 2), reference.detach())
+
+    grad_q, grad_k, grad_v = torch.zeros_like(queries), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, keys, tile_mask in tiles:
+        dq, dk, dv = kernel.backward(
+            grad_o[:, :, rows], queries[:, :, rows], heads_first(k.detach()[:, keys]),
+            heads_first(v.detach()[:, keys]), out[:, :, rows], lse[:, :, rows], tile_mask, scale)
+        grad_q.index_add_(2, rows, dq)
+        grad_k.index_add_(1, keys, dk.transpose(1, 2))
+        grad_v.index_add_(1, keys, dv.transpose(1, 2))
+    torch.testing.assert_close(grad_q.transpose(1, 2), q.grad)
+    torch.testing.assert_close(grad_k, k.grad)
+    torch.testing.assert_close(grad_v, v.grad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(heads_kv=st.integers(1, 8), group=st.integers(1, 6), ranks=st.integers(1, 8))
+def test_head_deal_covers_every_query_head_with_its_kv_head(heads_kv, group, ranks):
+    heads_q = heads_kv * group
+    if heads_q < ranks:
+        with pytest.raises(AttentionError, match=f"{heads_q} query heads .* degree of {ranks}"):
+            plan_heads(heads_q, heads_kv, ranks)
+        return
+    plan = plan_heads(heads_q, heads_kv, ranks)
+    assert [len(heads) for heads in plan.query_heads] == split_sizes(heads_q, ranks)
+    assert sorted(plan.query_order()) == list(range(heads_q))
+    kv_counts = [len(heads) for heads in plan.kv_heads]
+    assert kv_counts == split_sizes(sum(kv_counts), ranks)
+    for rank in range(ranks):
+        local = plan.local_kv_index(rank)
+        assert [plan.kv_heads[rank][i] for i in local] == [
+            head // group for head in plan.query_heads[rank]]
+    if ranks % heads_kv == 0:
+        assert kv_counts == [1] * ranks  # each key/value head reaches only its ranks
+    if heads_kv % ranks == 0 and heads_q % ranks == 0:
+        assert sum(kv_counts) == heads_kv  # no replication at all
+
+
+def test_local_attention_takes_the_causal_fast_path_for_a_plain_sequence(monkeypatch):
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    q, k, v = torch.randn(1, 6, 4, 8), torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
+    LocalAttention()(q, k, v)
+    LocalAttention()(q, k, v, positions=torch.arange(6))
+    LocalAttention()(q, k, v, doc_ids=torch.tensor([0, 0, 0, 1, 1, 1]))
+    assert [c.get("is_causal", False) for c in calls] == [True, True, False]
+    assert calls[0].get("attn_mask") is None and calls[2]["attn_mask"] is not None
+
+
+def test_local_attention_on_a_pack_equals_attention_per_document():
+    generator = torch.Generator().manual_seed(3)
+    lengths = [3, 5, 2]
+    q = torch.randn(2, 10, 4, 8, generator=generator)
+    k, v = torch.randn(2, 10, 2, 8, generator=generator), torch.randn(2, 10, 2, 8, generator=generator)
+    doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    out = LocalAttention()(q, k, v, positions=positions, doc_ids=doc_ids)
+    pieces = [LocalAttention()(*(t[:, s] for t in (q, k, v)))
+              for s in torch.arange(10).split(lengths)]
+    torch.testing.assert_close(out, torch.cat(pieces, dim=1))
+
+
+@pytest.mark.parametrize("shapes, positions, message", [
+    (((1, 4, 3, 8), (1, 4, 2, 8)), None, "3 query heads are not a multiple of 2"),
+    (((1, 4, 2, 8), (1, 5, 2, 8)), None, "do not match q"),
+    (((1, 4, 2, 8), (1, 4, 2, 8)), torch.arange(5), r"positions must have shape \[4\]"),
+    (((1, 4, 2, 8), (1, 4, 2, 8)), torch.zeros(4), "must be an integer tensor"),
+])
+def test_bad_inputs_are_named(shapes, positions, message):
+    q_shape, kv_shape = shapes
+    with pytest.raises(AttentionError, match=message):
+        LocalAttention()(torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape),
+                         positions=positions)
