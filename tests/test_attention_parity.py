@@ -156,16 +156,24 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, list[str]]
     return {case.name: _run_case(case, world, rank) for case in cases}
 
 
-_RESULTS: dict[int, dict[str, list[str]]] = {}
+_RESULTS: dict[int, dict[str, list[str]] | Exception] = {}
 
 
 def _failures(world: int, case: Case) -> list[str]:
+    """This case's failures on every rank; all cases of a world size run in one call, once."""
     if world not in _RESULTS:
         cases = CASES_2 if world == 2 else CASES_4
-        per_rank = run_distributed(world, _run_cases, cases, timeout=300)
-        _RESULTS[world] = {c.name: [f for rank_result in per_rank for f in rank_result[c.name]]
-                           for c in cases}
-    return _RESULTS[world][case.name]
+        try:
+            per_rank = run_distributed(world, _run_cases, cases, timeout=300)
+        except Exception as error:  # noqa: BLE001 - reported by every case of this size
+            _RESULTS[world] = error
+        else:
+            _RESULTS[world] = {c.name: [f for rank_result in per_rank for f in rank_result[c.name]]
+                               for c in cases}
+    outcome = _RESULTS[world]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome[case.name]
 
 
 @pytest.mark.distributed

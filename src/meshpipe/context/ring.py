@@ -124,11 +124,13 @@ class _RingAttentionFunction(torch.autograd.Function):
             incoming = None
             if step < ring.size - 1:
                 incoming = ring.shift(kv, ring.block_sizes[ring.source(step + 1)], _KV_TAG)
+            plan = plans[step]
+            block_grads = None if plan is None else tile.gradients(plan, kv)
+            # The accumulator arrives while this tile computes; add to it only now.
             grad_kv = (torch.zeros(kv.shape, device=kv.device) if grad_kv_transfer is None
                        else grad_kv_transfer.wait())
-            plan = plans[step]
-            if plan is not None:
-                tile.accumulate(plan, kv, grad_kv)
+            if block_grads is not None:
+                _add_columns(grad_kv, block_grads, plan.cols)
             grad_kv_transfer = ring.shift(grad_kv, ring.block_sizes[ring.source(step + 1)],
                                           _GRAD_KV_TAG)
             if incoming is not None:
@@ -152,9 +154,8 @@ class _TileGradients:
         self.out, self.lse, self.scale = out, lse, scale
         self.grad_queries = torch.zeros_like(queries)
 
-    def accumulate(self, plan: BlockPlan, kv: Tensor, grad_kv: Tensor) -> None:
-        """Add one tile's gradients to the query gradient and to ``grad_kv`` (the travelling
-        ``[2, b, s, hkv, d]`` accumulator of the block)."""
+    def gradients(self, plan: BlockPlan, kv: Tensor) -> Tensor:
+        """Add one tile's query gradient; return its ``[2, b, s_live, hkv, d]`` key/value one."""
         rows = plan.rows
         keys, values = _block_kv(kv, plan)
         grad_q, grad_k, grad_v = self.kernel.backward(
@@ -164,11 +165,15 @@ class _TileGradients:
             self.grad_queries += grad_q
         else:
             self.grad_queries.index_add_(2, rows, grad_q)
-        grad_kv_block = torch.stack((grad_k, grad_v)).transpose(2, 3)
-        if plan.cols is None:
-            grad_kv += grad_kv_block
-        else:
-            grad_kv.index_add_(2, plan.cols, grad_kv_block)
+        return torch.stack((grad_k, grad_v)).transpose(2, 3)
+
+
+def _add_columns(grad_kv: Tensor, block_grads: Tensor, cols: Tensor | None) -> None:
+    """Add a tile's key/value gradient to the block accumulator at the tile's live columns."""
+    if cols is None:
+        grad_kv += block_grads
+    else:
+        grad_kv.index_add_(2, cols, block_grads)
 
 
 class RingAttention(nn.Module):
