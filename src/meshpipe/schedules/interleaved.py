@@ -32,7 +32,8 @@ def virtual_microbatch_table(num_microbatches: int, stages_per_rank: int,
     table = []
     for first in range(0, num_microbatches, group_size):
         group = range(first, min(first + group_size, num_microbatches))
-        table.extend((microbatch, chunk) for chunk in range(stages_per_rank) for microbatch in group)
+        table.extend((microbatch, chunk) for chunk in range(stages_per_rank)
+                     for microbatch in group)
     return table
 
 

@@ -26,7 +26,7 @@ peer, and receive buffers are never all allocated at the start of the step.
 
 from __future__ import annotations
 
-from typing import Iterator
+from array import array
 
 from meshpipe.schedules._building import check_count
 from meshpipe.schedules.actions import Action, Kind, Schedule
@@ -34,61 +34,71 @@ from meshpipe.schedules.validation import check_work
 
 __all__ = ["lower"]
 
-# A message is named by the receive that takes it: (RECV kind, receiving stage, microbatch).
-Message = tuple[Kind, int, int]
+_F, _B, _I = Kind.F, Kind.B, Kind.I
+_SEND_F, _SEND_B, _RECV_F, _RECV_B = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B
 
 
-def _sends(schedule: Schedule, rank: int, action: Action) -> Iterator[tuple[Action, int, Message]]:
-    """The SEND actions that follow ``action`` on ``rank``, with their destination rank and
-    message."""
-    placement = schedule.placement
-    for part in action.computations:
-        stage, microbatch = part.stage, part.microbatch
-        if part.kind is Kind.F and stage + 1 < schedule.num_stages:
-            destination = placement[stage + 1]
-            if destination != rank:
-                yield (Action(Kind.SEND_F, stage, microbatch), destination,
-                       (Kind.RECV_F, stage + 1, microbatch))
-        elif part.kind in (Kind.B, Kind.I) and stage > 0:
-            destination = placement[stage - 1]
-            if destination != rank:
-                yield (Action(Kind.SEND_B, stage, microbatch), destination,
-                       (Kind.RECV_B, stage - 1, microbatch))
+class _Traffic:
+    """Who sends what to whom, and where each rank consumes what it receives.
 
+    A message is numbered by its receive: ``(is_gradient * num_stages + receiving stage) *
+    num_microbatches + microbatch``.
+    """
 
-def _consumed(schedule: Schedule, rank: int, action: Action) -> Iterator[tuple[Message, int]]:
-    """The messages ``action`` consumes from other ranks, with their source rank."""
-    placement = schedule.placement
-    for part in action.computations:
-        stage, microbatch = part.stage, part.microbatch
-        if part.kind is Kind.F and stage > 0 and placement[stage - 1] != rank:
-            yield (Kind.RECV_F, stage, microbatch), placement[stage - 1]
-        elif (part.kind in (Kind.B, Kind.I) and stage + 1 < schedule.num_stages
-              and placement[stage + 1] != rank):
-            yield (Kind.RECV_B, stage, microbatch), placement[stage + 1]
+    def __init__(self, schedule: Schedule) -> None:
+        num_ranks = schedule.num_ranks
+        num_microbatches = schedule.num_microbatches
+        size = schedule.num_stages * num_microbatches
+        self.schedule = schedule
+        # sends[rank]: (index of the compute action it follows, SEND kind, stage, microbatch)
+        self.sends: list[list[tuple[int, Kind, int, int]]] = [[] for _ in range(num_ranks)]
+        # incoming[destination][source]: messages from source to destination, in send order
+        self.incoming: list[dict[int, list[int]]] = [{} for _ in range(num_ranks)]
+        # consumer[message]: index of the compute action consuming it on its receiving rank
+        self.consumer = array("l", [0]) * (2 * size)
+        placement = schedule.placement
+        last_stage = schedule.num_stages - 1
+        consumer = self.consumer
+        for rank, actions in enumerate(schedule.ranks):
+            sends, incoming = self.sends[rank], self.incoming
+            for index, action in enumerate(actions):
+                for part in action.parts or (action,):
+                    kind, stage, microbatch = part.kind, part.stage, part.microbatch
+                    slot = stage * num_microbatches + microbatch
+                    if kind is _F:
+                        if stage > 0 and placement[stage - 1] != rank:
+                            consumer[slot] = index
+                        if stage < last_stage and placement[stage + 1] != rank:
+                            sends.append((index, _SEND_F, stage, microbatch))
+                            incoming[placement[stage + 1]].setdefault(rank, []).append(
+                                slot + num_microbatches)
+                    elif kind is _B or kind is _I:
+                        if stage < last_stage and placement[stage + 1] != rank:
+                            consumer[size + slot] = index
+                        if stage > 0 and placement[stage - 1] != rank:
+                            sends.append((index, _SEND_B, stage, microbatch))
+                            incoming[placement[stage - 1]].setdefault(rank, []).append(
+                                size + slot - num_microbatches)
 
-
-def _receive_slots(schedule: Schedule, rank: int, lookahead: int) -> dict[int, list[Action]]:
-    """RECV actions of ``rank``, keyed by the index of the compute action they precede."""
-    consumer_index: dict[Message, int] = {}
-    sources: set[int] = set()
-    for index, action in enumerate(schedule.ranks[rank]):
-        for message, source in _consumed(schedule, rank, action):
-            consumer_index[message] = index
-            sources.add(source)
-    slots: dict[int, list[Action]] = {}
-    for source in sorted(sources):
-        in_send_order = [message for action in schedule.ranks[source]
-                         for _, destination, message in _sends(schedule, source, action)
-                         if destination == rank]
-        placed = []
-        latest = len(schedule.ranks[rank])
-        for message in reversed(in_send_order):
-            latest = min(latest, max(0, consumer_index[message] - lookahead))
-            placed.append((latest, message))
-        for slot, (kind, stage, microbatch) in reversed(placed):
-            slots.setdefault(slot, []).append(Action(kind, stage, microbatch))
-    return slots
+    def receive_slots(self, rank: int, lookahead: int) -> dict[int, list[Action]]:
+        """RECV actions of ``rank``, keyed by the index of the compute action they precede."""
+        consumer = self.consumer
+        num_microbatches = self.schedule.num_microbatches
+        size = self.schedule.num_stages * num_microbatches
+        slots: dict[int, list[Action]] = {}
+        for _, messages in sorted(self.incoming[rank].items()):
+            placed = []
+            latest = None
+            for message in reversed(messages):
+                slot = max(0, consumer[message] - lookahead)
+                latest = slot if latest is None else min(latest, slot)
+                placed.append((latest, message))
+            for slot, message in reversed(placed):
+                is_gradient, rest = divmod(message, size)
+                stage, microbatch = divmod(rest, num_microbatches)
+                slots.setdefault(slot, []).append(
+                    Action(_RECV_B if is_gradient else _RECV_F, stage, microbatch))
+        return slots
 
 
 def lower(schedule: Schedule, *, lookahead: int = 1) -> Schedule:
@@ -101,17 +111,23 @@ def lower(schedule: Schedule, *, lookahead: int = 1) -> Schedule:
     deadlocks exactly when the compute-only one does.
     """
     check_count("lookahead", lookahead, minimum=0)
-    if schedule.is_lowered:
+    if check_work(schedule).lowered:
         raise ValueError(f"schedule {schedule.name!r} is already lowered (it holds SEND/RECV "
                          f"actions); lower the compute-only schedule once")
-    check_work(schedule)
+    traffic = _Traffic(schedule)
     lowered = []
     for rank, actions in enumerate(schedule.ranks):
-        slots = _receive_slots(schedule, rank, lookahead)
+        slots = traffic.receive_slots(rank, lookahead)
+        sends = traffic.sends[rank]
+        next_send = 0
         out: list[Action] = []
         for index, action in enumerate(actions):
-            out.extend(slots.get(index, ()))
+            if index in slots:
+                out.extend(slots[index])
             out.append(action)
-            out.extend(send for send, _, _ in _sends(schedule, rank, action))
+            while next_send < len(sends) and sends[next_send][0] == index:
+                _, kind, stage, microbatch = sends[next_send]
+                out.append(Action(kind, stage, microbatch))
+                next_send += 1
         lowered.append(out)
     return schedule.replace_ranks(lowered)

@@ -54,9 +54,10 @@ def zb_h1(num_ranks: int, num_microbatches: int, *, forward_only: bool = False) 
     rank.
 
     Bubble (published, free communication): ``(p-1)(F + I - W)`` time per rank, against
-    1F1B's ``(p-1)(F + I + W)``: one third of it at F = I = W. Simulated at F = I = W = 1:
-    makespan ``3m + p - 1``, bubble ratio ``(p-1) / (3m + p - 1)``, exactly the published
-    figure.
+    1F1B's ``(p-1)(F + I + W)``: one third of it at F = I = W. Simulated at F = I = W = 1
+    with m >= p: makespan ``3m + p - 1``, bubble ratio ``(p-1) / (3m + p - 1)``, exactly
+    the published figure. With m < p there are too few deferred W's to fill the tail: the
+    makespan is ``2m + 2p - 1``.
     """
     check_count("num_ranks", num_ranks)
     check_count("num_microbatches", num_microbatches)
