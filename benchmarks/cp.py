@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--a2a-tokens", type=int, default=512,
                         help="all-to-all: per-rank tokens of the aligned case, a multiple of 3")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
