@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshpipe.comm.shards import ShardLayout, split_sizes
