@@ -1,0 +1,270 @@
+"""Pipeline messages: pytrees of tensors and small values, their wire layout and payload.
+
+A message is a nested ``tuple`` / ``list`` / ``dict`` whose leaves are tensors or small
+non-tensor values (``None``, ``bool``, ``int``, ``float``, ``str``). On the wire it is two
+things:
+
+* a :class:`MessageLayout` (the "metadata"): the tree structure with the non-tensor values
+  in place, and for every tensor its dtype, shape and byte offset in the payload. It
+  encodes to compact JSON bytes, so two layouts are equal exactly when their encodings are.
+* a payload: every tensor's bytes packed into one flat ``uint8`` buffer, each tensor at an
+  offset aligned to :data:`PAYLOAD_ALIGNMENT`. One buffer means one point-to-point
+  operation per message whatever the number and dtypes of its tensors.
+
+On arrival the tensors are contiguous views into the received buffer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+# Every tensor starts at a multiple of this many bytes in the payload: enough for a
+# ``view(dtype)`` of any dtype (complex128 is 16 bytes) and for vectorised GPU loads.
+PAYLOAD_ALIGNMENT = 16
+
+SCALAR_TYPES: tuple[type, ...] = (type(None), bool, int, float, str)
+_DICT_KEY_TYPES: tuple[type, ...] = (str, int)
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
+                        torch.quint2x4})
+
+# Spec node tags: tuple, list, dict, tensor, value.
+_TUPLE, _LIST, _DICT, _TENSOR, _VALUE = "t", "l", "d", "T", "v"
+
+
+class UnsupportedMessageError(TypeError):
+    """A message holds something the transport cannot carry (a leaf type, dtype or layout)."""
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor of a message lives in the payload."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class MessageLayout:
+    """A message's metadata: structure, non-tensor leaves, tensor dtypes/shapes/offsets."""
+
+    spec: Any
+    tensors: tuple[TensorSlot, ...]
+    payload_nbytes: int
+    encoded: bytes
+
+    @classmethod
+    def build(cls, spec: Any, dtypes_and_shapes: list[tuple[torch.dtype, tuple[int, ...]]],
+              encoded: bytes | None = None) -> "MessageLayout":
+        slots, offset = [], 0
+        for dtype, shape in dtypes_and_shapes:
+            slot = TensorSlot(dtype, shape, offset)
+            slots.append(slot)
+            offset = _align(offset + slot.nbytes)
+        payload_nbytes = slots[-1].offset + slots[-1].nbytes if slots else 0
+        if encoded is None:
+            wire = {"s": spec, "t": [[_dtype_name(d), list(s)] for d, s in dtypes_and_shapes]}
+            encoded = json.dumps(wire, separators=(",", ":")).encode()
+        return cls(spec, tuple(slots), payload_nbytes, encoded)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "MessageLayout":
+        """Inverse of :attr:`encoded`; raises ``ValueError`` on bytes that are no layout."""
+        try:
+            wire = json.loads(data.decode())
+            entries = [(_dtype_from_name(name), tuple(int(s) for s in shape))
+                       for name, shape in wire["t"]]
+            spec = wire["s"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+                ValueError) as error:
+            raise ValueError(f"metadata bytes do not decode to a message layout: {error}"
+                             ) from error
+        return cls.build(spec, entries, encoded=bytes(data))
+
+
+def _align(offset: int) -> int:
+    return -(-offset // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or dtype in _QUANTIZED:
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+def _check_tensor(tensor: torch.Tensor, path: str) -> None:
+    if tensor.layout != torch.strided or tensor.is_nested:
+        raise UnsupportedMessageError(
+            f"{path} is a {tensor.layout} tensor{' (nested)' if tensor.is_nested else ''}; "
+            "only dense (strided) tensors can be sent: convert it with .to_dense() first")
+    if tensor.dtype in _QUANTIZED:
+        raise UnsupportedMessageError(
+            f"{path} has quantized dtype {tensor.dtype}, which the transport cannot carry: "
+            "send its int_repr() and quantisation parameters instead")
+    if tensor.device.type == "meta":
+        raise UnsupportedMessageError(f"{path} is a meta tensor and has no data to send")
+
+
+def flatten(message: Any) -> tuple[MessageLayout, list[torch.Tensor]]:
+    """Split a message into its layout and its tensors (in depth-first order)."""
+    tensors: list[torch.Tensor] = []
+
+    def visit(node: Any, path: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            _check_tensor(node, path)
+            tensors.append(node)
+            return [_TENSOR]
+        if type(node) in SCALAR_TYPES:
+            return [_VALUE, node]
+        if type(node) is tuple:
+            return [_TUPLE, [visit(item, f"{path}[{i}]") for i, item in enumerate(node)]]
+        if type(node) is list:
+            return [_LIST, [visit(item, f"{path}[{i}]") for i, item in enumerate(node)]]
+        if type(node) is dict:
+            items = []
+            for key, value in node.items():
+                if type(key) not in _DICT_KEY_TYPES:
+                    raise UnsupportedMessageError(
+                        f"{path} has a dict key {key!r} of type {type(key).__name__}; "
+                        "dict keys in a message must be str or int")
+                items.append([key, visit(value, f"{path}[{key!r}]")])
+            return [_DICT, items]
+        raise UnsupportedMessageError(
+            f"{path} is a {type(node).__module__}.{type(node).__qualname__}; a message is "
+            "made of tuple, list and dict (exact types, no subclasses such as namedtuple) "
+            "holding tensors, None, bool, int, float or str")
+
+    spec = visit(message, "message")
+    layout = MessageLayout.build(spec, [(t.dtype, tuple(t.shape)) for t in tensors])
+    return layout, tensors
+
+
+def unflatten(layout: MessageLayout, tensors: list[torch.Tensor | None]) -> Any:
+    """Rebuild a message from its layout and one tensor per slot."""
+    remaining = iter(tensors)
+
+    def build(node: Any) -> Any:
+        tag = node[0]
+        if tag == _TENSOR:
+            return next(remaining)
+        if tag == _VALUE:
+            return node[1]
+        if tag == _TUPLE:
+            return tuple(build(child) for child in node[1])
+        if tag == _LIST:
+            return [build(child) for child in node[1]]
+        if tag == _DICT:
+            return {key: build(child) for key, child in node[1]}
+        raise ValueError(f"unknown node tag {tag!r} in message layout")
+
+    return build(layout.spec)
+
+
+def pack(layout: MessageLayout, tensors: list[torch.Tensor], device: torch.device
+         ) -> torch.Tensor:
+    """The payload of a message as one ``uint8`` buffer on ``device``.
+
+    A message whose only tensor is already contiguous on ``device`` is sent without a copy
+    (the buffer is a byte view of that tensor); otherwise the tensors are copied in.
+    """
+    if len(tensors) == 1 and tensors[0].device == device and tensors[0].is_contiguous():
+        return tensors[0].detach().reshape(-1).view(torch.uint8)
+    buffer = torch.empty(layout.payload_nbytes, dtype=torch.uint8, device=device)
+    for tensor, slot in zip(tensors, layout.tensors):
+        if slot.nbytes:
+            _slot_view(buffer, slot).copy_(tensor.detach())
+    return buffer
+
+
+def unpack(layout: MessageLayout, payload: torch.Tensor) -> Any:
+    """The message whose payload is ``payload``: its tensors are views into the buffer."""
+    return unflatten(layout, slot_views(layout, payload))
+
+
+def slot_views(layout: MessageLayout, payload: torch.Tensor) -> list[torch.Tensor]:
+    """The message's tensors, in slot order, as views into its payload buffer."""
+    return [_slot_view(payload, slot) for slot in layout.tensors]
+
+
+def _slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    if slot.nbytes == 0:
+        return torch.empty(slot.shape, dtype=slot.dtype, device=buffer.device)
+    return buffer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
+def describe_difference(a: MessageLayout, b: MessageLayout) -> str | None:
+    """A sentence naming the first place where two layouts differ, or None if equal."""
+    if a.encoded == b.encoded:
+        return None
+    slots_a, slots_b = iter(a.tensors), iter(b.tensors)
+    return _first_difference(a.spec, b.spec, "message", slots_a, slots_b) or (
+        "the layouts differ")
+
+
+def _first_difference(x: Any, y: Any, path: str, slots_x: Iterator[TensorSlot],
+                      slots_y: Iterator[TensorSlot]) -> str | None:
+    kinds = {_TUPLE: "a tuple", _LIST: "a list", _DICT: "a dict", _TENSOR: "a tensor",
+             _VALUE: "a value"}
+    if x[0] != y[0]:
+        return f"{path} is {kinds.get(x[0], x[0])} in one and {kinds.get(y[0], y[0])} in the other"
+    tag = x[0]
+    if tag == _TENSOR:
+        sx, sy = next(slots_x), next(slots_y)
+        if sx.dtype != sy.dtype:
+            return f"{path} has dtype {sx.dtype} in one and {sy.dtype} in the other"
+        if sx.shape != sy.shape:
+            return f"{path} has shape {list(sx.shape)} in one and {list(sy.shape)} in the other"
+        return None
+    if tag == _VALUE:
+        if x[1] != y[1] or type(x[1]) is not type(y[1]):
+            return f"{path} is {x[1]!r} in one and {y[1]!r} in the other"
+        return None
+    if tag == _DICT:
+        keys_x, keys_y = [k for k, _ in x[1]], [k for k, _ in y[1]]
+        if keys_x != keys_y:
+            return f"{path} has keys {keys_x} in one and {keys_y} in the other"
+        children = [(f"{path}[{k!r}]", cx, cy) for (k, cx), (_, cy) in zip(x[1], y[1])]
+    else:
+        if len(x[1]) != len(y[1]):
+            return f"{path} has {len(x[1])} items in one and {len(y[1])} in the other"
+        children = [(f"{path}[{i}]", cx, cy) for i, (cx, cy) in enumerate(zip(x[1], y[1]))]
+    for child_path, cx, cy in children:
+        found = _first_difference(cx, cy, child_path, slots_x, slots_y)
+        if found:
+            return found
+    return None
+
+
+def tensor_paths(layout: MessageLayout) -> list[str]:
+    """The path of every tensor slot, in slot order (for error messages)."""
+    paths: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        tag = node[0]
+        if tag == _TENSOR:
+            paths.append(path)
+        elif tag == _DICT:
+            for key, child in node[1]:
+                walk(child, f"{path}[{key!r}]")
+        elif tag in (_TUPLE, _LIST):
+            for i, child in enumerate(node[1]):
+                walk(child, f"{path}[{i}]")
+
+    walk(layout.spec, "message")
+    return paths

@@ -1,0 +1,908 @@
+"""Point-to-point transport for pipeline messages (activations forward, gradients backward).
+
+A message is a pytree of tensors and small values (see :mod:`meshpipe.comm.message`);
+nothing about its shapes or dtypes is declared. Every message travels as:
+
+1. a fixed 40-byte header (five int64: sequence number, metadata slot, metadata size,
+   payload size, label digest) on the *meta group*, a CPU (gloo) group;
+2. its metadata (JSON layout, see :class:`~meshpipe.comm.message.MessageLayout`) on the
+   meta group, **only when it is not cached**: each direction of each pair of ranks keeps
+   :data:`METADATA_SLOTS` recently used layouts, the sender decides which slot a layout
+   goes in and the receiver follows, so interleaved streams to one peer (activations of
+   one stage and gradients of another) stay cached;
+3. its payload, all tensors packed into one ``uint8`` buffer, on the payload group (NCCL
+   on GPUs), omitted when the message has no tensor bytes.
+
+So a steady message costs exactly two point-to-point operations on each side (header +
+payload) and 40 bytes beyond the tensor data plus at most 15 alignment bytes per tensor
+after the first.
+
+Matching: between an ordered pair of ranks, messages are received in the order they were
+sent, and the receiver must post its receives from a peer in the order that peer posted the
+sends (the executor guarantees it). The payload size is only known once the header is in,
+so each peer's receives are resolved strictly first-in first-out: one header receive is
+outstanding per peer, and the next one is posted once the previous message's payload
+receive is. Waiting on a later message first completes the headers of the earlier ones and
+posts their payload receives; handles may be waited in any order. Correctness never
+depends on tags, which NCCL ignores.
+
+Ranks are **global** ranks throughout (``dist.get_rank()`` numbering), also when a group
+is given. All posting is non-blocking (``isend``/``irecv``); only ``wait`` blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from meshpipe.comm.message import (
+    MessageLayout,
+    UnsupportedMessageError,
+    describe_difference,
+    flatten,
+    pack,
+    slot_views,
+    tensor_paths,
+    unflatten,
+    unpack,
+)
+
+HEADER_NUMEL = 5
+HEADER_NBYTES = HEADER_NUMEL * 8
+METADATA_SLOTS = 8
+# Slot value of a VTP broadcast header that says the stage root failed to receive.
+_ROOT_FAILED_SLOT = -1
+
+GroupArg = ProcessGroup | Sequence[ProcessGroup] | None
+
+
+class P2PError(RuntimeError):
+    """A pipeline message could not be delivered or did not match what was expected."""
+
+
+class P2PTimeoutError(P2PError, TimeoutError):
+    """A wait ran out of time; the message names the peer and the label."""
+
+
+class MessageMismatchError(P2PError):
+    """The peer sent something other than what this rank expected."""
+
+
+@dataclass
+class TransportStats:
+    """Counters of what a transport posted and moved, for tests and benchmarks."""
+
+    messages_sent: int = 0
+    messages_received: int = 0
+    metadata_sent: int = 0
+    metadata_received: int = 0
+    header_bytes_sent: int = 0
+    header_bytes_received: int = 0
+    metadata_bytes_sent: int = 0
+    metadata_bytes_received: int = 0
+    payload_bytes_sent: int = 0
+    payload_bytes_received: int = 0
+    sends_posted: int = 0
+    recvs_posted: int = 0
+    broadcasts: int = 0
+    broadcast_metadata: int = 0
+
+    def reset(self) -> None:
+        for field in fields(self):
+            setattr(self, field.name, 0)
+
+
+@dataclass(frozen=True)
+class _Header:
+    seq: int
+    slot: int
+    metadata_nbytes: int
+    payload_nbytes: int
+    label_digest: int
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.seq, self.slot, self.metadata_nbytes, self.payload_nbytes,
+                             self.label_digest], dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> "_Header":
+        return cls(*(int(value) for value in tensor.tolist()))
+
+
+def _label_digest(label: str) -> int:
+    """64-bit digest of a label (0 for no label): lets the receiver check it cheaply."""
+    if not label:
+        return 0
+    digest = hashlib.blake2b(label.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _describe(label: str) -> str:
+    return repr(label) if label else "an unlabelled message"
+
+
+class _SenderSlots:
+    """The sender's side of the metadata cache: which layout sits in which slot."""
+
+    def __init__(self) -> None:
+        self._slot_of: dict[bytes, int] = {}
+        self._owner: list[bytes | None] = [None] * METADATA_SLOTS
+        self._last_use = [0] * METADATA_SLOTS
+        self._clock = 0
+
+    def assign(self, encoded: bytes) -> tuple[int, bool]:
+        """The slot for this layout, and whether it is new (its metadata must travel)."""
+        self._clock += 1
+        slot = self._slot_of.get(encoded)
+        is_new = slot is None
+        if slot is None:
+            slot = min(range(METADATA_SLOTS), key=self._last_use.__getitem__)
+            evicted = self._owner[slot]
+            if evicted is not None:
+                del self._slot_of[evicted]
+            self._owner[slot] = encoded
+            self._slot_of[encoded] = slot
+        self._last_use[slot] = self._clock
+        return slot, is_new
+
+
+class _ReceiverSlots:
+    """The receiver's side of the metadata cache: filled as the sender instructs."""
+
+    def __init__(self) -> None:
+        self._layouts: list[MessageLayout | None] = [None] * METADATA_SLOTS
+
+    def store(self, slot: int, layout: MessageLayout) -> None:
+        self._layouts[slot] = layout
+
+    def lookup(self, slot: int) -> MessageLayout | None:
+        return self._layouts[slot]
+
+
+class _Outbox:
+    """Sender state towards one peer."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.slots = _SenderSlots()
+
+
+class _Incoming:
+    """One expected message from one peer, from header receive to payload arrival."""
+
+    def __init__(self, peer: int, group: ProcessGroup | None, meta_group: ProcessGroup | None,
+                 label: str) -> None:
+        self.peer = peer
+        self.group = group
+        self.meta_group = meta_group
+        self.label = label
+        self.digest = _label_digest(label)
+        self.header = torch.empty(HEADER_NUMEL, dtype=torch.int64)
+        self.header_work: Any = None
+        self.layout: MessageLayout | None = None
+        self.payload: torch.Tensor | None = None
+        self.payload_work: Any = None
+        self.resolved = False
+        self.arrived = False
+        self.error: P2PError | None = None
+
+
+class _Inbox:
+    """Receiver state for one peer: FIFO of messages whose header is not yet processed."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.slots = _ReceiverSlots()
+        self.queue: deque[_Incoming] = deque()
+        self.failure: P2PError | None = None
+
+
+@dataclass(frozen=True)
+class _GroupInfo:
+    """What the transport needs to know about a process group (looked up once)."""
+
+    members: frozenset[int]
+    uses_nccl: bool
+    carries_cpu: bool
+
+    @classmethod
+    def of(cls, group: ProcessGroup | None) -> "_GroupInfo":
+        group = group if group is not None else dist.group.WORLD
+        backend = str(dist.get_backend(group)).lower()
+        return cls(frozenset(dist.get_process_group_ranks(group)), "nccl" in backend,
+                   "gloo" in backend or "nccl" not in backend)
+
+
+@dataclass
+class _PostedSend:
+    work: Any
+    peer: int
+    group: ProcessGroup | None
+    part: str
+
+
+class SendHandle:
+    """Handle of a posted message send (to one or several peers).
+
+    It keeps the message's payload alive until the send has completed, then releases it.
+    A sent activation may therefore be "freed" right after posting by dropping references
+    to it (e.g. ``tensor.data = torch.empty(0)``) but must not be resized in place before
+    the send completes. Gloo reports completion only through ``wait``; NCCL also through
+    ``is_completed``. Dropping the handle does not cancel the send: the transport keeps it
+    until it is waited here or by :meth:`P2PTransport.wait_sends`.
+    """
+
+    def __init__(self, transport: "P2PTransport | None", sends: list[_PostedSend],
+                 keep_alive: list[torch.Tensor], label: str) -> None:
+        self._transport = transport
+        self._sends = sends
+        self._keep_alive = keep_alive
+        self._label = label
+
+    @classmethod
+    def completed(cls) -> "SendHandle":
+        """A handle for a send that posted nothing (e.g. a VTP rank that is not stage root)."""
+        return cls(None, [], [], "")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every part of the send has completed (or raise ``P2PTimeoutError``)."""
+        if not self._sends:
+            return
+        transport = self._transport
+        deadline = transport._deadline(timeout)
+        for send in self._sends:
+            transport._wait_work(
+                send.work, deadline, send.group, send.peer,
+                lambda send=send: f"the {send.part} of {_describe(self._label)} sent to "
+                                  f"rank {send.peer} to be received")
+        self._release()
+
+    def is_completed(self) -> bool:
+        """True once every part has completed; never blocks."""
+        if self._sends and all(send.work.is_completed() for send in self._sends):
+            for send in self._sends:
+                send.work.wait()
+            self._release()
+        return not self._sends
+
+    def _release(self) -> None:
+        self._sends = []
+        self._keep_alive = []
+        if self._transport is not None:
+            self._transport._pending_sends.pop(self, None)
+
+
+class RecvHandle:
+    """Handle of a posted receive; ``wait`` returns the message.
+
+    From one peer it returns that peer's message; from several peers with
+    ``average=True`` their mean; from several peers without, a list in peer order.
+    """
+
+    _PENDING = object()
+
+    def __init__(self, transport: "P2PTransport", incomings: list[_Incoming], label: str,
+                 average: bool, single: bool) -> None:
+        self._transport = transport
+        self._incomings = incomings
+        self._label = label
+        self._average = average
+        self._single = single
+        self._result: Any = self._PENDING
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the message has arrived and return it."""
+        if self._result is self._PENDING:
+            transport = self._transport
+            deadline = transport._deadline(timeout)
+            parts = [transport._complete(incoming, deadline) for incoming in self._incomings]
+            peers = [incoming.peer for incoming in self._incomings]
+            if self._single:
+                self._result = unpack(*parts[0])
+            elif self._average:
+                self._result = transport._average(parts, peers, self._label)
+            else:
+                self._result = [unpack(*part) for part in parts]
+            self._incomings = []
+        return self._result
+
+
+class P2PTransport:
+    """Sends and receives pipeline messages between ranks with non-blocking point-to-point ops.
+
+    ``group`` carries payloads (default: the default group); ``meta_group`` carries headers
+    and metadata and must be able to carry CPU tensors (gloo). It defaults to ``group`` when
+    that one can; an NCCL payload group needs an explicit gloo ``meta_group`` over the same
+    ranks. Payload buffers live on ``device``. ``timeout`` (seconds) is the default of every
+    ``wait``; None leaves it to the process group's own timeout. With ``check_labels``, a
+    receive whose label differs from the label the peer sent with (both non-empty) raises
+    :class:`MessageMismatchError`: give a send and its receive the same label.
+
+    Under gloo, a wait that times out closes the group's connection to that peer (gloo
+    tears the pair down); the transport then refuses further traffic with that peer.
+    """
+
+    def __init__(self, group: ProcessGroup | None = None, *,
+                 meta_group: ProcessGroup | None = None,
+                 device: torch.device | str = "cpu", timeout: float | None = None,
+                 check_labels: bool = True) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("P2PTransport needs torch.distributed to be initialised: call "
+                               "dist.init_process_group first")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds or None, got {timeout}")
+        self.rank = dist.get_rank()
+        self.group = group
+        if meta_group is None:
+            if not _carries_cpu_tensors(group):
+                raise ValueError(
+                    f"rank {self.rank}: the payload group uses {dist.get_backend(group)}, "
+                    "which cannot carry the CPU headers; pass meta_group=<a gloo group over "
+                    "the same ranks> (dist.new_group(ranks, backend='gloo'))")
+            meta_group = group
+        elif not _carries_cpu_tensors(meta_group):
+            raise ValueError(f"rank {self.rank}: meta_group must be a CPU (gloo) group, got "
+                             f"backend {dist.get_backend(meta_group)}")
+        self.meta_group = meta_group
+        self.device = _resolve_device(device)
+        self.timeout = timeout
+        self.check_labels = check_labels
+        self.stats = TransportStats()
+        self._outboxes: dict[int, _Outbox] = {}
+        self._inboxes: dict[int, _Inbox] = {}
+        # In-flight sends, oldest first: gloo cancels a send whose work object is destroyed,
+        # so the transport, not the caller, keeps every send alive until it is waited.
+        self._pending_sends: dict[SendHandle, None] = {}
+        self._groups: dict[Any, _GroupInfo] = {}
+
+    # -- sending -----------------------------------------------------------------------
+
+    def post_send(self, message: Any, dst: int | Sequence[int], *, label: str = "",
+                  group: GroupArg = None) -> SendHandle:
+        """Post the send of ``message`` to global rank ``dst`` (or to each of several).
+
+        ``group`` overrides the payload group (one per destination when a sequence).
+        Raises :class:`UnsupportedMessageError` before posting anything if the message
+        holds something the transport cannot carry.
+        """
+        peers, groups = self._routes(dst, group, "dst")
+        try:
+            layout, tensors = flatten(message)
+        except UnsupportedMessageError as error:
+            raise UnsupportedMessageError(
+                f"rank {self.rank}: cannot send {_describe(label)} to rank(s) {peers}: {error}"
+            ) from None
+        payload = pack(layout, tensors, self.device) if layout.payload_nbytes else None
+        digest = _label_digest(label)
+        sends: list[_PostedSend] = []
+        keep_alive: list[torch.Tensor] = [] if payload is None else [payload]
+        for peer, payload_group in zip(peers, groups):
+            outbox = self._outboxes.setdefault(peer, _Outbox())
+            slot, is_new = outbox.slots.assign(layout.encoded)
+            header = _Header(outbox.seq, slot, len(layout.encoded) if is_new else 0,
+                             layout.payload_nbytes, digest).to_tensor()
+            outbox.seq += 1
+            meta_group = self._meta_group_for(payload_group)
+            parts = [("header", header, meta_group)]
+            if is_new:
+                metadata = torch.frombuffer(bytearray(layout.encoded), dtype=torch.uint8)
+                parts.append(("metadata", metadata, meta_group))
+                self.stats.metadata_sent += 1
+                self.stats.metadata_bytes_sent += len(layout.encoded)
+            if payload is not None:
+                parts.append(("payload", payload, payload_group))
+                self.stats.payload_bytes_sent += layout.payload_nbytes
+            for part, tensor, part_group in parts:
+                work = dist.isend(tensor, dst=peer, group=part_group)
+                sends.append(_PostedSend(work, peer, part_group, part))
+                keep_alive.append(tensor)
+            self.stats.sends_posted += len(parts)
+            self.stats.messages_sent += 1
+            self.stats.header_bytes_sent += HEADER_NBYTES
+        handle = SendHandle(self, sends, keep_alive, label)
+        self._pending_sends[handle] = None
+        return handle
+
+    def wait_sends(self, timeout: float | None = None) -> None:
+        """Wait for every send posted so far that has not been waited (e.g. at step end)."""
+        deadline = self._deadline(timeout)
+        for handle in list(self._pending_sends):
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            handle.wait(remaining)
+
+    # -- receiving ---------------------------------------------------------------------
+
+    def post_recv(self, src: int | Sequence[int], *, label: str = "", group: GroupArg = None,
+                  average: bool = False) -> RecvHandle:
+        """Post the receive of one message from global rank ``src`` (or from each of several).
+
+        With several sources (each with its own group when ``group`` is a sequence, as when
+        one stage is fed by several pipeline groups), ``average=True`` makes ``wait``
+        return the mean: floating tensors are averaged with float32 (or wider) accumulation
+        and returned in their own dtype; integer and bool tensors and non-tensor leaves must
+        be equal across sources and pass through.
+        """
+        peers, groups = self._routes(src, group, "src")
+        incomings = []
+        for peer, payload_group in zip(peers, groups):
+            inbox = self._inboxes.setdefault(peer, _Inbox())
+            self._raise_if_failed(inbox, peer, label)
+            incoming = _Incoming(peer, payload_group, self._meta_group_for(payload_group), label)
+            inbox.queue.append(incoming)
+            if len(inbox.queue) == 1:
+                self._post_header_recv(incoming)
+            incomings.append(incoming)
+        return RecvHandle(self, incomings, label, average, single=isinstance(src, int))
+
+    def _post_header_recv(self, incoming: _Incoming) -> None:
+        incoming.header_work = dist.irecv(incoming.header, src=incoming.peer,
+                                          group=incoming.meta_group)
+        self.stats.recvs_posted += 1
+
+    def _complete(self, incoming: _Incoming, deadline: float | None
+                  ) -> tuple[MessageLayout, torch.Tensor]:
+        """Wait until ``incoming`` has arrived, resolving earlier messages from its peer."""
+        inbox = self._inboxes[incoming.peer]
+        while not incoming.resolved:
+            self._resolve_head(inbox, incoming, deadline)
+        if not incoming.arrived:
+            if incoming.payload_work is not None:
+                self._wait_work(
+                    incoming.payload_work, deadline, incoming.group, incoming.peer,
+                    lambda: f"the payload of {_describe(incoming.label)} from rank "
+                            f"{incoming.peer}",
+                    on_failure=lambda error: setattr(inbox, "failure", error))
+            incoming.arrived = True
+            self.stats.messages_received += 1
+            self.stats.header_bytes_received += HEADER_NBYTES
+            self.stats.payload_bytes_received += incoming.layout.payload_nbytes
+        if incoming.error is not None:
+            raise incoming.error
+        return incoming.layout, incoming.payload
+
+    def _resolve_head(self, inbox: _Inbox, waited: _Incoming, deadline: float | None) -> None:
+        """Read the header (and metadata) of the peer's oldest pending message, post its
+        payload receive, and post the header receive of the next one."""
+        head = inbox.queue[0]
+        self._raise_if_failed(inbox, head.peer, waited.label)
+
+        def describe(part: str) -> str:
+            text = f"the {part} of {_describe(head.label)} from rank {head.peer}"
+            if head is not waited:
+                text += (f" (an earlier message than the awaited {_describe(waited.label)}: "
+                         "receives from one peer complete in the order they were posted)")
+            return text
+
+        def fail(error: P2PError) -> None:
+            inbox.failure = error
+
+        self._wait_work(head.header_work, deadline, head.meta_group, head.peer,
+                        lambda: describe("header"), on_failure=fail)
+        header = _Header.from_tensor(head.header)
+        try:
+            head.layout = self._read_layout(inbox, head, header, deadline,
+                                            lambda: describe("metadata"))
+        except P2PError as error:
+            fail(error)
+            raise
+        if self.check_labels and head.digest and header.label_digest and (
+                head.digest != header.label_digest):
+            head.error = MessageMismatchError(
+                f"rank {self.rank} expected {_describe(head.label)} from rank {head.peer}, but "
+                f"the message rank {head.peer} sent at this point (#{header.seq} between "
+                "them) carries a different label: the two ranks post their sends and "
+                "receives in different orders; check that their schedules match")
+        if head.layout.payload_nbytes:
+            head.payload = torch.empty(head.layout.payload_nbytes, dtype=torch.uint8,
+                                       device=self.device)
+            head.payload_work = dist.irecv(head.payload, src=head.peer, group=head.group)
+            self.stats.recvs_posted += 1
+        else:
+            head.payload = torch.empty(0, dtype=torch.uint8, device=self.device)
+        head.resolved = True
+        inbox.queue.popleft()
+        inbox.seq += 1
+        if inbox.queue:
+            self._post_header_recv(inbox.queue[0])
+
+    def _read_layout(self, inbox: _Inbox, head: _Incoming, header: _Header,
+                     deadline: float | None, describe: Callable[[], str]) -> MessageLayout:
+        peer = head.peer
+
+        def corrupt(reason: str) -> MessageMismatchError:
+            return MessageMismatchError(
+                f"rank {self.rank} receiving {_describe(head.label)} from rank {peer}: "
+                f"{reason}. The two ranks' transports are out of step (was one of them "
+                "re-created, or does another component use the same group for sends?)")
+
+        if header.seq != inbox.seq:
+            raise corrupt(f"the header says message #{header.seq}, expected #{inbox.seq}")
+
+        def fetch_metadata(nbytes: int) -> torch.Tensor:
+            data = torch.empty(nbytes, dtype=torch.uint8)
+            work = dist.irecv(data, src=peer, group=head.meta_group)
+            self.stats.recvs_posted += 1
+            self._wait_work(work, deadline, head.meta_group, peer, describe)
+            self.stats.metadata_received += 1
+            self.stats.metadata_bytes_received += nbytes
+            return data
+
+        return _layout_for(header, inbox.slots, fetch_metadata, corrupt)
+
+    def _average(self, parts: list[tuple[MessageLayout, torch.Tensor]], peers: list[int],
+                 label: str) -> Any:
+        reference = parts[0][0]
+        for (layout, _), peer in zip(parts[1:], peers[1:]):
+            difference = describe_difference(reference, layout)
+            if difference:
+                raise MessageMismatchError(
+                    f"rank {self.rank} cannot average {_describe(label)} from ranks {peers}: "
+                    f"the messages of rank {peers[0]} and rank {peer} differ: {difference}")
+        columns = list(zip(*(slot_views(layout, payload) for layout, payload in parts)))
+        averaged = []
+        for path, column in zip(tensor_paths(reference), columns):
+            if column[0].dtype.is_floating_point or column[0].dtype.is_complex:
+                averaged.append(_mean(column))
+                continue
+            for peer, tensor in zip(peers[1:], column[1:]):
+                if not torch.equal(column[0], tensor):
+                    raise MessageMismatchError(
+                        f"rank {self.rank} cannot average {_describe(label)} from ranks "
+                        f"{peers}: {path} is a {column[0].dtype} tensor whose values differ "
+                        f"between rank {peers[0]} and rank {peer}; integer and bool tensors "
+                        "are not averaged and must be equal in every source")
+            averaged.append(column[0])
+        return unflatten(reference, averaged)
+
+    # -- shared helpers ----------------------------------------------------------------
+
+    def _routes(self, peers: int | Sequence[int], group: GroupArg, role: str
+                ) -> tuple[list[int], list[ProcessGroup | None]]:
+        peer_list = [peers] if isinstance(peers, int) else list(peers)
+        if not peer_list:
+            raise ValueError(f"rank {self.rank}: {role} names no rank")
+        if group is None or isinstance(group, ProcessGroup):
+            groups = [group if group is not None else self.group] * len(peer_list)
+        else:
+            groups = list(group)
+            if len(groups) != len(peer_list):
+                raise ValueError(f"rank {self.rank}: {len(peer_list)} {role} ranks "
+                                 f"{peer_list} but {len(groups)} groups; give one per rank")
+        for peer, payload_group in zip(peer_list, groups):
+            if type(peer) is not int:
+                raise TypeError(f"rank {self.rank}: {role} must be a global rank (int), got "
+                                f"{peer!r}")
+            if peer == self.rank:
+                raise ValueError(f"rank {self.rank}: {role}={peer} is this rank itself; "
+                                 "pipeline messages go to another rank")
+            for needed in (payload_group, self._meta_group_for(payload_group)):
+                members = self._group_info(needed).members
+                if peer not in members or self.rank not in members:
+                    raise ValueError(
+                        f"rank {self.rank}: {role}={peer} is not reachable through group "
+                        f"with global ranks {sorted(members)}; ranks are global ranks")
+        return peer_list, groups
+
+    def _meta_group_for(self, payload_group: ProcessGroup | None) -> ProcessGroup | None:
+        if payload_group is self.group or not self._group_info(payload_group).carries_cpu:
+            return self.meta_group
+        return payload_group
+
+    def _group_info(self, group: ProcessGroup | None) -> _GroupInfo:
+        info = self._groups.get(group)
+        if info is None:
+            info = self._groups[group] = _GroupInfo.of(group)
+        return info
+
+    def _raise_if_failed(self, inbox: _Inbox, peer: int, label: str) -> None:
+        if inbox.failure is not None:
+            raise P2PError(
+                f"rank {self.rank}: cannot receive {_describe(label)} from rank {peer}: the "
+                f"connection failed earlier ({inbox.failure})") from inbox.failure
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        seconds = self.timeout if timeout is None else timeout
+        return None if seconds is None else time.monotonic() + seconds
+
+    def _wait_work(self, work: Any, deadline: float | None, group: ProcessGroup | None,
+                   peer: int, describe: Callable[[], str],
+                   on_failure: Callable[[P2PError], None] | None = None) -> None:
+        """Wait for one posted operation, turning timeouts and failures into named errors."""
+        stream_ordered = self.device.type == "cuda" and self._group_info(group).uses_nccl
+        try:
+            if deadline is None or stream_ordered:
+                work.wait()
+            else:
+                remaining = max(deadline - time.monotonic(), 0.001)
+                work.wait(timedelta(seconds=remaining))
+        except RuntimeError as cause:
+            timed_out = (deadline is not None and time.monotonic() >= deadline) or (
+                "timed out" in str(cause).lower())
+            if timed_out:
+                error: P2PError = P2PTimeoutError(
+                    f"rank {self.rank} timed out waiting for {describe()}: rank {peer} did "
+                    "not post the matching operation in time; check that both ranks run "
+                    f"matching schedules and that rank {peer} is alive. The connection to "
+                    f"rank {peer} is unusable now")
+            else:
+                error = P2PError(f"rank {self.rank} failed waiting for {describe()}: {cause}")
+            if on_failure is not None:
+                on_failure(error)
+            raise error from cause
+
+
+class StageRecvHandle:
+    """Handle of a receive by a VTP stage: the stage root receives, then broadcasts."""
+
+    _PENDING = object()
+
+    def __init__(self, transport: "VTPTransport", inner: RecvHandle | None, label: str) -> None:
+        self._transport = transport
+        self._inner = inner
+        self._label = label
+        self._result: Any = self._PENDING
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the message has arrived on this rank and return it.
+
+        Every rank of the receiving stage must wait its stage's receives in the same order
+        (the broadcast inside the stage is a collective).
+        """
+        if self._result is self._PENDING:
+            self._result = self._transport._deliver(self._inner, self._label, timeout)
+            self._inner = None
+        return self._result
+
+
+class VTPTransport:
+    """Pipeline messages between stages of different tensor-parallel sizes (seed 001's VTP).
+
+    ``stage_ranks[s]`` lists the global ranks of stage ``s``; its first rank is the stage
+    root. Only stage roots talk to each other (through a :class:`P2PTransport` over
+    ``group``); a receiving stage's root then broadcasts the message (structure and tensors)
+    to the other ranks of its stage over ``intra_group`` when the handle is waited. Sends
+    by ranks that are not stage roots post nothing. ``dst``/``src`` are global ranks of any
+    member of the peer stage. ``intra_group`` is this rank's stage group (needed when the
+    stage has several ranks); ``intra_meta_group`` carries its headers and metadata and
+    defaults to ``intra_group`` when that one is a CPU group.
+    """
+
+    def __init__(self, stage_ranks: Sequence[Sequence[int]],
+                 intra_group: ProcessGroup | None = None, *,
+                 group: ProcessGroup | None = None, meta_group: ProcessGroup | None = None,
+                 intra_meta_group: ProcessGroup | None = None,
+                 device: torch.device | str = "cpu", timeout: float | None = None,
+                 check_labels: bool = True) -> None:
+        self.p2p = P2PTransport(group, meta_group=meta_group, device=device, timeout=timeout,
+                                check_labels=check_labels)
+        self.rank = self.p2p.rank
+        self.stats = self.p2p.stats
+        self.stage_ranks = _validate_stages(stage_ranks)
+        self._stage_of = {rank: s for s, ranks in enumerate(self.stage_ranks) for rank in ranks}
+        if self.rank not in self._stage_of:
+            raise ValueError(f"rank {self.rank} is in no stage of stage_ranks "
+                             f"{[list(r) for r in self.stage_ranks]}")
+        self.stage_index = self._stage_of[self.rank]
+        members = self.stage_ranks[self.stage_index]
+        self.stage_root = members[0]
+        self.is_stage_root = self.rank == self.stage_root
+        self.intra_group = intra_group
+        self.intra_meta_group = intra_meta_group
+        if len(members) > 1:
+            if intra_group is None:
+                raise ValueError(f"rank {self.rank}: stage {self.stage_index} has ranks "
+                                 f"{list(members)}; pass intra_group, a group of exactly them")
+            actual = sorted(dist.get_process_group_ranks(intra_group))
+            if actual != sorted(members):
+                raise ValueError(f"rank {self.rank}: intra_group has ranks {actual} but stage "
+                                 f"{self.stage_index} is {list(members)}")
+            if intra_meta_group is None:
+                if not _carries_cpu_tensors(intra_group):
+                    raise ValueError(f"rank {self.rank}: intra_group cannot carry CPU "
+                                     "headers; pass intra_meta_group (a gloo stage group)")
+                self.intra_meta_group = intra_group
+        self._broadcast_seq = 0
+        self._broadcast_sender_slots = _SenderSlots()
+        self._broadcast_receiver_slots = _ReceiverSlots()
+        self._broadcast_failure: P2PError | None = None
+
+    def post_send(self, message: Any, dst: int | Sequence[int], *, label: str = "",
+                  group: GroupArg = None) -> SendHandle:
+        """Post a send to the stage(s) holding global rank(s) ``dst``; only the root posts."""
+        roots = self._roots(dst)
+        if not self.is_stage_root:
+            try:
+                flatten(message)
+            except UnsupportedMessageError as error:
+                raise UnsupportedMessageError(
+                    f"rank {self.rank}: cannot send {_describe(label)}: {error}") from None
+            return SendHandle.completed()
+        return self.p2p.post_send(message, roots, label=label, group=group)
+
+    def post_recv(self, src: int | Sequence[int], *, label: str = "", group: GroupArg = None,
+                  average: bool = False) -> StageRecvHandle:
+        """Post a receive from the stage(s) holding ``src``; see ``P2PTransport.post_recv``."""
+        roots = self._roots(src)
+        inner = (self.p2p.post_recv(roots, label=label, group=group, average=average)
+                 if self.is_stage_root else None)
+        return StageRecvHandle(self, inner, label)
+
+    def wait_sends(self, timeout: float | None = None) -> None:
+        """Wait for every send this rank posted and has not waited."""
+        self.p2p.wait_sends(timeout)
+
+    def _roots(self, peers: int | Sequence[int]) -> int | list[int]:
+        def root_of(rank: Any) -> int:
+            stage = self._stage_of.get(rank) if type(rank) is int else None
+            if stage is None:
+                raise ValueError(f"rank {self.rank}: peer {rank!r} is in no stage of "
+                                 f"{[list(r) for r in self.stage_ranks]}")
+            if stage == self.stage_index:
+                raise ValueError(f"rank {self.rank}: peer {rank} is in this rank's own stage "
+                                 f"{stage}; pipeline messages go to another stage")
+            return self.stage_ranks[stage][0]
+
+        if isinstance(peers, int):
+            return root_of(peers)
+        return [root_of(rank) for rank in peers]
+
+    def _deliver(self, inner: RecvHandle | None, label: str, timeout: float | None) -> Any:
+        deadline = self.p2p._deadline(timeout)
+        if len(self.stage_ranks[self.stage_index]) == 1:
+            return inner.wait(timeout)
+        if self._broadcast_failure is not None:
+            raise P2PError(f"rank {self.rank}: cannot deliver {_describe(label)} inside stage "
+                           f"{self.stage_index}: an earlier broadcast failed "
+                           f"({self._broadcast_failure})") from self._broadcast_failure
+        if self.is_stage_root:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            try:
+                message = inner.wait(remaining)
+            except P2PError:
+                self._broadcast_root_failure(label, deadline)
+                raise
+            self._broadcast_from_root(message, label, deadline)
+            return message
+        return self._broadcast_to_member(label, deadline)
+
+    def _broadcast_root_failure(self, label: str, deadline: float | None) -> None:
+        """Tell the stage's other ranks that the root could not receive, so they fail fast."""
+        header = _Header(self._broadcast_seq, _ROOT_FAILED_SLOT, 0, 0, _label_digest(label))
+        self._broadcast_seq += 1
+        self._broadcast(header.to_tensor(), self.intra_meta_group, deadline, "header", label)
+
+    def _broadcast_from_root(self, message: Any, label: str, deadline: float | None) -> None:
+        layout, tensors = flatten(message)
+        slot, is_new = self._broadcast_sender_slots.assign(layout.encoded)
+        header = _Header(self._broadcast_seq, slot, len(layout.encoded) if is_new else 0,
+                         layout.payload_nbytes, _label_digest(label))
+        self._broadcast_seq += 1
+        self._broadcast(header.to_tensor(), self.intra_meta_group, deadline, "header", label)
+        if is_new:
+            metadata = torch.frombuffer(bytearray(layout.encoded), dtype=torch.uint8)
+            self._broadcast(metadata, self.intra_meta_group, deadline, "metadata", label)
+            self.stats.broadcast_metadata += 1
+        if layout.payload_nbytes:
+            self._broadcast(pack(layout, tensors, self.p2p.device), self.intra_group, deadline,
+                            "payload", label)
+        self.stats.broadcasts += 1
+
+    def _broadcast_to_member(self, label: str, deadline: float | None) -> Any:
+        raw_header = torch.empty(HEADER_NUMEL, dtype=torch.int64)
+        self._broadcast(raw_header, self.intra_meta_group, deadline, "header", label)
+        header = _Header.from_tensor(raw_header)
+
+        def corrupt(reason: str) -> MessageMismatchError:
+            self._broadcast_failure = MessageMismatchError(
+                f"rank {self.rank} receiving {_describe(label)} inside stage "
+                f"{self.stage_index} from rank {self.stage_root}: {reason}; the ranks of the "
+                "stage are out of step")
+            return self._broadcast_failure
+
+        def fetch_metadata(nbytes: int) -> torch.Tensor:
+            data = torch.empty(nbytes, dtype=torch.uint8)
+            self._broadcast(data, self.intra_meta_group, deadline, "metadata", label)
+            self.stats.broadcast_metadata += 1
+            return data
+
+        if header.seq != self._broadcast_seq:
+            raise corrupt(f"broadcast #{header.seq} arrived, expected #{self._broadcast_seq}")
+        self._broadcast_seq += 1
+        if header.slot == _ROOT_FAILED_SLOT:
+            raise P2PError(f"rank {self.rank} cannot receive {_describe(label)}: its stage "
+                           f"root rank {self.stage_root} failed to receive the message that "
+                           "it would have broadcast; see rank "
+                           f"{self.stage_root}'s error")
+        layout = _layout_for(header, self._broadcast_receiver_slots, fetch_metadata, corrupt)
+        payload = torch.empty(header.payload_nbytes, dtype=torch.uint8, device=self.p2p.device)
+        if header.payload_nbytes:
+            self._broadcast(payload, self.intra_group, deadline, "payload", label)
+        self.stats.broadcasts += 1
+        digest = _label_digest(label)
+        if self.p2p.check_labels and digest and header.label_digest and (
+                digest != header.label_digest):
+            raise MessageMismatchError(
+                f"rank {self.rank} waited {_describe(label)} but its stage root rank "
+                f"{self.stage_root} broadcast a message with a different label: the ranks "
+                f"of stage {self.stage_index} must wait their receives in the same order")
+        return unpack(layout, payload)
+
+    def _broadcast(self, tensor: torch.Tensor, group: ProcessGroup | None,
+                   deadline: float | None, part: str, label: str) -> None:
+        work = dist.broadcast(tensor, src=self.stage_root, group=group, async_op=True)
+
+        def fail(error: P2PError) -> None:
+            self._broadcast_failure = error
+
+        self.p2p._wait_work(
+            work, deadline, group, self.stage_root,
+            lambda: f"the {part} of {_describe(label)} broadcast inside stage "
+                    f"{self.stage_index} by rank {self.stage_root}",
+            on_failure=fail)
+
+
+def _layout_for(header: _Header, slots: _ReceiverSlots,
+                fetch_metadata: Callable[[int], torch.Tensor],
+                corrupt: Callable[[str], MessageMismatchError]) -> MessageLayout:
+    """The layout a header announces: fetched and cached if it travels, else looked up."""
+    if not 0 <= header.slot < METADATA_SLOTS:
+        raise corrupt(f"the header names metadata slot {header.slot}")
+    if header.metadata_nbytes:
+        data = fetch_metadata(header.metadata_nbytes)
+        try:
+            layout = MessageLayout.decode(data.numpy().tobytes())
+        except ValueError as error:
+            raise corrupt(str(error)) from None
+        slots.store(header.slot, layout)
+    else:
+        layout = slots.lookup(header.slot)
+        if layout is None:
+            raise corrupt(f"the header refers to cached metadata slot {header.slot}, which "
+                          "this rank never received")
+    if layout.payload_nbytes != header.payload_nbytes:
+        raise corrupt(f"the header announces {header.payload_nbytes} payload bytes but the "
+                      f"metadata describes {layout.payload_nbytes}")
+    return layout
+
+
+def _validate_stages(stage_ranks: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    stages = tuple(tuple(ranks) for ranks in stage_ranks)
+    seen: set[int] = set()
+    for index, ranks in enumerate(stages):
+        if not ranks:
+            raise ValueError(f"stage {index} of stage_ranks has no rank")
+        for rank in ranks:
+            if type(rank) is not int or rank < 0:
+                raise ValueError(f"stage {index} lists {rank!r}, not a global rank")
+            if rank in seen:
+                raise ValueError(f"rank {rank} appears in more than one stage of stage_ranks")
+            seen.add(rank)
+    return stages
+
+
+def _mean(column: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Mean of same-shape floating tensors, accumulated in at least float32."""
+    accumulate = torch.promote_types(column[0].dtype, torch.float32)
+    total = column[0].to(accumulate, copy=True)
+    for tensor in column[1:]:
+        total.add_(tensor.to(accumulate))
+    return total.div_(len(column)).to(column[0].dtype)
+
+
+def _carries_cpu_tensors(group: ProcessGroup | None) -> bool:
+    return _GroupInfo.of(group).carries_cpu
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
