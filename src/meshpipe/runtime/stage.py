@@ -1,0 +1,417 @@
+"""One pipeline stage: a model chunk with forward, full backward and split backward per microbatch.
+
+Messages between stages are pytrees of tensors and small Python values. Backward follows
+the multi-tensor semantics of seed 000:
+
+- only outputs that require grad take part; the gradients given for the others are ignored
+  (and may be None);
+- a float input that received no gradient gets zeros; a non-differentiable input (integer or
+  bool tensor, None, Python value) gets None;
+- on the last stage the loss is the root, multiplied by ``loss_scale`` and passed through the
+  optional ``grad_scale_fn`` (e.g. a mixed-precision loss scaler);
+- a tensor passed through a stage unchanged (a skip connection) gets the gradient of both
+  paths, because the received leaf is itself an output of the stage.
+
+Parameter gradients accumulate in ``.grad`` across microbatches; the Stage never zeroes them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from meshpipe.runtime.split_backward import SplitBackward
+
+
+class StageError(RuntimeError):
+    """A stage could not run an action; the message names rank, stage, microbatch and action."""
+
+    def __init__(self, problem: str, *, stage: int, microbatch: int, action: str, hint: str):
+        rank = f"rank {dist.get_rank()}, " if dist.is_available() and dist.is_initialized() else ""
+        super().__init__(f"{rank}stage {stage}, microbatch {microbatch}, {action}: {problem}. "
+                         f"{hint}")
+        self.stage = stage
+        self.microbatch = microbatch
+        self.action = action
+
+
+@dataclass
+class _Microbatch:
+    """What one forward keeps until its backward."""
+
+    input_leaves: list[Any]
+    input_spec: TreeSpec
+    outputs: list[Any]
+    output_spec: TreeSpec
+    roots: list[GradientEdge]
+    root_shapes: list[torch.Size]
+    # Index of each root in the flattened output; empty for the loss root of the last stage.
+    root_output_indices: list[int]
+    # The gradient that seeds a loss root (ones); None on stages that receive output grads.
+    loss_grad: Tensor | None
+    split: SplitBackward | None = None
+    released: set[int] = field(default_factory=set)
+
+
+def _is_differentiable(value: Any) -> bool:
+    return isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex())
+
+
+def _as_stage_input(value: Any) -> Any:
+    """A received float tensor becomes a fresh leaf that collects the gradient to send back."""
+    if _is_differentiable(value):
+        return value.detach().requires_grad_(True)
+    return value
+
+
+def _describe(values: list[Any]) -> str:
+    def one(value: Any) -> str:
+        if isinstance(value, Tensor):
+            return f"Tensor{tuple(value.shape)}:{str(value.dtype).removeprefix('torch.')}"
+        return type(value).__name__
+    return "(" + ", ".join(one(v) for v in values) + ")"
+
+
+_SAVED_ATTRIBUTES: dict[type, list[str]] = {}
+
+
+def _saved_tensors(node: Node) -> list[Tensor]:
+    """Tensors an autograd node saved for its backward (built-in ops and custom Functions)."""
+    names = _SAVED_ATTRIBUTES.get(type(node))
+    if names is None:
+        names = [name for name in dir(type(node)) if name.startswith("_saved_")]
+        if hasattr(type(node), "saved_tensors"):
+            names.append("saved_tensors")
+        _SAVED_ATTRIBUTES[type(node)] = names
+    found: list[Tensor] = []
+    for name in names:
+        value = getattr(node, name)
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        found.extend(v for v in values if isinstance(v, Tensor))
+    return found
+
+
+def _storages_saved_by_graph(nodes: list[Node]) -> set[int]:
+    """Data pointers of every storage saved by a node of the graph below ``nodes``."""
+    pointers: set[int] = set()
+    seen: set[Node] = set()
+    stack = [node for node in nodes if node is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        pointers.update(t.untyped_storage().data_ptr() for t in _saved_tensors(node))
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return pointers
+
+
+class Stage:
+    """One model chunk of a pipeline: runs forward and backward actions per microbatch.
+
+    ``loss_fn(output, target)`` (last stage) must return a scalar tensor. ``grad_scale_fn``
+    maps the scaled loss to the tensor whose backward is taken (seed 000's grad-scale hook).
+    """
+
+    def __init__(self, module: nn.Module, index: int, num_stages: int, *,
+                 loss_fn: Callable[[Any, Any], Tensor] | None = None,
+                 grad_scale_fn: Callable[[Tensor], Tensor] | None = None):
+        if not 0 <= index < num_stages:
+            raise ValueError(f"stage index {index} is outside 0..{num_stages - 1}")
+        self.module = module
+        self.index = index
+        self.num_stages = num_stages
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        if loss_fn is not None and not self.is_last:
+            raise ValueError(f"stage {index} of {num_stages} got a loss_fn; only the last stage "
+                             f"computes the loss")
+        self.loss_fn = loss_fn
+        self.grad_scale_fn = grad_scale_fn
+        self._saved: dict[int, _Microbatch] = {}
+        self._finished: dict[int, str] = {}
+        try:
+            self._signature: inspect.Signature | None = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            self._signature = None
+
+    @property
+    def live_microbatches(self) -> int:
+        """Forwards whose saved state (activations, graph) is still held."""
+        return len(self._saved)
+
+    def _error(self, problem: str, microbatch: int, action: str, hint: str) -> StageError:
+        return StageError(problem, stage=self.index, microbatch=microbatch, action=action,
+                          hint=hint)
+
+    # ----------------------------------------------------------------- forward
+
+    def forward(self, microbatch: int, message: Any, *, target: Any = None,
+                loss_scale: float = 1.0, keep_for_backward: bool = True) -> Any:
+        """Run the chunk on ``message``; returns the output message, or ``(output, loss)``.
+
+        The last stage with a ``loss_fn`` returns the unscaled loss (detached) beside its
+        output. With ``keep_for_backward=False`` (forward-only) no graph is built or kept.
+        """
+        if keep_for_backward and microbatch in self._saved:
+            raise self._error("a forward of this microbatch is still waiting for its backward",
+                              microbatch, "forward",
+                              "run its backward first, or use a distinct microbatch id")
+        leaves, spec = tree_flatten(message)
+        if not self.is_first and keep_for_backward:
+            leaves = [_as_stage_input(leaf) for leaf in leaves]
+            message = tree_unflatten(leaves, spec)
+        args = tuple(message) if isinstance(message, (tuple, list)) else (message,)
+        self._check_arity(args, microbatch)
+        with torch.set_grad_enabled(keep_for_backward):
+            output = self._call_module(args, microbatch)
+            loss = root = None
+            if self.is_last and self.loss_fn is not None:
+                loss, root = self._loss(output, target, loss_scale, microbatch)
+        if keep_for_backward:
+            self._saved[microbatch] = self._record(leaves, spec, output, root)
+            self._finished.pop(microbatch, None)
+        if loss is None:
+            return output
+        return output, loss.detach()
+
+    def _check_arity(self, args: tuple, microbatch: int) -> None:
+        if self._signature is None:
+            return
+        try:
+            self._signature.bind(*args)
+        except TypeError as exc:
+            raise self._error(
+                f"the message {_describe(list(args))} does not fit the module's forward"
+                f"{self._signature} ({exc})", microbatch, "forward",
+                "make the previous stage return exactly the values this chunk takes") from None
+
+    def _call_module(self, args: tuple, microbatch: int) -> Any:
+        try:
+            return self.module(*args)
+        except Exception as exc:
+            raise self._error(
+                f"the module raised {type(exc).__name__}: {exc} (message was "
+                f"{_describe(list(args))})", microbatch, "forward",
+                "check that the previous stage's output matches what this chunk expects "
+                "(count, dtypes, shapes)") from exc
+
+    def _loss(self, output: Any, target: Any, loss_scale: float,
+              microbatch: int) -> tuple[Tensor, Tensor]:
+        if target is None:
+            raise self._error("the last stage has a loss_fn but got no target", microbatch,
+                              "forward", "pass target= with the microbatch's labels")
+        try:
+            loss = self.loss_fn(output, target)
+        except Exception as exc:
+            raise self._error(f"loss_fn raised {type(exc).__name__}: {exc}", microbatch,
+                              "forward", "check the target against the last stage's output "
+                              f"{_describe(tree_flatten(output)[0])}") from exc
+        if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+            got = _describe([loss])
+            raise self._error(f"loss_fn returned {got}, not a floating-point scalar", microbatch,
+                              "forward", "reduce the loss to one value (mean or sum)")
+        root = loss * loss_scale
+        if self.grad_scale_fn is not None:
+            root = self.grad_scale_fn(root)
+            if not isinstance(root, Tensor) or root.dim() != 0:
+                raise self._error(f"grad_scale_fn returned {_describe([root])}, not a scalar",
+                                  microbatch, "forward", "return the scaled loss tensor")
+        return loss, root
+
+    def _record(self, input_leaves: list[Any], input_spec: TreeSpec, output: Any,
+                loss_root: Tensor | None) -> _Microbatch:
+        outputs, output_spec = tree_flatten(output)
+        if loss_root is not None:
+            takes_part = [loss_root] if loss_root.requires_grad else []
+            indices: list[int] = []
+        else:
+            indices = [i for i, value in enumerate(outputs)
+                       if isinstance(value, Tensor) and value.requires_grad]
+            takes_part = [outputs[i] for i in indices]
+        return _Microbatch(
+            input_leaves=input_leaves, input_spec=input_spec, outputs=outputs,
+            output_spec=output_spec, roots=[get_gradient_edge(t) for t in takes_part],
+            root_shapes=[t.shape for t in takes_part], root_output_indices=indices,
+            loss_grad=None if loss_root is None else torch.ones_like(loss_root))
+
+    # ---------------------------------------------------------------- backward
+
+    def backward(self, microbatch: int, output_grads: Any = None) -> Any:
+        """Full backward (B): accumulates parameter grads, returns the input grads.
+
+        The result is a pytree like the received message (None on the first stage, which has
+        no upstream to send to).
+        """
+        saved = self._held(microbatch, "backward")
+        roots, grads = self._roots_and_grads(saved, output_grads, microbatch, "backward")
+        float_inputs = self._float_inputs(saved)
+        del self._saved[microbatch]
+        try:
+            if roots:
+                torch.autograd.backward(roots, grads)
+        except RuntimeError as exc:
+            raise self._error(f"autograd failed: {exc}", microbatch, "backward",
+                              "check the output gradients received from the next stage") from exc
+        self._finish(microbatch, "backward")
+        return self._input_grads(saved, [t.grad for t in float_inputs])
+
+    def backward_input(self, microbatch: int, output_grads: Any = None) -> Any:
+        """Input-gradient half (I) of the backward; ``backward_weight`` must follow.
+
+        Returns the same input grads as ``backward`` would. See ``SplitBackward`` for how the
+        weight half is kept for later and what it costs.
+        """
+        saved = self._held(microbatch, "backward_input")
+        roots, grads = self._roots_and_grads(saved, output_grads, microbatch, "backward_input")
+        float_inputs = self._float_inputs(saved)
+        saved.split = SplitBackward(roots, grads, float_inputs)
+        try:
+            input_grads = saved.split.input_grads()
+        except RuntimeError as exc:
+            del self._saved[microbatch]
+            raise self._error(f"autograd failed: {exc}", microbatch, "backward_input",
+                              "check the output gradients received from the next stage") from exc
+        result = self._input_grads(saved, input_grads)
+        saved.input_leaves, saved.outputs = [], []
+        return result
+
+    def backward_weight(self, microbatch: int) -> None:
+        """Weight-gradient half (W): accumulates the parameter grads deferred by ``backward_input``."""
+        saved = self._held(microbatch, "backward_weight")
+        del self._saved[microbatch]
+        try:
+            saved.split.accumulate_weight_grads()
+        except RuntimeError as exc:
+            raise self._error(f"autograd failed: {exc}", microbatch, "backward_weight",
+                              "report this with the model: the weight pass should not fail "
+                              "after its input pass succeeded") from exc
+        self._finish(microbatch, "backward_weight")
+
+    def _held(self, microbatch: int, action: str) -> _Microbatch:
+        """The state of ``microbatch`` if ``action`` may run on it now; a StageError otherwise."""
+        saved = self._saved.get(microbatch)
+        if saved is None:
+            done = self._finished.get(microbatch)
+            if done is not None:
+                raise self._error(f"its backward already ran ({done})", microbatch, action,
+                                  "each forward allows one backward: B, or I followed by W")
+            raise self._error("no forward of this microbatch is held", microbatch, action,
+                              "run forward with keep_for_backward=True first (forward-only "
+                              "runs keep nothing)")
+        if action == "backward_weight" and saved.split is None:
+            raise self._error("backward_weight needs backward_input first", microbatch, action,
+                              "run backward_input (I) before backward_weight (W), or use backward")
+        if action != "backward_weight" and saved.split is not None:
+            raise self._error("backward_input already ran for this microbatch", microbatch, action,
+                              "finish it with backward_weight")
+        return saved
+
+    def _finish(self, microbatch: int, action: str) -> None:
+        self._finished[microbatch] = action
+
+    def _float_inputs(self, saved: _Microbatch) -> list[Tensor]:
+        if self.is_first:
+            return []
+        return [leaf for leaf in saved.input_leaves if _is_differentiable(leaf)]
+
+    def _roots_and_grads(self, saved: _Microbatch, output_grads: Any, microbatch: int,
+                         action: str) -> tuple[list[GradientEdge], list[Tensor]]:
+        if saved.loss_grad is not None:
+            if output_grads is not None:
+                raise self._error("the last stage backpropagates its own loss but got output "
+                                  "gradients", microbatch, action, "pass output_grads=None")
+            return saved.roots, [saved.loss_grad] if saved.roots else []
+        grad_leaves = self._grad_leaves(saved, output_grads, microbatch, action)
+        roots, grads = [], []
+        for edge, shape, index in zip(saved.roots, saved.root_shapes, saved.root_output_indices):
+            grad = grad_leaves[index]
+            if grad is None:
+                continue
+            if not isinstance(grad, Tensor) or grad.shape != shape:
+                raise self._error(
+                    f"output {index} has shape {tuple(shape)} but its gradient is "
+                    f"{_describe([grad])}", microbatch, action,
+                    "send back one gradient per output, shaped like that output")
+            roots.append(edge)
+            grads.append(grad)
+        return roots, grads
+
+    def _grad_leaves(self, saved: _Microbatch, output_grads: Any, microbatch: int,
+                     action: str) -> list[Any]:
+        n_outputs = saved.output_spec.num_leaves
+        if output_grads is None:
+            if saved.roots:
+                raise self._error("no output gradients given for outputs that require grad",
+                                  microbatch, action,
+                                  "pass the gradients received from the next stage")
+            return [None] * n_outputs
+        if isinstance(output_grads, Tensor) and len(saved.roots) == 1:
+            grad_leaves = [None] * n_outputs
+            grad_leaves[saved.root_output_indices[0]] = output_grads
+            return grad_leaves
+        grad_leaves, _ = tree_flatten(output_grads)
+        if len(grad_leaves) != n_outputs:
+            raise self._error(
+                f"got {len(grad_leaves)} output gradients for {n_outputs} outputs", microbatch,
+                action, "send back a pytree shaped like this stage's output (None where no "
+                "gradient)")
+        return grad_leaves
+
+    def _input_grads(self, saved: _Microbatch, float_grads: list[Tensor | None]) -> Any:
+        """Map gradients of the float inputs back onto the received message's structure."""
+        if self.is_first:
+            return None
+        grads = iter(float_grads)
+        leaves = []
+        for leaf in saved.input_leaves:
+            if _is_differentiable(leaf):
+                grad = next(grads)
+                leaves.append(torch.zeros_like(leaf) if grad is None else grad)
+            else:
+                leaves.append(None)
+        return tree_unflatten(leaves, saved.input_spec)
+
+    # ------------------------------------------------------------------ memory
+
+    def release_output(self, microbatch: int) -> None:
+        """Free the storage of this microbatch's outputs once they are sent (seed 003).
+
+        The next stage holds its own copy, and backward only needs the outputs' autograd
+        nodes, which stay. An output is kept when freeing it would break backward or free
+        nothing: it is (a view of) a stage input, i.e. a skip connection; it is a view; or
+        its storage is saved by a node of the graph (``tanh``, ``sigmoid``, ``softmax`` save
+        their result; an op consuming the output inside the stage may save it as input).
+        Only call this after the send of the outputs completed. A microbatch with nothing
+        held (forward-only, or backward done) is left alone.
+        """
+        saved = self._saved.get(microbatch)
+        if saved is None or saved.split is not None:
+            return
+        keep = self._storages_to_keep(saved)
+        for index, value in enumerate(saved.outputs):
+            if not isinstance(value, Tensor) or index in saved.released:
+                continue
+            if value._base is not None or value.numel() == 0:
+                continue
+            pointer = value.untyped_storage().data_ptr()
+            if pointer in keep:
+                continue
+            value.data = torch.empty(0, dtype=value.dtype, device=value.device)
+            saved.released.add(index)
+            keep.add(pointer)
+
+    def _storages_to_keep(self, saved: _Microbatch) -> set[int]:
+        inputs = {leaf.untyped_storage().data_ptr() for leaf in saved.input_leaves
+                  if isinstance(leaf, Tensor)}
+        nodes = [edge.node for edge in saved.roots]
+        nodes += [value.grad_fn for value in saved.outputs if isinstance(value, Tensor)]
+        return inputs | _storages_saved_by_graph(nodes)
