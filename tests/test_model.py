@@ -6,9 +6,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshpipe.context.local import LocalAttention
+from meshpipe.context import LocalAttention, RingAttention, UlyssesAttention
 from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, balanced_layers,
                              causal_lm_loss, shared_parameters, split)
+from meshpipe.testing import run_distributed
 
 SMALL = TransformerConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
                           max_seq_len=64)
@@ -257,6 +258,63 @@ def test_causal_lm_loss_rejects_bad_arguments():
         causal_lm_loss(torch.randn(2, 6, 10), torch.zeros(2, 6, dtype=torch.int64), reduction="x")
 
 
-def test_positions_of_the_wrong_length_are_rejected():
+def test_positions_of_the_wrong_length_or_beyond_max_seq_len_are_rejected():
     with pytest.raises(ValueError, match=r"positions must have shape \[12\]"):
         Transformer(SMALL)(_tokens(), positions=torch.arange(11))
+    with pytest.raises(ValueError, match="raise TransformerConfig.max_seq_len"):
+        Transformer(SMALL)(_tokens(), positions=torch.arange(60, 72))
+
+
+def _zigzag(seq, rank, world):
+    """Chunks ``rank`` and ``2 * world - 1 - rank`` of ``2 * world`` equal chunks."""
+    chunk = seq // (2 * world)
+    mirror = 2 * world - 1 - rank
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange(mirror * chunk, (mirror + 1) * chunk)])
+
+
+def _context_parallel_rank(rank, world_size, seq):
+    """Each rank runs the model on its slice with its positions; loss normalised globally."""
+    import torch.distributed as dist
+    tokens, targets = _tokens(2, seq, seed=8), _tokens(2, seq, seed=9)
+    layouts = {
+        "ring, zigzag": (RingAttention(), _zigzag(seq, rank, world_size)),
+        "ulysses, contiguous": (UlyssesAttention(),
+                                torch.arange(seq).chunk(world_size)[rank]),
+    }
+    results = {}
+    for name, (attention, positions) in layouts.items():
+        model = Transformer(SMALL, attention=attention)
+        logits = model(tokens[:, positions], positions)
+        loss_sum, count = causal_lm_loss(logits, targets[:, positions], reduction="sum")
+        dist.all_reduce(count)
+        (loss_sum / count).backward()
+        grads = {}
+        for param_name, param in model.named_parameters():
+            dist.all_reduce(param.grad)
+            grads[param_name] = param.grad
+        total = loss_sum.detach() / count
+        dist.all_reduce(total)
+        results[name] = (positions, logits.detach(), total, grads)
+    return results
+
+
+def test_context_parallel_ranks_with_their_positions_equal_the_full_model():
+    """RoPE and the mask follow positions: zigzag (ring) and contiguous (Ulysses) slices give
+    the full model's logits, loss and (summed) gradients."""
+    seq = 16
+    reference = Transformer(SMALL)
+    tokens, targets = _tokens(2, seq, seed=8), _tokens(2, seq, seed=9)
+    logits = reference(tokens)
+    loss = causal_lm_loss(logits, targets)
+    loss.backward()
+    for per_rank in zip(*(r.values() for r in run_distributed(2, _context_parallel_rank, seq))):
+        for positions, rank_logits, total, grads in per_rank:
+            torch.testing.assert_close(rank_logits, logits.detach()[:, positions])
+            torch.testing.assert_close(total, loss.detach())
+            _assert_grads_close(grads, reference)
+
+
+def _assert_grads_close(grads, model):
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, msg=name)

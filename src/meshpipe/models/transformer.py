@@ -101,22 +101,27 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding on ``[batch, seq, heads, head_dim]`` tensors.
 
-    Angles are computed from the given token positions rather than from a table indexed by
-    the local offset, so any slice of a sequence (zigzag, packed documents) rotates correctly.
-    Dimension ``i`` is paired with ``i + head_dim / 2``.
+    The rotation of each token is looked up by its position (not by its local offset), so
+    any slice of a sequence (zigzag, packed documents) rotates correctly. The cos/sin table
+    covers ``max_seq_len`` positions; dimension ``i`` is paired with ``i + head_dim / 2``.
     """
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, max_seq_len: int):
         super().__init__()
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-        self.register_buffer("inv_freq", (1.0 / theta**exponents).float(), persistent=False)
+        angles = torch.arange(max_seq_len, dtype=torch.float64).unsqueeze(1) / theta**exponents
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq
-        cos = angles.cos()[None, :, None, :]
-        sin = angles.sin()[None, :, None, :]
-        x32 = x.float()
-        first, second = x32.chunk(2, dim=-1)
+        try:
+            cos = self.cos[positions][None, :, None, :]
+            sin = self.sin[positions][None, :, None, :]
+        except IndexError as exc:
+            raise ValueError(f"a token position is outside the RoPE table of "
+                             f"{self.cos.shape[0]} positions ({exc}); raise "
+                             f"TransformerConfig.max_seq_len") from exc
+        first, second = x.float().chunk(2, dim=-1)
         rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
         return rotated.type_as(x)
 
@@ -196,7 +201,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.attention = LocalAttention() if attention is None else attention
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_seq_len)
         self.embedding = nn.Embedding(config.vocab_size, config.dim,
                                       _weight=torch.empty(config.vocab_size, config.dim))
         self.layers = nn.ModuleList(TransformerBlock(config, self.rope, self.attention)
