@@ -2,6 +2,8 @@
 semantics, skip connections, freeing sent outputs (seed 003) and errors. Single process."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -461,6 +463,34 @@ def test_live_microbatches_count_held_forwards():
     assert stage.live_microbatches == 1
     stage.forward(3, torch.randn(2, 8), keep_for_backward=False)
     assert stage.live_microbatches == 1
+
+
+class RemembersActivation(Residual):
+    """Keeps a weak reference to an activation that autograd saves for backward."""
+
+    def forward(self, x):
+        hidden = torch.relu(self.linear(x))
+        self.activation = weakref.ref(hidden)
+        return hidden @ self.linear.weight
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_backward_lets_go_of_saved_activations(split_backward):
+    module = RemembersActivation()
+    stage = Stage(module, 1, 3)
+    output = stage.forward(0, torch.randn(2, 8))
+    del output
+    gc.collect()
+    assert module.activation() is not None, "backward needs it: the stage must hold it"
+    if split_backward:
+        stage.backward_input(0, torch.ones(2, 8))
+        gc.collect()
+        assert module.activation() is not None, "W still needs it"
+        stage.backward_weight(0)
+    else:
+        stage.backward(0, torch.ones(2, 8))
+    gc.collect()
+    assert module.activation() is None
 
 
 def test_parameter_grads_accumulate_and_are_never_zeroed():

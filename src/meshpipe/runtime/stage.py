@@ -93,7 +93,10 @@ def _saved_tensors(node: Node) -> list[Tensor]:
         _SAVED_ATTRIBUTES[type(node)] = names
     found: list[Tensor] = []
     for name in names:
-        value = getattr(node, name)
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # already freed by an earlier backward through a shared node
+            continue
         values = value if isinstance(value, (tuple, list)) else (value,)
         found.extend(v for v in values if isinstance(v, Tensor))
     return found
