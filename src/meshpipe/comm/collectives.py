@@ -1,0 +1,471 @@
+"""Context-parallel collectives with autograd.
+
+Every function here is differentiable: ``all_to_all``'s backward is the reverse all-to-all,
+a split's backward gathers the gradient, a gather's backward keeps this rank's part of it.
+
+Sizes that do not divide by the group size are exact: the first ranks hold one element more
+(``split_sizes``) and only real data travels; ``all_to_all_single`` carries per-peer split
+sizes, because gloo's list-form ``all_to_all``/``all_gather`` reject unequal sizes.
+
+Gradient scaling of the split/gather family (``grad_scale``): ``"up"`` multiplies the
+gradient by the group size, ``"down"`` divides it, ``None`` leaves it. Splits default to
+``"down"`` and gathers to ``"up"``. With ``None`` the gradients are those of one loss seen by
+the whole group: a split's input gradient is the gathered gradient of every rank's shard, a
+gather's input gradient is this rank's part of its own output gradient. ``"up"`` on a
+gather yields the gradient of the sum of the ranks' (identical) losses; ``"down"`` on a
+split yields their mean. Composite layouts (hybrid) scale at each level, so ``"down"``
+divides by ring size x Ulysses size.
+
+Setting the environment variable ``MESHPIPE_CHECK_COLLECTIVES=1`` makes the ranks exchange
+their shapes before each all-to-all and gather, so that a rank passing a shape its peers do
+not expect makes every rank raise the same ``CollectiveShapeError`` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Literal, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from .shards import (ShardLayout, contiguous_positions, document_ids, hybrid_positions,
+                     packed_hybrid_positions, packed_positions, positions_in_document,
+                     split_sizes, zigzag_positions)
+
+__all__ = [
+    "CollectiveShapeError", "GradScale", "ShardLayout", "all_to_all", "contiguous_positions",
+    "document_ids", "gather", "hybrid_gather", "hybrid_positions", "hybrid_split",
+    "packed_gather", "packed_hybrid_gather", "packed_hybrid_positions", "packed_hybrid_split",
+    "packed_positions", "packed_split", "positions_in_document", "split", "split_sizes",
+    "zigzag_gather", "zigzag_positions", "zigzag_split",
+]
+
+GradScale = Literal["up", "down"] | None
+
+CHECK_ENV = "MESHPIPE_CHECK_COLLECTIVES"
+_MAX_EXCHANGED_INTS = 32
+
+
+class CollectiveShapeError(ValueError):
+    """The ranks of a group passed shapes that do not fit one collective."""
+
+
+def _checks_enabled() -> bool:
+    return os.environ.get(CHECK_ENV, "0") not in ("", "0")
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def _group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group)
+
+
+def _normalize_dim(dim: int, ndim: int, what: str) -> int:
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{what}: dim {dim} is out of range for a tensor with {ndim} dims")
+    return dim % ndim
+
+
+def _check_grad_scale(grad_scale: GradScale) -> GradScale:
+    if grad_scale not in ("up", "down", None):
+        raise ValueError(f"grad_scale must be 'up', 'down' or None, got {grad_scale!r}")
+    return grad_scale
+
+
+def _scale_gradient(grad: Tensor, grad_scale: GradScale, group_size: int) -> Tensor:
+    if grad_scale == "up":
+        return grad * group_size
+    if grad_scale == "down":
+        return grad / group_size
+    return grad
+
+
+def _exchange_ints(values: Sequence[int], group: dist.ProcessGroup | None, what: str,
+                   device: torch.device) -> list[list[int]]:
+    """Every rank's ``values`` (fewer than 32 ints), in group-rank order."""
+    if len(values) >= _MAX_EXCHANGED_INTS:
+        raise ValueError(f"{what}: cannot check shapes of tensors with this many dims "
+                         f"({len(values)} values to exchange)")
+    mine = torch.zeros(_MAX_EXCHANGED_INTS, dtype=torch.int64, device=device)
+    mine[0] = len(values)
+    mine[1:len(values) + 1] = torch.tensor(list(values), dtype=torch.int64)
+    table = torch.empty(_group_size(group) * _MAX_EXCHANGED_INTS, dtype=torch.int64,
+                        device=device)
+    dist.all_gather_single(table, mine, group=group)
+    rows = table.view(_group_size(group), _MAX_EXCHANGED_INTS).tolist()
+    return [row[1:row[0] + 1] for row in rows]
+
+
+def _exchange_shapes(x: Tensor, group: dist.ProcessGroup | None, what: str) -> list[list[int]]:
+    return _exchange_ints(list(x.shape), group, what, x.device)
+
+
+def _require_same_except(shapes: list[list[int]], dim: int, what: str) -> None:
+    """Every rank has the same shape except (possibly) along ``dim``."""
+    masked = [shape[:dim] + shape[dim + 1:] if len(shape) > dim else shape for shape in shapes]
+    if any(len(shape) != len(shapes[0]) for shape in shapes) or len(
+            {tuple(shape) for shape in masked}) > 1:
+        raise CollectiveShapeError(
+            f"{what}: the ranks' shapes {shapes} (by group rank) must agree on every dim "
+            f"except dim {dim}; pass tensors of matching shapes on every rank")
+
+
+def _require_sizes_along(shapes: list[list[int]], dim: int, expected: list[int],
+                         what: str) -> None:
+    found = [shape[dim] for shape in shapes]
+    if found != expected:
+        raise CollectiveShapeError(
+            f"{what}: the ranks hold {found} elements along dim {dim} (by group rank) but "
+            f"{expected} were expected; pass matching sizes on every rank")
+
+
+# ---------------------------------------------------------------------------- all-to-all
+
+
+def _all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gather_dim: int,
+                gather_size: int | None) -> Tensor:
+    """Scatter ``scatter_dim`` over the group and gather ``gather_dim``, exactly."""
+    what = "all_to_all"
+    if x.dim() < 2:
+        raise ValueError(f"{what}: needs distinct scatter and gather dims, got a "
+                         f"{x.dim()}-dim tensor of shape {list(x.shape)}")
+    scatter_dim = _normalize_dim(scatter_dim, x.dim(), what)
+    gather_dim = _normalize_dim(gather_dim, x.dim(), what)
+    if scatter_dim == gather_dim:
+        raise ValueError(f"{what}: scatter_dim and gather_dim are both {scatter_dim}; "
+                         f"they must differ")
+    world, rank = _group_size(group), _group_rank(group)
+    total_gather = x.size(gather_dim) * world if gather_size is None else gather_size
+    gather_sizes = split_sizes(total_gather, world)
+    if _checks_enabled():
+        _check_all_to_all_shapes(x, group, scatter_dim, gather_dim, gather_sizes)
+    if x.size(gather_dim) != gather_sizes[rank]:
+        raise ValueError(
+            f"{what}: rank {rank} of {world} holds {x.size(gather_dim)} elements along gather "
+            f"dim {gather_dim}, but a gathered size of {total_gather} gives it "
+            f"{gather_sizes[rank]} (split {gather_sizes}); pass gather_size = the total size")
+    if world == 1:
+        return x
+    scatter_sizes = split_sizes(x.size(scatter_dim), world)
+    rest_dims = [d for d in range(x.dim()) if d not in (scatter_dim, gather_dim)]
+    rest_shape = [x.size(d) for d in rest_dims]
+    aligned = x.size(scatter_dim) % world == 0 and total_gather % world == 0
+    if aligned:
+        send = _aligned_send_buffer(x, scatter_dim, gather_dim, rest_dims, world)
+        received = torch.empty(x.size(gather_dim) * world * scatter_sizes[rank]
+                               * math.prod(rest_shape), dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(received, send, group=group)
+    else:
+        send, send_counts = _unaligned_send_buffer(x, scatter_dim, gather_dim, rest_dims,
+                                                   scatter_sizes)
+        receive_counts = [size * scatter_sizes[rank] * math.prod(rest_shape)
+                          for size in gather_sizes]
+        received = torch.empty(sum(receive_counts), dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(received, send, output_split_sizes=receive_counts,
+                               input_split_sizes=send_counts, group=group)
+    # Received blocks are (gather, scatter, rest...) and concatenate along the gather dim.
+    received = received.view(total_gather, scatter_sizes[rank], *rest_shape)
+    order = [gather_dim, scatter_dim, *rest_dims]
+    return received.permute([order.index(d) for d in range(x.dim())]).contiguous()
+
+
+def _aligned_send_buffer(x: Tensor, scatter_dim: int, gather_dim: int, rest_dims: list[int],
+                         world: int) -> Tensor:
+    """One copy into (peer, gather, scatter-part, rest...) order: the fast path."""
+    per_peer = x.unflatten(scatter_dim, (world, x.size(scatter_dim) // world))
+
+    def moved(d: int) -> int:
+        return d + 1 if d > scatter_dim else d
+
+    order = [scatter_dim, moved(gather_dim), scatter_dim + 1, *(moved(d) for d in rest_dims)]
+    return per_peer.permute(order).contiguous().view(-1)
+
+
+def _unaligned_send_buffer(x: Tensor, scatter_dim: int, gather_dim: int, rest_dims: list[int],
+                           scatter_sizes: list[int]) -> tuple[Tensor, list[int]]:
+    """Peer blocks of exactly their size, each in (gather, scatter-part, rest...) order."""
+    ordered = x.permute(scatter_dim, gather_dim, *rest_dims)
+    send = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+    counts = []
+    offset = start = 0
+    for size in scatter_sizes:
+        block = ordered.narrow(0, start, size).transpose(0, 1)
+        send.narrow(0, offset, block.numel()).view(block.shape).copy_(block)
+        counts.append(block.numel())
+        offset += block.numel()
+        start += size
+    return send, counts
+
+
+def _check_all_to_all_shapes(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int,
+                             gather_dim: int, gather_sizes: list[int]) -> None:
+    what = f"all_to_all(scatter_dim={scatter_dim}, gather_dim={gather_dim})"
+    rows = _exchange_ints([scatter_dim, gather_dim, sum(gather_sizes), *x.shape], group, what,
+                          x.device)
+    if len({tuple(row[:3]) for row in rows}) > 1:
+        raise CollectiveShapeError(
+            f"{what}: ranks disagree on (scatter_dim, gather_dim, gathered size): "
+            f"{[row[:3] for row in rows]} (by group rank); pass the same on every rank")
+    shapes = [row[3:] for row in rows]
+    _require_same_except(shapes, gather_dim, what)
+    _require_sizes_along(shapes, gather_dim, gather_sizes, what)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int,
+                gather_dim: int, gather_size: int | None) -> Tensor:
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        ctx.scatter_size = x.size(scatter_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim, gather_size)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return (_all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim, ctx.scatter_size),
+                None, None, None, None)
+
+
+def all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gather_dim: int,
+               gather_size: int | None = None) -> Tensor:
+    """Scatter ``scatter_dim`` across ``group`` and gather ``gather_dim`` (autograd-aware).
+
+    Rank ``r`` receives part ``r`` of ``scatter_dim`` (``split_sizes`` of its size) from
+    every rank and concatenates the pieces along ``gather_dim`` in rank order.
+    ``gather_size`` is the total gathered size when it is not ``world * local`` (the local
+    sizes then follow ``split_sizes(gather_size, world)``). Sizes divisible by the group
+    take a single-copy fast path; others are exact, with no padding.
+    """
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim, gather_size)
+
+
+# ---------------------------------------------------------------------- split / gather
+
+
+def _gather_rank_major(x: Tensor, group: dist.ProcessGroup | None,
+                       sizes: list[int]) -> Tensor:
+    """Every rank's ``x`` (``sizes[r]`` rows on dim 0) concatenated on dim 0 in rank order."""
+    x = x.contiguous()
+    rest_shape = x.shape[1:]
+    world = len(sizes)
+    if len(set(sizes)) == 1:
+        gathered = torch.empty((world * sizes[0], *rest_shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(gathered, x, group=group)
+        return gathered
+    # Unequal parts: each rank sends its own rows to every peer, nothing more.
+    row = math.prod(rest_shape)
+    received = torch.empty(sum(sizes) * row, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(received, x.view(-1).repeat(world),
+                           output_split_sizes=[size * row for size in sizes],
+                           input_split_sizes=[x.numel()] * world, group=group)
+    return received.view(sum(sizes), *rest_shape)
+
+
+def _gather_layout(x: Tensor, group: dist.ProcessGroup | None, dim: int,
+                   layout: ShardLayout, what: str) -> Tensor:
+    """The full tensor along ``dim`` from every rank's shard of ``layout``."""
+    rank = _group_rank(group)
+    if _checks_enabled():
+        shapes = _exchange_shapes(x, group, what)
+        _require_same_except(shapes, dim, what)
+        _require_sizes_along(shapes, dim, layout.local_sizes(), what)
+    if x.size(dim) != layout.local_size(rank):
+        raise ValueError(
+            f"{what}: rank {rank} holds {x.size(dim)} elements along dim {dim} but its shard "
+            f"has {layout.local_size(rank)} (shards {layout.local_sizes()}); pass the "
+            f"sizes every rank actually holds")
+    if layout.world_size == 1:
+        return x
+    rank_major = _gather_rank_major(x.movedim(dim, 0), group, layout.local_sizes())
+    return layout.assemble(rank_major, 0).movedim(0, dim).contiguous()
+
+
+def _take_layout(full: Tensor, group: dist.ProcessGroup | None, dim: int,
+                 layout: ShardLayout, what: str) -> Tensor:
+    if full.size(dim) != layout.total:
+        raise ValueError(f"{what}: the tensor has {full.size(dim)} elements along dim {dim} "
+                         f"but the layout covers {layout.total}")
+    return layout.take(full, dim, _group_rank(group))
+
+
+class _SplitByLayout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup | None, dim: int,
+                layout: ShardLayout, grad_scale: GradScale, what: str) -> Tensor:
+        ctx.group, ctx.dim, ctx.layout, ctx.grad_scale, ctx.what = (
+            group, dim, layout, grad_scale, what)
+        return _take_layout(x, group, dim, layout, what)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        grad = _scale_gradient(grad, ctx.grad_scale, ctx.layout.world_size)
+        full = _gather_layout(grad, ctx.group, ctx.dim, ctx.layout, f"{ctx.what} (backward)")
+        return full, None, None, None, None, None
+
+
+class _GatherByLayout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup | None, dim: int,
+                layout: ShardLayout, grad_scale: GradScale, what: str) -> Tensor:
+        ctx.group, ctx.dim, ctx.layout, ctx.grad_scale, ctx.what = (
+            group, dim, layout, grad_scale, what)
+        return _gather_layout(x, group, dim, layout, what)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        grad = _scale_gradient(grad, ctx.grad_scale, ctx.layout.world_size)
+        part = _take_layout(grad, ctx.group, ctx.dim, ctx.layout, f"{ctx.what} (backward)")
+        return part, None, None, None, None, None
+
+
+def _split_by_layout(x: Tensor, group: dist.ProcessGroup | None, dim: int,
+                     layout: ShardLayout, grad_scale: GradScale, what: str) -> Tensor:
+    dim = _normalize_dim(dim, x.dim(), what)
+    return _SplitByLayout.apply(x, group, dim, layout, _check_grad_scale(grad_scale), what)
+
+
+def _gather_by_layout(x: Tensor, group: dist.ProcessGroup | None, dim: int,
+                      layout: ShardLayout, grad_scale: GradScale, what: str) -> Tensor:
+    dim = _normalize_dim(dim, x.dim(), what)
+    return _GatherByLayout.apply(x, group, dim, layout, _check_grad_scale(grad_scale), what)
+
+
+def _checked_sizes(sizes: Sequence[int], world: int, what: str) -> list[int]:
+    sizes = [int(size) for size in sizes]
+    if len(sizes) != world:
+        raise ValueError(f"{what}: {len(sizes)} sizes {sizes} given for a group of {world} "
+                         f"ranks; give one size per rank")
+    return sizes
+
+
+def split(x: Tensor, group: dist.ProcessGroup | None, dim: int,
+          sizes: Sequence[int] | None = None, grad_scale: GradScale = "down") -> Tensor:
+    """Keep this rank's part of ``x`` along ``dim``; backward gathers the gradient.
+
+    ``sizes`` gives every rank's part (default ``split_sizes``, uneven allowed). Every rank
+    passes the same full ``x``; see the module docstring for ``grad_scale``.
+    """
+    what = f"split(dim={dim})"
+    world = _group_size(group)
+    dim_ = _normalize_dim(dim, x.dim(), what)
+    sizes = (split_sizes(x.size(dim_), world) if sizes is None
+             else _checked_sizes(sizes, world, what))
+    if sum(sizes) != x.size(dim_):
+        raise ValueError(f"{what}: sizes {sizes} sum to {sum(sizes)} but the tensor has "
+                         f"{x.size(dim_)} elements along dim {dim}")
+    return _split_by_layout(x, group, dim_, ShardLayout.contiguous(sizes), grad_scale, what)
+
+
+def gather(x: Tensor, group: dist.ProcessGroup | None, dim: int,
+           sizes: Sequence[int] | None = None, grad_scale: GradScale = "up") -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order; backward keeps this part.
+
+    ``sizes`` gives every rank's size along ``dim``; when omitted the ranks exchange their
+    shapes first (one small collective), so unequal parts need no sizes.
+    """
+    what = f"gather(dim={dim})"
+    world = _group_size(group)
+    dim_ = _normalize_dim(dim, x.dim(), what)
+    if sizes is None:
+        shapes = _exchange_shapes(x, group, what)
+        _require_same_except(shapes, dim_, what)
+        sizes = [shape[dim_] for shape in shapes]
+    else:
+        sizes = _checked_sizes(sizes, world, what)
+    return _gather_by_layout(x, group, dim_, ShardLayout.contiguous(sizes), grad_scale, what)
+
+
+# ------------------------------------------------------------------------------ zigzag
+
+
+def zigzag_split(x: Tensor, group: dist.ProcessGroup | None, dim: int,
+                 grad_scale: GradScale = "down") -> Tensor:
+    """Keep chunks ``r`` and ``2*cp-1-r`` of ``2*cp`` along ``dim`` (causal ring balance)."""
+    what = f"zigzag_split(dim={dim})"
+    dim_ = _normalize_dim(dim, x.dim(), what)
+    layout = ShardLayout.zigzag(x.size(dim_), _group_size(group))
+    return _split_by_layout(x, group, dim_, layout, grad_scale, what)
+
+
+def zigzag_gather(x: Tensor, group: dist.ProcessGroup | None, dim: int,
+                  grad_scale: GradScale = "up") -> Tensor:
+    """The full sequence in order from every rank's zigzag shard (two equal chunks)."""
+    what = f"zigzag_gather(dim={dim})"
+    world = _group_size(group)
+    dim_ = _normalize_dim(dim, x.dim(), what)
+    local = x.size(dim_)
+    if world > 1 and local % 2 != 0:
+        raise ValueError(f"{what}: a zigzag shard is two equal chunks, but rank "
+                         f"{_group_rank(group)} holds {local} elements along dim {dim}")
+    layout = ShardLayout.zigzag(local * world, world)
+    return _gather_by_layout(x, group, dim_, layout, grad_scale, what)
+
+
+# ------------------------------------------------------------------------------ packed
+
+
+def packed_split(x: Tensor, group: dist.ProcessGroup | None, seq_lens: Sequence[int], dim: int,
+                 grad_scale: GradScale = "down") -> Tensor:
+    """Split every document of a pack across the group; keep this rank's pieces in order."""
+    what = f"packed_split(dim={dim}, seq_lens={list(seq_lens)})"
+    dim_ = _normalize_dim(dim, x.dim(), what)
+    layout = ShardLayout.packed(seq_lens, _group_size(group))
+    return _split_by_layout(x, group, dim_, layout, grad_scale, what)
+
+
+def packed_gather(x: Tensor, group: dist.ProcessGroup | None, seq_lens: Sequence[int], dim: int,
+                  grad_scale: GradScale = "up") -> Tensor:
+    """The whole pack from every rank's ``packed_split`` shard."""
+    what = f"packed_gather(dim={dim}, seq_lens={list(seq_lens)})"
+    dim_ = _normalize_dim(dim, x.dim(), what)
+    layout = ShardLayout.packed(seq_lens, _group_size(group))
+    return _gather_by_layout(x, group, dim_, layout, grad_scale, what)
+
+
+# ------------------------------------------------------------------------------ hybrid
+
+
+def hybrid_split(x: Tensor, ring_group: dist.ProcessGroup | None,
+                 ulysses_group: dist.ProcessGroup | None, dim: int,
+                 grad_scale: GradScale = "down") -> Tensor:
+    """Zigzag across the ring group, then a contiguous split across the Ulysses group."""
+    ring_shard = zigzag_split(x, ring_group, dim, grad_scale)
+    return split(ring_shard, ulysses_group, dim, grad_scale=grad_scale)
+
+
+def hybrid_gather(x: Tensor, ring_group: dist.ProcessGroup | None,
+                  ulysses_group: dist.ProcessGroup | None, dim: int, total: int,
+                  grad_scale: GradScale = "up") -> Tensor:
+    """The reverse of ``hybrid_split`` for a sequence of ``total`` tokens."""
+    ring_size = _group_size(ring_group)
+    ring_total = ShardLayout.zigzag(total, ring_size).local_size(_group_rank(ring_group))
+    ring_shard = gather(x, ulysses_group, dim, split_sizes(ring_total, _group_size(ulysses_group)),
+                        grad_scale)
+    return zigzag_gather(ring_shard, ring_group, dim, grad_scale)
+
+
+def packed_hybrid_split(x: Tensor, ring_group: dist.ProcessGroup | None,
+                        ulysses_group: dist.ProcessGroup | None, seq_lens: Sequence[int],
+                        dim: int, grad_scale: GradScale = "down") -> Tensor:
+    """Every document split across the ring, then this ring shard split across Ulysses."""
+    ring_shard = packed_split(x, ring_group, seq_lens, dim, grad_scale)
+    return split(ring_shard, ulysses_group, dim, grad_scale=grad_scale)
+
+
+def packed_hybrid_gather(x: Tensor, ring_group: dist.ProcessGroup | None,
+                         ulysses_group: dist.ProcessGroup | None, seq_lens: Sequence[int],
+                         dim: int, grad_scale: GradScale = "up") -> Tensor:
+    """The reverse of ``packed_hybrid_split``."""
+    layout = ShardLayout.packed(seq_lens, _group_size(ring_group))
+    ring_total = layout.local_size(_group_rank(ring_group))
+    ring_shard = gather(x, ulysses_group, dim, split_sizes(ring_total, _group_size(ulysses_group)),
+                        grad_scale)
+    return packed_gather(ring_shard, ring_group, seq_lens, dim, grad_scale)
