@@ -22,7 +22,7 @@ PipelineMessage = tuple[Tensor, Tensor | None, Tensor | None]
 
 
 class TransformerChunk(nn.Module):
-    """Layers ``[start, stop)`` of a model, with the embedding if first, the norm and head if last."""
+    """Layers ``[start, stop)`` of a model; the embedding if first, the norm and head if last."""
 
     def __init__(self, model: Transformer, start: int, stop: int, *, first: bool, last: bool):
         super().__init__()

@@ -61,7 +61,8 @@ class TransformerConfig:
             raise ValueError(f"n_heads ({self.n_heads}) must be a positive multiple of n_kv_heads "
                              f"({self.kv_heads}) for grouped-query attention")
         if self.ffn_hidden is not None and self.ffn_hidden <= 0:
-            raise ValueError(f"TransformerConfig.ffn_hidden must be positive, got {self.ffn_hidden}")
+            raise ValueError(f"TransformerConfig.ffn_hidden must be positive, got "
+                             f"{self.ffn_hidden}")
 
     @property
     def head_dim(self) -> int:

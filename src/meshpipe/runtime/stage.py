@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,7 +58,6 @@ class _Microbatch:
     # The gradient that seeds a loss root (ones); None on stages that receive output grads.
     loss_grad: Tensor | None
     split: SplitBackward | None = None
-    released: set[int] = field(default_factory=set)
 
 
 def _is_differentiable(value: Any) -> bool:
@@ -288,7 +287,7 @@ class Stage:
         return result
 
     def backward_weight(self, microbatch: int) -> None:
-        """Weight-gradient half (W): accumulates the parameter grads deferred by ``backward_input``."""
+        """Weight-gradient half (W): accumulates the parameter grads that I deferred."""
         saved = self._held(microbatch, "backward_weight")
         del self._saved[microbatch]
         try:
@@ -400,17 +399,11 @@ class Stage:
         if saved is None or saved.split is not None:
             return
         keep = self._storages_to_keep(saved)
-        for index, value in enumerate(saved.outputs):
-            if not isinstance(value, Tensor) or index in saved.released:
+        for value in saved.outputs:
+            if not isinstance(value, Tensor) or value._base is not None or value.numel() == 0:
                 continue
-            if value._base is not None or value.numel() == 0:
-                continue
-            pointer = value.untyped_storage().data_ptr()
-            if pointer in keep:
-                continue
-            value.data = torch.empty(0, dtype=value.dtype, device=value.device)
-            saved.released.add(index)
-            keep.add(pointer)
+            if value.untyped_storage().data_ptr() not in keep:
+                value.data = torch.empty(0, dtype=value.dtype, device=value.device)
 
     def _storages_to_keep(self, saved: _Microbatch) -> set[int]:
         inputs = {leaf.untyped_storage().data_ptr() for leaf in saved.input_leaves
