@@ -9,12 +9,13 @@ sizes, because gloo's list-form ``all_to_all``/``all_gather`` reject unequal siz
 
 Gradient scaling of the split/gather family (``grad_scale``): ``"up"`` multiplies the
 gradient by the group size, ``"down"`` divides it, ``None`` leaves it. Splits default to
-``"down"`` and gathers to ``"up"``. With ``None`` the gradients are those of one loss seen by
-the whole group: a split's input gradient is the gathered gradient of every rank's shard, a
-gather's input gradient is this rank's part of its own output gradient. ``"up"`` on a
-gather yields the gradient of the sum of the ranks' (identical) losses; ``"down"`` on a
-split yields their mean. Composite layouts (hybrid) scale at each level, so ``"down"``
-divides by ring size x Ulysses size.
+``"down"`` and gathers to ``"up"`` (as seed 004), so a split followed by a gather scales by
+one. With ``None``, a split's input gradient is every rank's shard gradient gathered (the
+gradient of the sum of the ranks' losses; ``"down"`` makes it that of their mean), and a
+gather's input gradient is this rank's part of its own output gradient (the gradient of one
+loss that every rank computes identically; ``"up"`` makes it that of the sum of those
+copies). Composite layouts (hybrid) scale at each level, so ``"down"`` divides by ring size
+x Ulysses size.
 
 Setting the environment variable ``MESHPIPE_CHECK_COLLECTIVES=1`` makes the ranks exchange
 their shapes before each all-to-all and gather, so that a rank passing a shape its peers do
