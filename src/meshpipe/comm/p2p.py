@@ -20,19 +20,23 @@ after the first.
 Matching: between an ordered pair of ranks, messages are received in the order they were
 sent, and the receiver must post its receives from a peer in the order that peer posted the
 sends (the executor guarantees it). The payload size is only known once the header is in,
-so each peer's receives are resolved strictly first-in first-out: one header receive is
-outstanding per peer, and the next one is posted once the previous message's payload
-receive is. Waiting on a later message first completes the headers of the earlier ones and
-posts their payload receives; handles may be waited in any order. Correctness never
+so each peer's receives are resolved strictly first-in first-out by a background thread of
+the receiving rank, one per peer: it posts the header receive of the oldest pending
+message, waits for it, fetches the metadata if it travelled, posts the payload receive and
+moves on to the next message. Payloads therefore flow while the caller computes, as with
+receives of pre-declared shapes, and handles may be waited in any order. Correctness never
 depends on tags, which NCCL ignores.
 
 Ranks are **global** ranks throughout (``dist.get_rank()`` numbering), also when a group
-is given. All posting is non-blocking (``isend``/``irecv``); only ``wait`` blocks.
+is given. All posting is non-blocking (``isend``/``irecv``); only ``wait`` blocks. A receive
+wait that times out before the message's header arrived leaves the receive posted: waiting
+again later can still succeed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
@@ -58,6 +62,8 @@ from meshpipe.comm.message import (
 HEADER_NUMEL = 5
 HEADER_NBYTES = HEADER_NUMEL * 8
 METADATA_SLOTS = 8
+# A peer's receive thread exits after this long without pending receives.
+_WORKER_IDLE_S = 2.0
 # Slot value of a VTP broadcast header that says the stage root failed to receive.
 _ROOT_FAILED_SLOT = -1
 
@@ -185,24 +191,29 @@ class _Incoming:
         self.meta_group = meta_group
         self.label = label
         self.digest = _label_digest(label)
-        self.header = torch.empty(HEADER_NUMEL, dtype=torch.int64)
-        self.header_work: Any = None
         self.layout: MessageLayout | None = None
         self.payload: torch.Tensor | None = None
         self.payload_work: Any = None
-        self.resolved = False
+        self.resolved = False  # header (and metadata) read, payload receive posted
         self.arrived = False
         self.error: P2PError | None = None
 
 
 class _Inbox:
-    """Receiver state for one peer: FIFO of messages whose header is not yet processed."""
+    """Receiver state for one peer: the FIFO of messages whose header is not yet read.
 
-    def __init__(self) -> None:
+    ``changed`` guards ``queue``, ``failure``, ``worker`` and the ``resolved`` flags; the
+    worker thread alone reads headers and posts receives from this peer.
+    """
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
         self.seq = 0
         self.slots = _ReceiverSlots()
         self.queue: deque[_Incoming] = deque()
         self.failure: P2PError | None = None
+        self.changed = threading.Condition()
+        self.worker: threading.Thread | None = None
 
 
 @dataclass(frozen=True)
@@ -326,8 +337,10 @@ class P2PTransport:
     receive whose label differs from the label the peer sent with (both non-empty) raises
     :class:`MessageMismatchError`: give a send and its receive the same label.
 
-    Under gloo, a wait that times out closes the group's connection to that peer (gloo
-    tears the pair down); the transport then refuses further traffic with that peer.
+    A receive whose header has not arrived in time raises :class:`P2PTimeoutError` and
+    stays posted. Other timed-out waits (a send, a payload already announced by its header,
+    a VTP broadcast) are gloo timeouts, after which gloo has closed the group's connection
+    to that peer.
     """
 
     def __init__(self, group: ProcessGroup | None = None, *,
@@ -356,6 +369,7 @@ class P2PTransport:
         self.timeout = timeout
         self.check_labels = check_labels
         self.stats = TransportStats()
+        self._stats_lock = threading.Lock()  # receive threads count too
         self._outboxes: dict[int, _Outbox] = {}
         self._inboxes: dict[int, _Inbox] = {}
         # In-flight sends, oldest first: gloo cancels a send whose work object is destroyed,
@@ -395,18 +409,17 @@ class P2PTransport:
             if is_new:
                 metadata = torch.frombuffer(bytearray(layout.encoded), dtype=torch.uint8)
                 parts.append(("metadata", metadata, meta_group))
-                self.stats.metadata_sent += 1
-                self.stats.metadata_bytes_sent += len(layout.encoded)
             if payload is not None:
                 parts.append(("payload", payload, payload_group))
-                self.stats.payload_bytes_sent += layout.payload_nbytes
             for part, tensor, part_group in parts:
                 work = dist.isend(tensor, dst=peer, group=part_group)
                 sends.append(_PostedSend(work, peer, part_group, part))
                 keep_alive.append(tensor)
-            self.stats.sends_posted += len(parts)
-            self.stats.messages_sent += 1
-            self.stats.header_bytes_sent += HEADER_NBYTES
+            self._count(sends_posted=len(parts), messages_sent=1,
+                        header_bytes_sent=HEADER_NBYTES,
+                        metadata_sent=int(is_new),
+                        metadata_bytes_sent=len(layout.encoded) if is_new else 0,
+                        payload_bytes_sent=layout.payload_nbytes)
         handle = SendHandle(self, sends, keep_alive, label)
         self._pending_sends[handle] = None
         return handle
@@ -433,66 +446,62 @@ class P2PTransport:
         peers, groups = self._routes(src, group, "src")
         incomings = []
         for peer, payload_group in zip(peers, groups):
-            inbox = self._inboxes.setdefault(peer, _Inbox())
-            self._raise_if_failed(inbox, peer, label)
+            inbox = self._inboxes.setdefault(peer, _Inbox(peer))
             incoming = _Incoming(peer, payload_group, self._meta_group_for(payload_group), label)
-            inbox.queue.append(incoming)
-            if len(inbox.queue) == 1:
-                self._post_header_recv(incoming)
+            with inbox.changed:
+                self._raise_if_failed(inbox, label)
+                inbox.queue.append(incoming)
+                if inbox.worker is None:
+                    inbox.worker = threading.Thread(
+                        target=self._serve, args=(inbox,), daemon=True,
+                        name=f"meshpipe-p2p-recv-{self.rank}-from-{peer}")
+                    inbox.worker.start()
+                inbox.changed.notify_all()
             incomings.append(incoming)
         return RecvHandle(self, incomings, label, average, single=isinstance(src, int))
 
-    def _post_header_recv(self, incoming: _Incoming) -> None:
-        incoming.header_work = dist.irecv(incoming.header, src=incoming.peer,
-                                          group=incoming.meta_group)
-        self.stats.recvs_posted += 1
+    def _serve(self, inbox: _Inbox) -> None:
+        """Receive thread of one peer: resolve its pending messages in posting order."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            with inbox.changed:
+                if not inbox.changed.wait_for(lambda: inbox.queue, timeout=_WORKER_IDLE_S):
+                    inbox.worker = None
+                    return
+                head = inbox.queue[0]
+            try:
+                self._resolve(inbox, head)
+            except P2PError as error:
+                self._stop_inbox(inbox, error)
+                return
+            except Exception as error:  # noqa: BLE001 - every failure must reach the waiters
+                failure = P2PError(f"rank {self.rank}: unexpected error while receiving "
+                                   f"{_describe(head.label)} from rank {inbox.peer}: {error!r}")
+                failure.__cause__ = error
+                self._stop_inbox(inbox, failure)
+                return
+            with inbox.changed:
+                head.resolved = True
+                inbox.queue.popleft()
+                inbox.changed.notify_all()
 
-    def _complete(self, incoming: _Incoming, deadline: float | None
-                  ) -> tuple[MessageLayout, torch.Tensor]:
-        """Wait until ``incoming`` has arrived, resolving earlier messages from its peer."""
-        inbox = self._inboxes[incoming.peer]
-        while not incoming.resolved:
-            self._resolve_head(inbox, incoming, deadline)
-        if not incoming.arrived:
-            if incoming.payload_work is not None:
-                self._wait_work(
-                    incoming.payload_work, deadline, incoming.group, incoming.peer,
-                    lambda: f"the payload of {_describe(incoming.label)} from rank "
-                            f"{incoming.peer}",
-                    on_failure=lambda error: setattr(inbox, "failure", error))
-            incoming.arrived = True
-            self.stats.messages_received += 1
-            self.stats.header_bytes_received += HEADER_NBYTES
-            self.stats.payload_bytes_received += incoming.layout.payload_nbytes
-        if incoming.error is not None:
-            raise incoming.error
-        return incoming.layout, incoming.payload
+    @staticmethod
+    def _stop_inbox(inbox: _Inbox, failure: P2PError) -> None:
+        with inbox.changed:
+            inbox.failure = failure
+            inbox.worker = None
+            inbox.changed.notify_all()
 
-    def _resolve_head(self, inbox: _Inbox, waited: _Incoming, deadline: float | None) -> None:
-        """Read the header (and metadata) of the peer's oldest pending message, post its
-        payload receive, and post the header receive of the next one."""
-        head = inbox.queue[0]
-        self._raise_if_failed(inbox, head.peer, waited.label)
-
-        def describe(part: str) -> str:
-            text = f"the {part} of {_describe(head.label)} from rank {head.peer}"
-            if head is not waited:
-                text += (f" (an earlier message than the awaited {_describe(waited.label)}: "
-                         "receives from one peer complete in the order they were posted)")
-            return text
-
-        def fail(error: P2PError) -> None:
-            inbox.failure = error
-
-        self._wait_work(head.header_work, deadline, head.meta_group, head.peer,
-                        lambda: describe("header"), on_failure=fail)
-        header = _Header.from_tensor(head.header)
-        try:
-            head.layout = self._read_layout(inbox, head, header, deadline,
-                                            lambda: describe("metadata"))
-        except P2PError as error:
-            fail(error)
-            raise
+    def _resolve(self, inbox: _Inbox, head: _Incoming) -> None:
+        """Read the header (and metadata) of ``head`` and post its payload receive."""
+        raw_header = torch.empty(HEADER_NUMEL, dtype=torch.int64)
+        work = dist.irecv(raw_header, src=head.peer, group=head.meta_group)
+        self._count(recvs_posted=1)
+        self._wait_work(work, None, head.meta_group, head.peer,
+                        lambda: f"the header of {_describe(head.label)} from rank {head.peer}")
+        header = _Header.from_tensor(raw_header)
+        head.layout = self._read_layout(inbox, head, header)
         if self.check_labels and head.digest and header.label_digest and (
                 head.digest != header.label_digest):
             head.error = MessageMismatchError(
@@ -500,21 +509,14 @@ class P2PTransport:
                 f"the message rank {head.peer} sent at this point (#{header.seq} between "
                 "them) carries a different label: the two ranks post their sends and "
                 "receives in different orders; check that their schedules match")
+        head.payload = torch.empty(head.layout.payload_nbytes, dtype=torch.uint8,
+                                   device=self.device)
         if head.layout.payload_nbytes:
-            head.payload = torch.empty(head.layout.payload_nbytes, dtype=torch.uint8,
-                                       device=self.device)
             head.payload_work = dist.irecv(head.payload, src=head.peer, group=head.group)
-            self.stats.recvs_posted += 1
-        else:
-            head.payload = torch.empty(0, dtype=torch.uint8, device=self.device)
-        head.resolved = True
-        inbox.queue.popleft()
+            self._count(recvs_posted=1)
         inbox.seq += 1
-        if inbox.queue:
-            self._post_header_recv(inbox.queue[0])
 
-    def _read_layout(self, inbox: _Inbox, head: _Incoming, header: _Header,
-                     deadline: float | None, describe: Callable[[], str]) -> MessageLayout:
+    def _read_layout(self, inbox: _Inbox, head: _Incoming, header: _Header) -> MessageLayout:
         peer = head.peer
 
         def corrupt(reason: str) -> MessageMismatchError:
@@ -529,13 +531,45 @@ class P2PTransport:
         def fetch_metadata(nbytes: int) -> torch.Tensor:
             data = torch.empty(nbytes, dtype=torch.uint8)
             work = dist.irecv(data, src=peer, group=head.meta_group)
-            self.stats.recvs_posted += 1
-            self._wait_work(work, deadline, head.meta_group, peer, describe)
-            self.stats.metadata_received += 1
-            self.stats.metadata_bytes_received += nbytes
+            self._count(recvs_posted=1, metadata_received=1, metadata_bytes_received=nbytes)
+            self._wait_work(work, None, head.meta_group, peer,
+                            lambda: f"the metadata of {_describe(head.label)} from rank {peer}")
             return data
 
         return _layout_for(header, inbox.slots, fetch_metadata, corrupt)
+
+    def _complete(self, incoming: _Incoming, deadline: float | None
+                  ) -> tuple[MessageLayout, torch.Tensor]:
+        """Wait until ``incoming`` has arrived (its header first, then its payload)."""
+        inbox = self._inboxes[incoming.peer]
+        with inbox.changed:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            inbox.changed.wait_for(lambda: incoming.resolved or inbox.failure is not None,
+                                   timeout=remaining)
+            if not incoming.resolved:
+                self._raise_if_failed(inbox, incoming.label)
+                blocking = inbox.queue[0]
+                raise P2PTimeoutError(
+                    f"rank {self.rank} timed out waiting for {_describe(incoming.label)} from "
+                    f"rank {incoming.peer}: "
+                    + ("its header has not arrived" if blocking is incoming else
+                       f"the header of the earlier message {_describe(blocking.label)} has "
+                       "not arrived (receives from one peer complete in posting order)")
+                    + f"; rank {incoming.peer} has not posted the matching send. Check that "
+                    f"both ranks run matching schedules and that rank {incoming.peer} is "
+                    "alive. The receive stays posted: waiting again may still succeed")
+        if not incoming.arrived:
+            if incoming.payload_work is not None:
+                self._wait_work(
+                    incoming.payload_work, deadline, incoming.group, incoming.peer,
+                    lambda: f"the payload of {_describe(incoming.label)} from rank "
+                            f"{incoming.peer}")
+            incoming.arrived = True
+            self._count(messages_received=1, header_bytes_received=HEADER_NBYTES,
+                        payload_bytes_received=incoming.layout.payload_nbytes)
+        if incoming.error is not None:
+            raise incoming.error
+        return incoming.layout, incoming.payload
 
     def _average(self, parts: list[tuple[MessageLayout, torch.Tensor]], peers: list[int],
                  label: str) -> Any:
@@ -602,11 +636,16 @@ class P2PTransport:
             info = self._groups[group] = _GroupInfo.of(group)
         return info
 
-    def _raise_if_failed(self, inbox: _Inbox, peer: int, label: str) -> None:
+    def _raise_if_failed(self, inbox: _Inbox, label: str) -> None:
         if inbox.failure is not None:
             raise P2PError(
-                f"rank {self.rank}: cannot receive {_describe(label)} from rank {peer}: the "
-                f"connection failed earlier ({inbox.failure})") from inbox.failure
+                f"rank {self.rank}: cannot receive {_describe(label)} from rank {inbox.peer}: "
+                f"receiving from it failed earlier ({inbox.failure})") from inbox.failure
+
+    def _count(self, **amounts: int) -> None:
+        with self._stats_lock:
+            for name, amount in amounts.items():
+                setattr(self.stats, name, getattr(self.stats, name) + amount)
 
     def _deadline(self, timeout: float | None) -> float | None:
         seconds = self.timeout if timeout is None else timeout
@@ -789,11 +828,11 @@ class VTPTransport:
         if is_new:
             metadata = torch.frombuffer(bytearray(layout.encoded), dtype=torch.uint8)
             self._broadcast(metadata, self.intra_meta_group, deadline, "metadata", label)
-            self.stats.broadcast_metadata += 1
+            self.p2p._count(broadcast_metadata=1)
         if layout.payload_nbytes:
             self._broadcast(pack(layout, tensors, self.p2p.device), self.intra_group, deadline,
                             "payload", label)
-        self.stats.broadcasts += 1
+        self.p2p._count(broadcasts=1)
 
     def _broadcast_to_member(self, label: str, deadline: float | None) -> Any:
         raw_header = torch.empty(HEADER_NUMEL, dtype=torch.int64)
@@ -810,7 +849,7 @@ class VTPTransport:
         def fetch_metadata(nbytes: int) -> torch.Tensor:
             data = torch.empty(nbytes, dtype=torch.uint8)
             self._broadcast(data, self.intra_meta_group, deadline, "metadata", label)
-            self.stats.broadcast_metadata += 1
+            self.p2p._count(broadcast_metadata=1)
             return data
 
         if header.seq != self._broadcast_seq:
@@ -825,7 +864,7 @@ class VTPTransport:
         payload = torch.empty(header.payload_nbytes, dtype=torch.uint8, device=self.p2p.device)
         if header.payload_nbytes:
             self._broadcast(payload, self.intra_group, deadline, "payload", label)
-        self.stats.broadcasts += 1
+        self.p2p._count(broadcasts=1)
         digest = _label_digest(label)
         if self.p2p.check_labels and digest and header.label_digest and (
                 digest != header.label_digest):
