@@ -51,6 +51,8 @@ def _reference_shards(case: dict, t: torch.Tensor, dim: int) -> list[torch.Tenso
     """Every rank's shard of ``t`` along ``dim``, in (ring, ulysses) rank order."""
     layout = case["layout"]
     ring, ulysses = case.get("ring", 1), case.get("ulysses", 1)
+    if layout == "contiguous" and case.get("sizes") is not None:
+        return list(t.split(case["sizes"], dim))
     if layout == "contiguous":
         return _contiguous_ref(t, case["world"], dim)
     if layout == "zigzag":
@@ -97,7 +99,10 @@ def _cases(draw, world: int) -> dict:
     layout = _layout_of(op)
     ring, ulysses = draw(st.sampled_from([(r, world // r) for r in range(1, world + 1)
                                           if world % r == 0]))
-    if layout == "contiguous":
+    if layout == "contiguous" and draw(st.booleans()):
+        case["sizes"] = draw(st.lists(st.integers(0, 4), min_size=world, max_size=world))
+        shape[dim] = sum(case["sizes"])
+    elif layout == "contiguous":
         shape[dim] = draw(st.integers(0, 3 * world + 1))
     elif layout == "zigzag":
         shape[dim] = 2 * world * draw(st.integers(1, 2))
@@ -152,7 +157,9 @@ def _apply_op(case: dict, x: torch.Tensor, rank: int, total: int) -> torch.Tenso
         gather_size = case["shape"][case["gather_dim"]] if case["pass_gather_size"] else None
         return cc.all_to_all(x, None, case["scatter_dim"], case["gather_dim"], gather_size)
     ring_group, ulysses_group = _cp_groups(case["ring"], case["ulysses"])
-    sizes = cc.split_sizes(total, world) if case["pass_sizes"] else None
+    sizes = case.get("sizes") or cc.split_sizes(total, world)
+    if not case["pass_sizes"] and not (op == "split" and "sizes" in case):
+        sizes = None  # split's default, or gather learning the sizes from its peers
     calls = {
         "split": lambda: cc.split(x, None, dim, sizes, **scale),
         "gather": lambda: cc.gather(x, None, dim, sizes, **scale),
@@ -231,7 +238,8 @@ def _positions(case: dict, total: int, rank: int) -> torch.Tensor:
     ring_rank, ulysses_rank = divmod(rank, case["ulysses"])
     hybrid = (case["ring"], ring_rank, case["ulysses"], ulysses_rank)
     return {
-        "contiguous": lambda: cc.contiguous_positions(total, world, rank),
+        "contiguous": lambda: cc.ShardLayout.contiguous(
+            case.get("sizes") or cc.split_sizes(total, world)).positions(rank),
         "zigzag": lambda: cc.zigzag_positions(total, world, rank),
         "packed": lambda: cc.packed_positions(seq_lens, world, rank),
         "hybrid": lambda: cc.hybrid_positions(total, *hybrid),
@@ -432,6 +440,8 @@ def test_split_sizes_are_balanced_and_front_loaded(total, parts):
 def _layout_positions(kind: str, lengths: list[int], ring: int, ulysses: int
                       ) -> list[torch.Tensor]:
     seq_len = sum(lengths)
+    if kind == "contiguous":
+        return [cc.contiguous_positions(seq_len, ring, r) for r in range(ring)]
     if kind == "zigzag":
         return [cc.zigzag_positions(seq_len, ring, r) for r in range(ring)]
     if kind == "packed":
@@ -444,7 +454,7 @@ def _layout_positions(kind: str, lengths: list[int], ring: int, ulysses: int
 
 
 @settings(max_examples=150, deadline=None)
-@given(kind=st.sampled_from(["zigzag", "packed", "hybrid", "packed_hybrid"]),
+@given(kind=st.sampled_from(["contiguous", "zigzag", "packed", "hybrid", "packed_hybrid"]),
        ring=st.integers(1, 4), ulysses=st.integers(1, 4), chunks=st.integers(1, 3),
        lengths=st.lists(st.integers(0, 9), min_size=1, max_size=5))
 def test_every_layout_holds_each_position_exactly_once(kind, ring, ulysses, chunks, lengths):
