@@ -21,7 +21,8 @@ destination must follow the order of the sends on the source; when a peer sends 
 that this rank consumes after a later message of the same peer, its receive moves up next
 to the later message's receive. So a receive is posted at most ``lookahead`` compute
 actions before its own consumer or before the consumer of a later message from the same
-peer, and receive buffers are never all allocated at the start of the step.
+peer: receive buffers are allocated shortly before they are used, not all at the start
+of the step.
 """
 
 from __future__ import annotations
