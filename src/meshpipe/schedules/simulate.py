@@ -21,7 +21,8 @@ from operator import attrgetter, sub
 from meshpipe.schedules.actions import Action, Kind, Schedule
 from meshpipe.schedules.validation import ScheduleError
 
-_COMPUTE_KINDS = frozenset(kind for kind in Kind if kind.is_compute)
+# Identities of the compute kinds: membership by id() stays in C (Enum.__hash__ is Python).
+_COMPUTE_KIND_IDS = frozenset(id(kind) for kind in Kind if kind.is_compute)
 _kind_of = attrgetter("kind")
 
 Cost = float | Sequence[float]
@@ -238,7 +239,8 @@ class Timeline:
         """Per rank, the total time spent in compute actions (sends and receives excluded)."""
         return tuple(
             math.fsum(compress(map(sub, ends, starts),
-                               map(_COMPUTE_KINDS.__contains__, map(_kind_of, acts))))
+                               map(_COMPUTE_KIND_IDS.__contains__,
+                                   map(id, map(_kind_of, acts)))))
             for acts, starts, ends in zip(self._actions, self._starts, self._ends))
 
     @property
@@ -428,7 +430,7 @@ class _Simulator:
         forward, backward = self.forward, self.backward
         backward_input, backward_weight = self.backward_input, self.backward_weight
         forward_latency, backward_latency = self.forward_latency, self.backward_latency
-        kind_f, kind_b, kind_i, kind_w = Kind.F, Kind.B, Kind.I, Kind.W
+        kind_f, kind_b, kind_i, kind_w, kind_overlap = Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP
         starts, ends = self.starts[rank], self.ends[rank]
         woken: list[int] = []
         position = self.position[rank]
@@ -495,7 +497,7 @@ class _Simulator:
                     clock = ready
                 start = clock
                 clock += backward_weight[stage]
-            elif kind is Kind.OVERLAP:
+            elif kind is kind_overlap:
                 ready = self._overlap_ready(rank, position, action)
                 if ready is None:
                     break
