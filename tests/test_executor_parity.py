@@ -1,0 +1,87 @@
+"""One executor runs every schedule; loss and gradients equal a single process.
+
+Each case builds the same tiny transformer on every rank, keeps the stages the schedule
+places there, runs one step and compares loss and every parameter gradient with one process
+computing the whole batch (float32, assert_close defaults).
+"""
+
+import pytest
+import torch
+
+from meshpipe.testing import run_distributed
+from pipeline_cases import MICROBATCH_SIZE, pipeline_step, reference_step, tiny_config
+
+# (schedule, pp, microbatches, stages_per_rank): microbatches = pp and, where the schedule
+# allows it, a count not divisible by pp.
+CASES = [
+    ("gpipe", 2, 2, 1), ("gpipe", 2, 3, 1), ("gpipe", 4, 4, 1), ("gpipe", 4, 6, 1),
+    ("1f1b", 2, 2, 1), ("1f1b", 2, 5, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 7, 1),
+    ("interleaved", 2, 2, 2), ("interleaved", 2, 4, 2), ("interleaved", 4, 4, 2),
+    ("interleaved", 4, 8, 2),
+    ("zb-h1", 2, 2, 1), ("zb-h1", 2, 3, 1), ("zb-h1", 4, 4, 1), ("zb-h1", 4, 6, 1),
+    ("zb-v", 2, 2, 2), ("zb-v", 2, 3, 2), ("zb-v", 4, 4, 2), ("zb-v", 4, 6, 2),
+    ("dualpipe-v", 2, 4, 2), ("dualpipe-v", 2, 5, 2), ("dualpipe-v", 4, 8, 2),
+    ("dualpipe-v", 4, 9, 2),
+    ("combined-1f1b", 2, 2, 1), ("combined-1f1b", 2, 3, 1), ("combined-1f1b", 4, 4, 1),
+    ("combined-1f1b", 2, 4, 2), ("combined-1f1b", 4, 8, 2),
+]
+
+
+def _assert_matches_reference(results, num_stages, num_sequences):
+    loss, grads = reference_step(2 * num_stages, num_sequences)
+    losses = [r["loss"] for r in results if r["loss"] is not None]
+    assert losses, "no rank reported a loss"
+    torch.testing.assert_close(torch.tensor(sum(losses) / len(losses)), loss)
+    seen = {}
+    for r in results:
+        for name, grad in r["grads"].items():
+            seen.setdefault(name, grad)
+            torch.testing.assert_close(grad, grads[name], msg=lambda m, n=name: f"{n}: {m}")
+    assert seen.keys() == grads.keys()
+
+
+@pytest.mark.parametrize("name,pp,microbatches,vpp", CASES,
+                         ids=[f"{c[0]}-pp{c[1]}-m{c[2]}-v{c[3]}" for c in CASES])
+def test_schedule_matches_single_process(name, pp, microbatches, vpp):
+    results = run_distributed(pp, pipeline_step, name, pp, microbatches, stages_per_rank=vpp)
+    _assert_matches_reference(results, pp * vpp, microbatches * MICROBATCH_SIZE)
+
+
+@pytest.mark.parametrize("name,pp,microbatches,vpp", [("1f1b", 2, 3, 1), ("interleaved", 2, 4, 2),
+                                                      ("zb-v", 2, 4, 2)])
+def test_data_parallel_averages_gradients(name, pp, microbatches, vpp):
+    results = run_distributed(2 * pp, pipeline_step, name, pp, microbatches,
+                              stages_per_rank=vpp, dp=2)
+    _assert_matches_reference(results, pp * vpp, 2 * microbatches * MICROBATCH_SIZE)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_wraparound_placement_first_rank_holds_the_end_stage(name):
+    results = run_distributed(3, pipeline_step, name, 3, 5, placement="wraparound")
+    assert results[0]["loss"] is not None, "rank 0 holds the last stage and computes the loss"
+    _assert_matches_reference(results, 4, 5 * MICROBATCH_SIZE)
+
+
+@pytest.mark.parametrize("name,vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_forward_only_returns_the_model_outputs(name, vpp):
+    from meshpipe.models import Transformer
+    from pipeline_cases import batch
+
+    results = run_distributed(2, pipeline_step, name, 2, 4, stages_per_rank=vpp,
+                              forward_only=True)
+    outputs = [o for r in results for o in r["outputs"]]
+    assert len(outputs) == 4
+    tokens, _ = batch(4 * MICROBATCH_SIZE)
+    with torch.no_grad():
+        logits = Transformer(tiny_config(2 * 2 * vpp))(tokens)
+    torch.testing.assert_close(torch.cat(outputs), logits)
+    assert all(not r["grads"] for r in results)
+
+
+@pytest.mark.parametrize("name,pp,microbatches,vpp", [("1f1b", 4, 8, 1), ("gpipe", 2, 4, 1),
+                                                      ("interleaved", 2, 4, 2),
+                                                      ("zb-h1", 4, 8, 1), ("zb-v", 2, 6, 2)])
+def test_live_activations_never_exceed_the_simulated_peak(name, pp, microbatches, vpp):
+    results = run_distributed(pp, pipeline_step, name, pp, microbatches, stages_per_rank=vpp)
+    for rank, r in enumerate(results):
+        assert 0 < r["peak"] <= r["simulated_peak"], (rank, r["peak"], r["simulated_peak"])
