@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from numbers import Real
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
@@ -84,7 +85,7 @@ _SCALED_COSTS = ("forward", "backward", "backward_input", "backward_weight", "ov
 
 
 def _checked_cost(name: str, value: object) -> float | tuple[float, ...]:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, Real) and not isinstance(value, bool):
         values: tuple[object, ...] = (value,)
     elif isinstance(value, Sequence) and not isinstance(value, str):
         values = tuple(value)
@@ -95,7 +96,7 @@ def _checked_cost(name: str, value: object) -> float | tuple[float, ...]:
         raise TypeError(f"CostModel.{name} must be a number or a sequence of numbers "
                         f"(one per stage), got {type(value).__name__}")
     for item in values:
-        if isinstance(item, bool) or not isinstance(item, (int, float)):
+        if isinstance(item, bool) or not isinstance(item, Real):
             raise TypeError(f"CostModel.{name} holds {item!r}: costs are numbers")
         if not math.isfinite(item) or item < 0:
             raise ValueError(f"CostModel.{name} holds {item!r}: costs must be finite and >= 0")
@@ -154,7 +155,8 @@ class Timeline:
     def from_columns(cls, actions: Sequence[Sequence[Action]], starts: Sequence[Sequence[float]],
                      ends: Sequence[Sequence[float]], *, origin: float | None = None,
                      seconds_per_unit: float | None = None) -> Timeline:
-        """Per rank, parallel sequences of actions, start times and end times."""
+        """Per rank, parallel sequences of actions, start times and end times (the fast
+        path ``simulate`` uses: lengths are checked, individual times are not)."""
         if not len(actions) == len(starts) == len(ends):
             raise ValueError(f"{len(actions)} action lists, {len(starts)} start lists and "
                              f"{len(ends)} end lists: give one of each per rank")
@@ -175,8 +177,9 @@ class Timeline:
                      seconds_per_unit: float | None = 1.0) -> Timeline:
         """Build from ``(rank, action, start, end)`` records, e.g. times measured in a step.
 
-        Actions may be ``Action`` values or their text form (``"1F3"``). Records are grouped
-        by rank and ordered by start time; ranks without records get empty lists.
+        Actions may be ``Action`` values or their text form (``"1F3"``); times are seconds
+        unless ``seconds_per_unit`` says otherwise. Records are grouped by rank and ordered
+        by start time; ranks without records get empty lists.
         """
         per_rank: dict[int, list[TimedAction]] = {}
         for rank, action, start, end in records:
