@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m meshpipe.cli demo
+	$(PY) -m meshpipe demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -2,7 +2,9 @@
 
 ``meshpipe schedule show`` builds, validates, simulates and draws one schedule;
 ``meshpipe schedule compare`` tabulates every schedule under one cost model;
-``meshpipe demo`` runs the project's showcase. Bad input prints one line and exits 2.
+``meshpipe train`` trains the reference transformer (every flag is a TrainConfig field);
+``meshpipe demo`` runs the project's showcase. Bad input prints one line and exits 2; a
+failed training run (a rank raised, or --check found a difference) exits 1.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import NoReturn, TextIO
 
@@ -22,6 +24,11 @@ from meshpipe.schedules.render import comparison_table, to_png, to_text, write_c
 from meshpipe.schedules.simulate import (VIRTUAL_STAGE_SCHEDULES, CostModel, compare,
                                          simulate)
 from meshpipe.schedules.validation import validate
+from meshpipe.train.config import TrainConfig
+from meshpipe.train.config import add_arguments as add_train_arguments
+from meshpipe.train.config import from_arguments as train_config_from_arguments
+from meshpipe.train.launch import LaunchError
+from meshpipe.train.trainer import run as run_training
 
 USAGE_ERROR = 2
 
@@ -118,9 +125,20 @@ def _parser() -> _Parser:
     _add_costs(comparison)
     comparison.set_defaults(handler=_compare)
 
-    demo = commands.add_parser("demo", help="the showcase: compare the schedules and draw one")
+    train = commands.add_parser(
+        "train", help="train the reference transformer on the shipped corpus",
+        description="Train the reference transformer with any pipeline schedule and "
+        "context-parallel layout: local CPU processes by default, or the processes torchrun "
+        "started. Every flag is a field of meshpipe.train.TrainConfig.")
+    add_train_arguments(train)
+    train.set_defaults(handler=_train)
+
+    demo = commands.add_parser("demo", help="the showcase: train PP=2 x CP=2 on 4 processes, "
+                               "then compare the schedules and draw one")
     demo.add_argument("--out", type=Path, default=Path("out"),
-                      help="directory for the picture (default: out)")
+                      help="directory for metrics and pictures (default: out)")
+    demo.add_argument("--steps", type=_positive_int, default=DEMO_CONFIG.steps,
+                      help=f"training steps (default {DEMO_CONFIG.steps})")
     demo.set_defaults(handler=_demo)
     return parser
 
@@ -195,8 +213,40 @@ def run_demo(out_dir: Path, out: TextIO) -> None:
               f"({100 * best.simulation.bubble_ratio:.1f}%)\n")
 
 
-def _demo(args: argparse.Namespace, out: TextIO) -> None:
+def _train(args: argparse.Namespace, out: TextIO) -> int:
+    return _train_and_report(train_config_from_arguments(args), out)
+
+
+def _train_and_report(config: TrainConfig, out: TextIO) -> int:
+    """Train; exit status 1 if a rank failed or the --check parity comparison failed."""
+    try:
+        metrics = run_training(config)
+    except LaunchError as error:
+        print(f"meshpipe: training failed: {error}", file=sys.stderr)
+        return 1
+    check = (metrics or {}).get("check")
+    return 1 if check and not check["passed"] else 0
+
+
+DEMO_CONFIG = TrainConfig(pp=2, cp_ring=2, schedule="1f1b", microbatches=4, microbatch_size=4,
+                          seq_len=128, dim=128, layers=4, heads=4, kv_heads=2, steps=80,
+                          lr=3e-3, min_lr=3e-4, warmup_steps=8, eval_every=20, check=True,
+                          timeline_step=5)
+
+
+def _demo(args: argparse.Namespace, out: TextIO) -> int:
+    config = replace(DEMO_CONFIG, out_dir=str(args.out / "train"), steps=args.steps)
+    out.write(f"Training the reference transformer on the shipped Shakespeare corpus: pp "
+              f"{config.pp} x cp ring {config.cp_ring} = {config.world_size} CPU processes, "
+              f"schedule {config.schedule}, {config.steps} steps.\n")
+    out.flush()
+    status = _train_and_report(config, out)
+    if status:
+        return status
+    out.write(f"measured timeline of step {config.timeline_step}: "
+              f"{Path(config.out_dir) / 'timeline.png'}\n\n")
     run_demo(args.out, out)
+    return 0
 
 
 def _write(path: Path, produce, *, path_argument: bool = False) -> None:
@@ -216,13 +266,12 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     out = sys.stdout if out is None else out
     try:
         args = _parser().parse_args(argv)
-        args.handler(args, out)
+        return args.handler(args, out) or 0
     except (CommandLineError, ValueError) as error:
         message = " ".join(str(error).split())
         prefix = "" if isinstance(error, CommandLineError) else "meshpipe: error: "
         print(f"{prefix}{message}", file=sys.stderr)
         return USAGE_ERROR
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,150 @@
+"""Training configuration: one dataclass, also the source of the ``meshpipe train`` flags.
+
+Every field becomes a ``--flag`` (underscores become dashes) with its default and the help
+text from ``FIELD_HELP``, so the CLI never drifts from the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from meshpipe.schedules import SCHEDULES
+from meshpipe.schedules.placement import PLACEMENTS
+from meshpipe.topology import ParallelLayout
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # parallel layout
+    pp: int = 2
+    vpp: int = 1
+    dp: int = 1
+    cp_ulysses: int = 1
+    cp_ring: int = 1
+    schedule: str = "1f1b"
+    placement: str = "auto"
+    # batch
+    microbatches: int = 4
+    microbatch_size: int = 2
+    seq_len: int = 64
+    # model
+    dim: int = 64
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    tie_embeddings: bool = False
+    # optimisation
+    steps: int = 30
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 5
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+    # evaluation, output, checkpoints
+    eval_every: int = 10
+    out_dir: str = "out/train"
+    checkpoint_every: int = 0
+    resume: bool = False
+    check: bool = False
+    timeline_step: int = 2
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of "
+                             f"{', '.join(SCHEDULES)}")
+        if self.placement not in ("auto", *PLACEMENTS):
+            raise ValueError(f"unknown placement {self.placement!r}; choose auto or one of "
+                             f"{', '.join(PLACEMENTS)}")
+        positive = ("vpp", "microbatches", "microbatch_size", "seq_len", "dim", "layers",
+                    "heads", "kv_heads", "steps")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                 f"{getattr(self, name)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads "
+                             f"{self.kv_heads} (grouped-query attention)")
+        if self.dim % self.heads:
+            raise ValueError(f"--dim {self.dim} must be a multiple of --heads {self.heads}")
+        if self.cp_ring > 1 and self.seq_len % (2 * self.cp_ring):
+            raise ValueError(f"ring attention splits the sequence into 2 x cp_ring = "
+                             f"{2 * self.cp_ring} zigzag chunks: --seq-len {self.seq_len} is not "
+                             f"divisible; use a multiple of {2 * self.cp_ring}")
+        self.layout  # noqa: B018 - raises on invalid sizes
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(pp=self.pp, dp=self.dp, cp_ring=self.cp_ring,
+                              cp_ulysses=self.cp_ulysses)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def placement_arg(self) -> str | None:
+        """The placement to hand the schedule builder (None lets it pick its own)."""
+        return None if self.placement == "auto" else self.placement
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.dp * self.microbatches * self.microbatch_size * self.seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELD_HELP = {
+    "pp": "pipeline-parallel ranks",
+    "vpp": "virtual stages (model chunks) per pipeline rank",
+    "dp": "data-parallel replicas",
+    "cp_ulysses": "context-parallel Ulysses degree (heads <-> sequence all-to-all)",
+    "cp_ring": "context-parallel ring degree (zigzag ring attention)",
+    "schedule": f"pipeline schedule: {', '.join(SCHEDULES)}",
+    "placement": "stage placement: auto (the schedule's own), " + ", ".join(PLACEMENTS),
+    "microbatches": "microbatches per step (per data-parallel replica)",
+    "microbatch_size": "sequences per microbatch",
+    "seq_len": "tokens per sequence",
+    "dim": "model width",
+    "layers": "transformer layers (split across all stages)",
+    "heads": "query heads",
+    "kv_heads": "key/value heads (grouped-query attention)",
+    "tie_embeddings": "share the embedding and output head weights",
+    "steps": "optimizer steps",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr": "final learning rate of the cosine decay",
+    "warmup_steps": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "clip the global gradient norm to this (0 disables)",
+    "seed": "seed of the model init and the data order",
+    "eval_every": "validation loss every N steps, forward-only schedule (0 disables)",
+    "out_dir": "where metrics, pictures and checkpoints go",
+    "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
+    "resume": "continue from the checkpoint in --out-dir",
+    "check": "also run the first step in one process and print the loss/gradient difference",
+    "timeline_step": "step whose measured per-rank timeline is drawn (0 disables)",
+    "progress": "show a progress bar",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per TrainConfig field."""
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        if field.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                default=field.default, help=FIELD_HELP[field.name])
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(field.type)]
+            parser.add_argument(flag, type=kind, default=field.default, metavar=field.name.upper(),
+                                help=f"{FIELD_HELP[field.name]} (default: {field.default})")
+
+
+def from_arguments(args: argparse.Namespace) -> TrainConfig:
+    names = [field.name for field in dataclasses.fields(TrainConfig)]
+    return TrainConfig(**{name: getattr(args, name) for name in names})

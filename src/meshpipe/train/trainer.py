@@ -1,0 +1,355 @@
+"""The training loop: a reference transformer on the shipped corpus, any layout, any schedule.
+
+``run(config)`` starts the processes (locally, or joins torchrun's) and every rank runs
+``Trainer(config).fit()``:
+
+1. the topology (pp x dp x cp ring x cp Ulysses) and this rank's process groups;
+2. the schedule from the builders, and the stages it places on this pipeline rank, cut from
+   one model that every rank initialises identically;
+3. per step: the same batch on every rank of a context-parallel group, each rank keeping its
+   slice of the sequence (zigzag for ring attention), one Executor step, gradients summed over
+   context parallelism and averaged over data parallelism, tied weights summed across the
+   stages that hold them, global-norm clipping, AdamW;
+4. rank 0 shows progress, writes metrics, draws the measured timeline of one step, and
+   with ``--check`` compares the first step with a single-process run of the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from meshpipe.comm.p2p import P2PTransport
+from meshpipe.comm.shards import hybrid_positions
+from meshpipe.context import make_attention
+from meshpipe.models import (Transformer, TransformerConfig, causal_lm_loss, shared_parameters,
+                             split)
+from meshpipe.runtime import Executor, Stage, all_reduce_gradients
+from meshpipe.schedules import Schedule, build
+from meshpipe.schedules.render import to_png, write_chrome_trace
+from meshpipe.schedules.simulate import Timeline
+from meshpipe.topology import Topology
+from meshpipe.train import checkpoint
+from meshpipe.train.config import TrainConfig
+from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, encode, load_corpus
+from meshpipe.train.launch import device_for_this_rank, launch
+
+RECV_TIMEOUT_S = 60.0
+
+
+def run(config: TrainConfig) -> dict[str, Any] | None:
+    """Train with ``config`` on ``config.world_size`` local processes (or under torchrun).
+
+    The layout is checked here, before any process starts. Returns rank 0's metrics (None
+    on the other ranks of a torchrun job).
+    """
+    build_schedule(config)
+    launch(_fit_on_this_rank, config.world_size, config)
+    metrics_file = Path(config.out_dir) / "metrics.json"
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return json.loads(metrics_file.read_text()) if metrics_file.exists() else None
+
+
+def _fit_on_this_rank(config: TrainConfig) -> None:
+    Trainer(config).fit()
+
+
+def build_schedule(config: TrainConfig, forward_only: bool = False) -> Schedule:
+    """The run's schedule; fails if the model has fewer layers than the schedule has stages."""
+    schedule = build(config.schedule, config.pp, config.microbatches,
+                     stages_per_rank=config.vpp, placement=config.placement_arg,
+                     forward_only=forward_only)
+    if config.layers < schedule.num_stages:
+        raise ValueError(f"--layers {config.layers} cannot fill the {schedule.num_stages} "
+                         f"stages of {config.schedule} at pp {config.pp} x vpp {config.vpp}; "
+                         f"use at least {schedule.num_stages} layers")
+    return schedule
+
+
+def model_config(config: TrainConfig) -> TransformerConfig:
+    return TransformerConfig(vocab_size=VOCAB_SIZE, dim=config.dim, n_layers=config.layers,
+                             n_heads=config.heads, n_kv_heads=config.kv_heads,
+                             max_seq_len=config.seq_len, tie_embeddings=config.tie_embeddings,
+                             init_seed=config.seed)
+
+
+def train_sampler(config: TrainConfig, dp_rank: int, split_name: str = "train") -> CorpusSampler:
+    """Data-parallel replica ``dp_rank``'s batches: microbatches x microbatch_size sequences."""
+    return CorpusSampler(encode(load_corpus()), config.seq_len,
+                         config.microbatches * config.microbatch_size,
+                         seed=config.seed * 7919 + dp_rank, split=split_name)
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay from ``lr`` to ``min_lr``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepStats:
+    loss: float
+    grad_norm: float
+    seconds: float
+
+
+class Trainer:
+    """One rank of a training run."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.device = device_for_this_rank()
+        self.topology = Topology.build(config.layout, device_type=self.device.type)
+        self.rank = self.topology.rank
+        coords = self.topology.coords
+        self.dp_rank = coords["dp"]
+        self.schedule = build_schedule(config)
+        num_stages = self.schedule.num_stages
+        attention = make_attention(self.topology.cp_ulysses_group, self.topology.cp_ring_group)
+        chunks = split(Transformer(model_config(config), attention=attention), num_stages)
+        my_stages = self.schedule.stages_of(self.topology.pp_rank)
+        self.stages = {s: Stage(chunks[s].to(self.device), s, num_stages,
+                                loss_fn=self._loss if s == num_stages - 1 else None)
+                       for s in my_stages}
+        self.parameters = self._unique_parameters()
+        self._shared = self._shared_parameter_groups(chunks)
+        self.optimizer = torch.optim.AdamW([p for _, p in self.parameters], lr=config.lr,
+                                           weight_decay=config.weight_decay)
+        transport = P2PTransport(device=self.device, timeout=RECV_TIMEOUT_S)
+        executor_args = dict(pp_rank=self.topology.pp_rank,
+                             pipeline_ranks=self.topology.pipeline_ranks, transport=transport,
+                             recv_timeout=RECV_TIMEOUT_S)
+        self.executor = Executor(self.schedule, self.stages, **executor_args)
+        self.eval_executor = Executor(build_schedule(config, forward_only=True), self.stages,
+                                      **executor_args)
+        self.train_data = train_sampler(config, self.dp_rank)
+        self.val_data = train_sampler(config, self.dp_rank, "val")
+        self.positions = hybrid_positions(config.seq_len, config.cp_ring, coords["cp_ring"],
+                                          config.cp_ulysses, coords["cp_ulysses"])
+        self._tokens_per_microbatch = config.microbatch_size * config.seq_len
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the microbatch's mean loss (normalised over all its tokens,
+        including those other context-parallel ranks hold), so CP shares add up."""
+        loss_sum, _ = causal_lm_loss(logits, targets, reduction="sum")
+        return loss_sum / self._tokens_per_microbatch
+
+    def _unique_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
+        for stage in self.stages.values():
+            for name, param in stage.module.named_parameters():
+                seen.setdefault(id(param), (name, param))
+        return list(seen.values())
+
+    def _shared_parameter_groups(self, chunks) -> list[tuple[torch.nn.Parameter, Any]]:
+        """For each tied parameter split over pipeline ranks: this rank's copy and the group of
+        the ranks holding a copy (created collectively, for every pipeline)."""
+        mine = []
+        placement = self.schedule.placement
+        for shared in shared_parameters(chunks):
+            positions = sorted({placement[stage] for stage in shared.stages})
+            if len(positions) < 2:
+                continue
+            for pipeline in self.config.layout.group_ranks(["pp"]):
+                members = [pipeline[p] for p in positions]
+                group = dist.new_group(members)
+                if self.rank in members:
+                    stage, name = next((s, n) for s, n in shared.locations if s in self.stages)
+                    mine.append((self.stages[stage].module.get_parameter(name), group))
+        return mine
+
+    def microbatches(self, sampler: CorpusSampler, step: int):
+        """This rank's stage-0 inputs and last-stage targets for batch ``step``."""
+        batch = sampler.batch(step)
+        tokens = batch.tokens[:, self.positions].to(self.device)
+        targets = batch.targets[:, self.positions].to(self.device)
+        positions = self.positions.to(self.device)
+        size = self.config.microbatch_size
+        inputs = [(t, positions, None) for t in tokens.split(size)]
+        return inputs, list(targets.split(size))
+
+    def _global_loss(self, local_mean: float | None) -> float:
+        """Mean loss over the whole step: CP shares add up, DP replicas average."""
+        value = torch.tensor([local_mean or 0.0], dtype=torch.float64)
+        dist.all_reduce(value)
+        return value.item() / self.config.dp
+
+    def train_step(self, step: int) -> StepStats:
+        start = time.perf_counter()
+        inputs, targets = self.microbatches(self.train_data, step)
+        self.last_result = self.executor.step(inputs, targets)
+        self._reduce_gradients()
+        grad_norm = self._clip_gradients()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.config, step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._global_loss(self.last_result.loss)
+        return StepStats(loss, grad_norm, time.perf_counter() - start)
+
+    def _reduce_gradients(self) -> None:
+        params = [p for _, p in self.parameters]
+        if self.config.dp * self.config.layout.cp > 1:
+            all_reduce_gradients(params, self.topology.dp_cp_group, scale=1.0 / self.config.dp)
+        for param, group in self._shared:
+            all_reduce_gradients([param], group)
+
+    def _clip_gradients(self) -> float:
+        """Global gradient norm over the whole model (each tied weight counted once)."""
+        duplicates = {id(p) for p, group in self._shared
+                      if dist.get_rank(group) != 0}
+        squares = sum(float(p.grad.pow(2).sum()) for _, p in self.parameters
+                      if p.grad is not None and id(p) not in duplicates)
+        total = torch.tensor([squares], dtype=torch.float64)
+        dist.all_reduce(total, group=self.topology.pp_group)
+        norm = math.sqrt(total.item())
+        if self.config.grad_clip > 0 and norm > self.config.grad_clip:
+            for _, p in self.parameters:
+                if p.grad is not None:
+                    p.grad.mul_(self.config.grad_clip / (norm + 1e-6))
+        return norm
+
+    def evaluate(self, step: int) -> float:
+        inputs, targets = self.microbatches(self.val_data, step)
+        result = self.eval_executor.step(inputs, targets)
+        return self._global_loss(result.loss)
+
+    def fit(self) -> dict[str, Any]:
+        config = self.config
+        out = Path(config.out_dir)
+        start_step = 0
+        if config.resume:
+            start_step = checkpoint.load(out / "checkpoint", self.parameters, self.optimizer) + 1
+        metrics: dict[str, Any] = {"config": config.to_dict(), "world_size": config.world_size,
+                                   "schedule": str(self.schedule.name), "history": [],
+                                   "eval": [], "resumed_from": start_step or None}
+        if config.check and start_step == 0:
+            metrics["check"] = self._parity_check()
+        bar = tqdm(total=config.steps, initial=start_step, unit="step", dynamic_ncols=True,
+                   disable=not (self.is_main and config.progress))
+        for step in range(start_step, config.steps):
+            dist.barrier()
+            stats = self.train_step(step)
+            tokens_per_s = config.tokens_per_step / stats.seconds
+            metrics["history"].append({"step": step, "loss": stats.loss,
+                                       "lr": lr_at(config, step), "grad_norm": stats.grad_norm,
+                                       "step_seconds": stats.seconds,
+                                       "tokens_per_s": tokens_per_s})
+            bar.set_postfix_str(f"loss {stats.loss:.3f} | {tokens_per_s:,.0f} tok/s")
+            bar.update()
+            if step + 1 == config.timeline_step:
+                metrics["timeline"] = self._draw_timeline(out)
+            if config.eval_every and (step + 1) % config.eval_every == 0:
+                metrics["eval"].append({"step": step, "val_loss": self.evaluate(step)})
+            is_last = step == config.steps - 1
+            if is_last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0):
+                checkpoint.save(out / "checkpoint", self.parameters, self.optimizer, step)
+        bar.close()
+        if self.is_main:
+            self._write_metrics(out, metrics)
+        return metrics
+
+    def _write_metrics(self, out: Path, metrics: dict[str, Any]) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        history = metrics["history"]
+        if history:
+            steady = [h["tokens_per_s"] for h in history[1:]] or [history[0]["tokens_per_s"]]
+            metrics["summary"] = {"first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
+                                  "median_tokens_per_s": sorted(steady)[len(steady) // 2]}
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        summary = metrics.get("summary")
+        if summary:
+            print(f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} over "
+                  f"{len(history)} steps, {summary['median_tokens_per_s']:,.0f} tokens/s; "
+                  f"metrics in {out / 'metrics.json'}")
+
+    def _draw_timeline(self, out: Path) -> str | None:
+        """Gather the last step's measured action times of rank 0's pipeline and draw them."""
+        records = [(self.topology.pp_rank, t.action, t.start, t.end)
+                   for t in self.last_result.timeline]
+        gathered: list[Any] = [None] * dist.get_world_size() if self.is_main else None
+        dist.gather_object(records, gathered, dst=0)
+        if not self.is_main:
+            return None
+        pipeline = self.topology.pipeline_ranks
+        timeline = Timeline.from_records([r for rank in pipeline for r in gathered[rank]],
+                                         num_ranks=len(pipeline), seconds_per_unit=1.0)
+        out.mkdir(parents=True, exist_ok=True)
+        title = (f"measured step: {self.config.schedule}, pp {self.config.pp}, "
+                 f"{self.config.microbatches} microbatches")
+        to_png(timeline, out / "timeline.png", title=title)
+        write_chrome_trace(timeline, out / "timeline.trace.json")
+        return str(out / "timeline.png")
+
+    def _parity_check(self) -> dict[str, Any] | None:
+        """Run step 0 here and in one process on rank 0; compare loss and every gradient.
+
+        The optimizer is not stepped: this step is repeated by the training loop.
+        """
+        inputs, targets = self.microbatches(self.train_data, 0)
+        result = self.executor.step(inputs, targets)
+        self._reduce_gradients()
+        loss = self._global_loss(result.loss)
+        grads = {name: p.grad.detach().cpu() for name, p in self.parameters if p.grad is not None}
+        gathered: list[Any] = [None] * dist.get_world_size() if self.is_main else None
+        dist.gather_object(grads, gathered, dst=0)
+        self.optimizer.zero_grad(set_to_none=True)
+        if not self.is_main:
+            return None
+        return compare_with_single_process(self.config, loss, gathered)
+
+
+def reference_gradients(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of step 0 computed by one process on the whole global batch."""
+    model = Transformer(model_config(config))
+    losses = []
+    for dp_rank in range(config.dp):
+        batch = train_sampler(config, dp_rank).batch(0)
+        losses.append(causal_lm_loss(model(batch.tokens), batch.targets))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    if config.tie_embeddings:
+        grads["head.weight"] = grads["embedding.weight"]
+    return loss.item(), grads
+
+
+def compare_with_single_process(config: TrainConfig, loss: float,
+                                gathered: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    reference_loss, reference = reference_gradients(config)
+    worst_grad, worst_name, mismatched = 0.0, "", []
+    for grads in gathered:
+        for name, grad in grads.items():
+            difference = (grad - reference[name]).abs().max().item()
+            if difference > worst_grad:
+                worst_grad, worst_name = difference, name
+            try:
+                torch.testing.assert_close(grad, reference[name])
+            except AssertionError:
+                mismatched.append(name)
+    loss_difference = abs(loss - reference_loss)
+    passed = not mismatched and math.isclose(loss, reference_loss, rel_tol=1.3e-6, abs_tol=1e-5)
+    report = {"loss": loss, "reference_loss": reference_loss,
+              "loss_difference": loss_difference, "max_grad_difference": worst_grad,
+              "worst_parameter": worst_name, "mismatched": sorted(set(mismatched)),
+              "passed": passed}
+    verdict = "PASS" if passed else f"FAIL ({len(set(mismatched))} gradients differ)"
+    print(f"--check step 0 vs one process: loss {loss:.6f} vs {reference_loss:.6f} "
+          f"(|diff| {loss_difference:.2e}), largest gradient |diff| {worst_grad:.2e} "
+          f"({worst_name}): {verdict}")
+    return report
