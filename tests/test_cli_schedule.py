@@ -109,9 +109,12 @@ def test_compare_lists_every_schedule_with_figures_or_the_reason(capsys, tmp_pat
     assert one_f_one_b["peak_activations"] == [4, 3, 2, 1]
 
 
-def test_demo_compares_and_draws_the_best_schedule(capsys, tmp_path):
-    status, out, _ = run(capsys, "demo", "--out", str(tmp_path / "out"))
+def test_demo_trains_then_compares_and_draws_the_best_schedule(capsys, tmp_path):
+    status, out, _ = run(capsys, "demo", "--out", str(tmp_path / "out"), "--steps", "6")
     assert status == 0
+    metrics = json.loads((tmp_path / "out" / "train" / "metrics.json").read_text())
+    assert metrics["check"]["passed"] and len(metrics["history"]) == 6
+    assert (tmp_path / "out" / "train" / "timeline.png").exists()
     assert "| zb-h1 |" in out and "| 1f1b |" in out
     image = matplotlib.image.imread(tmp_path / "out" / "schedule.png")
     assert image.shape[1] > 600
