@@ -408,8 +408,8 @@ class _Simulator:
         num_ranks = schedule.num_ranks
         self.position = [0] * num_ranks
         self.clock = [0.0] * num_ranks
-        self.starts = [array("d") for _ in range(num_ranks)]
-        self.ends = [array("d") for _ in range(num_ranks)]
+        self.starts = [array("d", bytes(8 * len(actions))) for actions in schedule.ranks]
+        self.ends = [array("d", bytes(8 * len(actions))) for actions in schedule.ranks]
         self.blocked_on: list[tuple[int, int] | None] = [None] * num_ranks
         runnable = list(range(num_ranks))
         while runnable:
@@ -438,7 +438,8 @@ class _Simulator:
         woken: list[int] = []
         position = self.position[rank]
         clock = self.clock[rank]
-        while position < len(actions):
+        count = len(actions)
+        while position < count:
             action = actions[position]
             kind = action.kind
             if kind is kind_f:
@@ -512,8 +513,8 @@ class _Simulator:
                                   else _GRAD_DONE, token, clock, woken)
             else:
                 start = clock
-            starts.append(start)
-            ends.append(clock)
+            starts[position] = start
+            ends[position] = clock
             position += 1
         self.position[rank] = position
         self.clock[rank] = clock
