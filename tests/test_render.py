@@ -196,3 +196,13 @@ def test_chrome_trace_of_measured_seconds_is_in_microseconds():
 def test_rendering_something_else_is_a_type_error():
     with pytest.raises(TypeError, match="give a Schedule, a Simulation or a Timeline"):
         to_text([[F(0, 0)]])
+
+
+def test_a_tiny_measured_box_does_not_stretch_the_grid_or_the_figure():
+    records = [(0, f"0F{m}", 1.03 * m, 1.03 * m + 1.0 + 0.01 * m) for m in range(20)]
+    records.append((0, "0B0", 30.0, 30.0001))
+    timeline = Timeline.from_records(records)
+    rows = grid_rows(to_text(timeline))
+    assert len(rows[0]) < 40
+    assert rows[0][:3] == ["F0", "F1", "F2"]
+    assert to_figure(timeline).get_figwidth() < 12

@@ -97,15 +97,18 @@ def _compute_boxes(timeline: Timeline) -> list[TimedAction]:
 
 
 def _grid_quantum(boxes: Sequence[TimedAction], origin: float, makespan: float) -> float:
-    """The time one text column stands for: the coarsest step that puts every box edge on
-    a column boundary (within a few divisions of the shortest box), capped in count."""
-    durations = [t.duration for t in boxes if t.duration > 0]
+    """The time one column stands for. It starts from a short but typical box duration
+    (the 10th percentile, so that a rare tiny box of a measured step does not stretch the
+    picture) and takes the coarsest division of it, by up to 8, that puts every box edge
+    on a column boundary; measured times fit no such grid and keep the typical duration.
+    At most ``_MAX_TEXT_COLUMNS`` columns."""
+    durations = sorted(t.duration for t in boxes if t.duration > 0)
     if not durations:
         return 1.0
-    shortest = min(durations)
-    quantum = shortest
+    typical = durations[len(durations) // 10]
+    quantum = typical
     for divisor in range(1, 9):
-        step = shortest / divisor
+        step = typical / divisor
         if all(_on_grid(t.start - origin, step) and _on_grid(t.end - origin, step)
                for t in boxes):
             quantum = step
@@ -145,11 +148,11 @@ def to_text(x: Renderable, *, resolution: float | None = None) -> str:
     name_width = len(f"rank {timeline.num_ranks - 1}")
     ticks = [" "] * (columns * (width + 1))
     for column in range(0, columns, 10):
-        text = f"{column * quantum:g}"
+        text = f"{column * quantum:.3g}"
         at = column * (width + 1)
         if all(c == " " for c in ticks[max(0, at - 1):at + len(text)]):
             ticks[at:at + len(text)] = text
-    lines = [f"{picture.title}; time per column: {quantum:g} ({_unit_name(timeline)})",
+    lines = [f"{picture.title}; time per column: {quantum:.3g} ({_unit_name(timeline)})",
              f"{'time'.ljust(name_width)} | {''.join(ticks).rstrip()}"]
     for rank, row in enumerate(grid):
         cells = " ".join(cell.ljust(width) for cell in row).rstrip()
