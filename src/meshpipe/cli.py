@@ -76,7 +76,9 @@ def _add_sizes(parser: argparse.ArgumentParser, *, vpp_default: int | None,
 
 
 def _add_costs(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("cost model (time units per stage)")
+    group = parser.add_argument_group(
+        "cost model", "Times for one rank's share of the model (1/pp of it); a schedule with "
+        "v stages per rank runs each stage at 1/v of them.")
     group.add_argument("--f", type=_cost, default=1.0, help="forward (default 1)")
     group.add_argument("--b", type=_cost, default=None,
                        help="full backward B (default: --i plus --w)")
@@ -150,7 +152,7 @@ def _show(args: argparse.Namespace, out: TextIO) -> None:
     if args.lowered:
         schedule = lower(schedule)
     validate(schedule)
-    simulation = simulate(schedule, _costs(args))
+    simulation = simulate(schedule, _costs(args).for_stages_of(schedule))
     out.write(to_text(simulation))
     out.write(f"bubble per rank: "
               f"{' '.join(f'{100 * r:.1f}%' for r in simulation.bubble_ratios)}\n")
@@ -182,8 +184,8 @@ def _compare(args: argparse.Namespace, out: TextIO) -> None:
         out.write(f"wrote {args.json}\n")
 
 
-_COMPARISON_NOTE = ("\nCosts are per rank's share of the model; a schedule with v stages per "
-                    "rank runs each stage at 1/v of them. Peak live activations counts "
+_COMPARISON_NOTE = ("\nCosts are per rank's share of the model (1/pp of it); a schedule with v "
+                    "stages per rank runs each stage at 1/v of them. Peak live activations counts "
                     "(stage, microbatch) pairs; peak activation memory is in units of one "
                     "microbatch's activations on one rank's share.\n")
 

@@ -68,6 +68,12 @@ class CostModel:
 
         return replace(self, **{name: scale(getattr(self, name)) for name in _SCALED_COSTS})
 
+    def for_stages_of(self, schedule: Schedule) -> CostModel:
+        """Read these costs as one rank's share of the model (1/p of it) and return the
+        costs of one of ``schedule``'s stages (1/S of it): ``scaled(p / S)``. With this,
+        schedules with different numbers of stages per rank compare like for like."""
+        return self.scaled(schedule.num_ranks / schedule.num_stages)
+
     def per_stage(self, name: str, num_stages: int) -> tuple[float, ...] | None:
         """Field ``name`` expanded to one value per stage (None stays None)."""
         value = getattr(self, name)
@@ -650,8 +656,9 @@ def compare(num_ranks: int, num_microbatches: int, *, stages_per_rank: int = 2,
 
     ``costs`` describe one rank's share of the model (one stage of a ``num_ranks``-stage
     split); ``activation_bytes`` defaults to 1, one microbatch's activations on that
-    share. A schedule with v stages per rank runs ``costs.scaled(1 / v)`` on each stage,
-    so makespans and activation memory compare like for like. ``stages_per_rank`` applies
+    share. Each schedule runs ``costs.for_stages_of(schedule)`` (a schedule with v stages
+    per rank: 1/v of them per stage), so makespans and activation memory compare like for
+    like. ``stages_per_rank`` applies
     to ``VIRTUAL_STAGE_SCHEDULES``. A schedule whose builder (or the cost model) rejects
     the sizes is kept with the error message as its ``reason``, so one unsupported size
     never hides the others.
@@ -668,7 +675,7 @@ def compare(num_ranks: int, num_microbatches: int, *, stages_per_rank: int = 2,
             schedule = build(name, num_ranks, num_microbatches, stages_per_rank=virtual,
                              forward_only=forward_only)
             virtual = schedule.stages_per_rank
-            simulation = simulate(schedule, costs.scaled(1 / virtual))
+            simulation = simulate(schedule, costs.for_stages_of(schedule))
         except ValueError as error:
             rows.append(Comparison(name, virtual, None, str(error)))
             continue
