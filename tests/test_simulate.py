@@ -247,6 +247,9 @@ def test_scaled_costs_scale_compute_and_memory_but_not_messages():
     assert (costs.forward, costs.backward_input, costs.comm, costs.activation_bytes) == (
         1.0, (0.5, 1.5), 0.5, 4.0)
     assert costs.backward is None and costs.overlap is None
+    wraparound = build("gpipe", 3, 2, placement="wraparound")  # 3 ranks' model in 4 stages
+    assert CostModel(forward=3, comm=1).for_stages_of(wraparound) == CostModel(
+        forward=2.25, backward_input=0.75, backward_weight=0.75, comm=1)
 
 
 def test_compare_runs_every_schedule_like_for_like():
