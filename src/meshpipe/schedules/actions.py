@@ -14,7 +14,7 @@ import enum
 import io
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 
 class Kind(enum.Enum):
@@ -29,6 +29,10 @@ class Kind(enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+
+    # Members are singletons compared by identity; Enum's own __hash__ is a Python call,
+    # which dominates hashing actions (tuples holding a Kind) in large schedules.
+    __hash__ = object.__hash__
 
     @property
     def is_compute(self) -> bool:
@@ -53,26 +57,34 @@ _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 _OVERLAP_RE = re.compile(r"^\((.+);(.+)\)OVERLAP_F_B$")
 
 
-@dataclass(frozen=True, slots=True)
-class Action:
-    """One step of one rank: ``kind`` applied to ``microbatch`` on ``stage``.
-
-    An ``OVERLAP`` action carries its two halves in ``parts`` (a forward, then a
-    backward, usually of another microbatch and possibly another stage); its own
-    ``stage`` and ``microbatch`` are those of the forward half.
-    """
-
+class _ActionFields(NamedTuple):
     kind: Kind
     stage: int
     microbatch: int
     parts: tuple[Action, ...] = ()
 
-    def __post_init__(self) -> None:
-        if self.stage < 0 or self.microbatch < 0:
-            raise ValueError(f"action {self.kind.value}: stage and microbatch must be >= 0, "
-                             f"got stage={self.stage} microbatch={self.microbatch}")
-        if (self.kind is Kind.OVERLAP) != bool(self.parts):
+
+class Action(_ActionFields):
+    """One step of one rank: ``kind`` applied to ``microbatch`` on ``stage``.
+
+    An ``OVERLAP`` action carries its two halves in ``parts`` (a forward, then a
+    backward, usually of another microbatch and possibly another stage); its own
+    ``stage`` and ``microbatch`` are those of the forward half.
+
+    An immutable tuple underneath: schedules hold millions of actions, and tuple
+    construction, hashing and field access run in C.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, kind: Kind, stage: int, microbatch: int,
+                parts: tuple[Action, ...] = ()) -> Action:
+        if stage < 0 or microbatch < 0:
+            raise ValueError(f"action {kind.value}: stage and microbatch must be >= 0, "
+                             f"got stage={stage} microbatch={microbatch}")
+        if (kind is Kind.OVERLAP) != bool(parts):
             raise ValueError("only an OVERLAP action has parts; use Action.overlap(f, b)")
+        return tuple.__new__(cls, (kind, stage, microbatch, parts))
 
     @staticmethod
     def overlap(forward: Action, backward: Action) -> Action:
@@ -157,17 +169,32 @@ class Schedule:
             if not 0 <= rank < self.num_ranks:
                 raise ValueError(f"stage {stage} placed on rank {rank}, "
                                  f"outside 0..{self.num_ranks - 1}")
+        own_stages: list[set[int]] = [set() for _ in range(self.num_ranks)]
+        for stage, rank in enumerate(self.placement):
+            own_stages[rank].add(stage)
         for rank, actions in enumerate(self.ranks):
-            for index, action in enumerate(actions):
-                for part in action.computations:
-                    if part.stage >= self.num_stages or part.microbatch >= self.num_microbatches:
-                        raise ValueError(f"rank {rank} action #{index} {action}: stage or "
-                                         f"microbatch out of range ({self.num_stages} stages, "
-                                         f"{self.num_microbatches} microbatches)")
-                    if self.placement[part.stage] != rank:
-                        raise ValueError(f"rank {rank} action #{index} {action}: stage "
-                                         f"{part.stage} is placed on rank "
-                                         f"{self.placement[part.stage]}")
+            stages = {a.stage for a in actions}
+            microbatches = {a.microbatch for a in actions}
+            for action in actions:
+                if action.parts:
+                    stages.update(p.stage for p in action.parts)
+                    microbatches.update(p.microbatch for p in action.parts)
+            if not stages <= own_stages[rank] or max(microbatches, default=0) >= \
+                    self.num_microbatches:
+                self._raise_misplaced_action(rank)
+
+    def _raise_misplaced_action(self, rank: int) -> None:
+        """Name the first action of ``rank`` that is out of range or on the wrong rank."""
+        for index, action in enumerate(self.ranks[rank]):
+            for part in action.computations:
+                if part.stage >= self.num_stages or part.microbatch >= self.num_microbatches:
+                    raise ValueError(f"rank {rank} action #{index} {action}: stage or "
+                                     f"microbatch out of range ({self.num_stages} stages, "
+                                     f"{self.num_microbatches} microbatches)")
+                if self.placement[part.stage] != rank:
+                    raise ValueError(f"rank {rank} action #{index} {action}: stage "
+                                     f"{part.stage} is placed on rank "
+                                     f"{self.placement[part.stage]}")
 
     @property
     def is_lowered(self) -> bool:
