@@ -236,7 +236,7 @@ def torch_runner(case: Case, args: argparse.Namespace, stage_ids: list[int], num
     def step() -> list[float]:
         losses: list[Tensor] = []
         schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
-        return [loss.item() for loss in losses]
+        return [loss.detach().item() for loss in losses]
 
     return Runner(modules, step)
 
