@@ -12,6 +12,13 @@ state"; it dispatches each action to a handler:
   (seed 003's deallocation: the transport keeps its own reference until the send completes,
   and the autograd graph stays usable);
 - ``OVERLAP`` runs its forward half, then its backward half.
+
+When an action fails, the rank tells every pipeline peer it still owes messages: each
+owed send is posted as a small *stop notice* under the label the real message would have
+had, so a peer waiting for it raises :class:`PeerFailedError` (naming the rank that failed
+first and why) at once instead of waiting out its receive timeout, and passes the notice on
+to its own peers. A peer that never receives (a dead process) is still bounded by the
+receive timeout.
 """
 
 from __future__ import annotations
@@ -30,6 +37,64 @@ from meshpipe.schedules.validation import validate
 
 class ExecutorError(RuntimeError):
     """An action failed; the message names the rank, the action, its stage and microbatch."""
+
+
+class PeerFailedError(ExecutorError):
+    """A pipeline peer stopped its step, so a message this rank waits for will never come.
+
+    ``peer`` is the global rank whose stop notice arrived, ``failed_rank`` the global rank
+    whose own error started the stop (the same, or further along the pipeline), ``reason``
+    that error's message.
+    """
+
+    def __init__(self, message: str, *, peer: int, failed_rank: int, reason: str):
+        super().__init__(message)
+        self.peer = peer
+        self.failed_rank = failed_rank
+        self.reason = reason
+
+
+# The only key of a stop notice: a message sent in place of one that will never come.
+_STOP_KEY = "meshpipe.executor.stopped"
+# A rank stopped by a peer waits at most this long (and at most its receive timeout) for its
+# own stop notices to be received before raising.
+_STOP_NOTICE_DELIVERY_S = 5.0
+_STOP_REASON_CHARS = 2000
+
+
+@dataclass
+class _PendingReceive:
+    """A posted receive parked until the compute that consumes it."""
+
+    handle: Any
+    peer: int
+    label: str
+
+
+class _PeerStopped(Exception):
+    """Raised by ``_take`` when a stop notice arrived instead of the awaited message."""
+
+    def __init__(self, peer: int, label: str, failed_rank: int, reason: str):
+        cause = ("which failed" if peer == failed_rank else
+                 f"which stopped its step because global rank {failed_rank} failed")
+        super().__init__(f"waiting for {label!r} from global rank {peer}, {cause}: {reason}")
+        self.peer = peer
+        self.failed_rank = failed_rank
+        self.reason = reason
+
+
+def _is_stop_notice(message: Any) -> bool:
+    return isinstance(message, dict) and message.keys() == {_STOP_KEY}
+
+
+def _forward_label(stage: int, microbatch: int) -> str:
+    """Label of the activation message from ``stage`` to ``stage + 1``."""
+    return f"stage {stage} -> {stage + 1}, microbatch {microbatch}, forward"
+
+
+def _backward_label(stage: int, microbatch: int) -> str:
+    """Label of the gradient message from ``stage`` to ``stage - 1``."""
+    return f"stage {stage} -> {stage - 1}, microbatch {microbatch}, backward"
 
 
 @dataclass
@@ -59,6 +124,8 @@ class Executor:
     ``pipeline_ranks[i]`` is the global rank of pipeline position ``i`` (Topology.pipeline_ranks).
     The schedule is lowered (if it is not already) and validated once, here, so a malformed
     schedule fails before any process waits on a message that will never come.
+    ``recv_timeout`` (seconds) bounds every wait for a message (None: the transport's own
+    timeout); a wait that runs out raises an ExecutorError naming the peer and the message.
     """
 
     def __init__(self, schedule: Schedule, stages: Mapping[int, Stage], *, pp_rank: int,
@@ -66,13 +133,14 @@ class Executor:
                  recv_timeout: float | None = None):
         self.schedule = schedule if schedule.is_lowered else lower(schedule)
         validate(self.schedule)
-        expected = set(self.schedule.stages_of(pp_rank))
-        if set(stages) != expected:
-            raise ExecutorError(f"pipeline rank {pp_rank}: given stages {sorted(stages)} but "
-                                f"the schedule places stages {sorted(expected)} here")
+        if not 0 <= pp_rank < self.schedule.num_ranks:
+            raise ExecutorError(f"pipeline rank {pp_rank} is outside 0.."
+                                f"{self.schedule.num_ranks - 1} of a schedule of "
+                                f"{self.schedule.num_ranks} ranks")
         if len(pipeline_ranks) != self.schedule.num_ranks:
             raise ExecutorError(f"{len(pipeline_ranks)} pipeline ranks given for a schedule of "
                                 f"{self.schedule.num_ranks} ranks")
+        self._check_stages(stages, pp_rank)
         self.stages = dict(stages)
         self.pp_rank = pp_rank
         self.pipeline_ranks = list(pipeline_ranks)
@@ -90,6 +158,32 @@ class Executor:
             Kind.RECV_F: self._recv_forward,
             Kind.RECV_B: self._recv_backward,
         }
+
+    def _check_stages(self, stages: Mapping[int, Stage], pp_rank: int) -> None:
+        """The given stages are exactly the ones the schedule places here, built for it."""
+        schedule = self.schedule
+        where = f"pipeline rank {pp_rank} (schedule {schedule.name or 'unnamed'})"
+        expected = set(schedule.stages_of(pp_rank))
+        if set(stages) != expected:
+            raise ExecutorError(f"{where}: given stages {sorted(stages)} but the schedule "
+                                f"places stages {sorted(expected)} here; pass "
+                                f"{{stage index: Stage}} for exactly those")
+        for index, stage in stages.items():
+            if not isinstance(stage, Stage):
+                raise TypeError(f"{where}: stages[{index}] is a {type(stage).__name__}, not a "
+                                f"meshpipe Stage; wrap the chunk: Stage(module, {index}, "
+                                f"{schedule.num_stages}, ...)")
+            if (stage.index, stage.num_stages) != (index, schedule.num_stages):
+                raise ExecutorError(f"{where}: stages[{index}] was built as stage {stage.index} "
+                                    f"of {stage.num_stages}, but the schedule needs stage "
+                                    f"{index} of {schedule.num_stages}; build it with "
+                                    f"Stage(module, {index}, {schedule.num_stages}, ...)")
+        last = stages.get(schedule.num_stages - 1)
+        if last is not None and last.loss_fn is None and not schedule.forward_only:
+            raise ExecutorError(f"{where}: stage {last.index} is the last stage of a training "
+                                "schedule but has no loss_fn, so there is nothing to "
+                                "backpropagate; give it Stage(..., loss_fn=...) or build the "
+                                "schedule with forward_only=True")
 
     @property
     def num_microbatches(self) -> int:
@@ -113,7 +207,21 @@ class Executor:
         microbatch ``m``'s loss before its backward (default ``1/num_microbatches``, so the
         gradients are those of the mean loss).
         """
-        self._check_step_arguments(inputs, targets, loss_scales)
+        self._sends_posted = 0
+        try:
+            self._check_step_arguments(inputs, targets, loss_scales)
+            self._start(inputs, targets, loss_scales)
+            for index, action in enumerate(self.actions):
+                self._run(index, action)
+            self._wait_for_sends()
+        except Exception as error:
+            self._stop_peers(error)
+            raise
+        finally:
+            self._inputs = self._targets = None
+        return self._result
+
+    def _start(self, inputs, targets, loss_scales) -> None:
         self._inputs = inputs
         self._targets = targets
         self._loss_scales = loss_scales or [1.0 / self.num_microbatches] * self.num_microbatches
@@ -123,36 +231,106 @@ class Executor:
         self._outbox_backward: dict[tuple[int, int], Any] = {}
         self._result = StepResult()
         self._t0 = time.perf_counter()
-        for index, action in enumerate(self.actions):
+
+    def _run(self, index: int, action: Action) -> None:
+        """Dispatch one action; any failure becomes an error naming where it happened."""
+        try:
+            self._handlers[action.kind](action)
+        except _PeerStopped as stop:
+            raise PeerFailedError(self._describe(index, action) + f": {stop}", peer=stop.peer,
+                                  failed_rank=stop.failed_rank, reason=stop.reason) from None
+        except Exception as error:
+            raise ExecutorError(self._describe(index, action) + f": {error}") from error
+
+    def _wait_for_sends(self) -> None:
+        try:
+            self.transport.wait_sends(self.recv_timeout)
+        except Exception as error:
+            raise ExecutorError(f"{self._where()} at the end of the step, waiting for its "
+                                f"sends to be received: {error}") from error
+
+    def _stop_peers(self, error: Exception) -> None:
+        """Post a stop notice in place of every message this step still owed its peers.
+
+        The rank whose own error started the stop raises at once, so that its error is the
+        first one reported (launchers name the first rank that failed). A rank stopped by a
+        notice first waits, up to its receive timeout, until each peer that is still running
+        took the first notice owed to it, so the stop travels on even if this process exits
+        right after. Notices still in flight stay posted as long as the transport lives.
+        """
+        if isinstance(error, PeerFailedError):
+            notice = {_STOP_KEY: {"rank": error.failed_rank, "reason": error.reason}}
+            first_notices = self._post_stop_notices(notice)
+            self._await_stop_notices(first_notices, skip={error.peer, error.failed_rank})
+        else:
+            reason = f"{type(error).__name__}: {error}"[:_STOP_REASON_CHARS]
+            failed_rank = self.pipeline_ranks[self.pp_rank]
+            self._post_stop_notices({_STOP_KEY: {"rank": failed_rank, "reason": reason}})
+
+    def _post_stop_notices(self, notice: dict) -> dict[int, Any]:
+        """Post ``notice`` for every owed send; the handle of the first one to each peer."""
+        first_notices: dict[int, Any] = {}
+        unreachable: set[int] = set()
+        for peer, label in self._owed_sends():
+            if peer in unreachable:
+                continue
             try:
-                self._handlers[action.kind](action)
-            except ExecutorError:
-                raise
-            except Exception as error:
-                raise ExecutorError(self._describe(index, action) + f": {error}") from error
-        self.transport.wait_sends(self.recv_timeout)
-        result = self._result
-        self._inputs = self._targets = None
-        return result
+                handle = self.transport.post_send(notice, peer, label=label)
+            except Exception:  # noqa: BLE001 - best effort: the error being raised matters
+                unreachable.add(peer)
+                continue
+            first_notices.setdefault(peer, handle)
+        return first_notices
+
+    def _await_stop_notices(self, first_notices: dict[int, Any], skip: set[int]) -> None:
+        """Wait, within the receive timeout, until peers other than ``skip`` took them."""
+        transport_timeout = getattr(self.transport, "timeout", None)  # VTPTransport has none
+        patience = min(_STOP_NOTICE_DELIVERY_S,
+                       self.recv_timeout or transport_timeout or _STOP_NOTICE_DELIVERY_S)
+        deadline = time.monotonic() + patience
+        for peer, handle in first_notices.items():
+            if peer in skip:
+                continue
+            try:
+                handle.wait(max(deadline - time.monotonic(), 0.001))
+            except Exception:  # noqa: BLE001 - the peer is gone or not listening
+                continue
+
+    def _owed_sends(self) -> list[tuple[int, str]]:
+        """(global peer rank, label) of every send of this step not posted yet, in order."""
+        sends = [a for a in self.actions if a.kind in (Kind.SEND_F, Kind.SEND_B)]
+        return [self._send_route(a) for a in sends[self._sends_posted:]]
+
+    def _send_route(self, action: Action) -> tuple[int, str]:
+        s, m = action.stage, action.microbatch
+        if action.kind is Kind.SEND_F:
+            return self._global_rank_of_stage(s + 1), _forward_label(s, m)
+        return self._global_rank_of_stage(s - 1), _backward_label(s, m)
+
+    def _where(self) -> str:
+        return f"pipeline rank {self.pp_rank} (global rank {self.pipeline_ranks[self.pp_rank]})"
 
     def _describe(self, index: int, action: Action) -> str:
         parts = ", ".join(f"stage {p.stage} microbatch {p.microbatch}" for p in action.computations)
-        return (f"pipeline rank {self.pp_rank} (global rank {self.pipeline_ranks[self.pp_rank]}) "
-                f"action #{index} {action} ({parts})")
+        return f"{self._where()} action #{index} {action} ({parts})"
 
     def _check_step_arguments(self, inputs, targets, loss_scales) -> None:
         m = self.num_microbatches
         if self.holds_first_stage and (inputs is None or len(inputs) != m):
             got = "none" if inputs is None else len(inputs)
-            raise ExecutorError(f"pipeline rank {self.pp_rank} holds stage 0 and needs inputs "
-                                f"for {m} microbatches, got {got}")
+            raise ExecutorError(f"{self._where()} holds stage 0 and needs inputs for {m} "
+                                f"microbatches, got {got}; pass step(inputs=[one message per "
+                                "microbatch], ...) on this rank")
         needs_targets = self.holds_last_stage and not self.schedule.forward_only
         if needs_targets and (targets is None or len(targets) != m):
             got = "none" if targets is None else len(targets)
-            raise ExecutorError(f"pipeline rank {self.pp_rank} holds the last stage and needs "
-                                f"targets for {m} microbatches to compute the loss, got {got}")
+            raise ExecutorError(f"{self._where()} holds the last stage "
+                                f"{self.schedule.num_stages - 1} and needs targets for {m} "
+                                f"microbatches to compute the loss, got {got}; pass "
+                                "step(..., targets=[one target per microbatch]) on this rank")
         if loss_scales is not None and len(loss_scales) != m:
-            raise ExecutorError(f"{len(loss_scales)} loss scales given for {m} microbatches")
+            raise ExecutorError(f"{self._where()}: {len(loss_scales)} loss scales given for "
+                                f"{m} microbatches")
 
     def _global_rank_of_stage(self, stage: int) -> int:
         return self.pipeline_ranks[self.schedule.placement[stage]]
@@ -161,12 +339,18 @@ class Executor:
         return self.schedule.placement[stage] == self.pp_rank
 
     def _take(self, inbox: dict, key: tuple[int, int], what: str) -> Any:
-        """A received message: wait on its handle, or take a local hand-over."""
+        """A received message: wait on its receive, or take a local hand-over."""
         if key not in inbox:
-            raise ExecutorError(f"no {what} for stage {key[0]} microbatch {key[1]} was received "
-                                f"or handed over before it was needed")
+            raise RuntimeError(f"no {what} for stage {key[0]} microbatch {key[1]} was "
+                               "received or handed over before it was needed")
         item = inbox.pop(key)
-        return item.wait(self.recv_timeout) if hasattr(item, "wait") else item
+        if not isinstance(item, _PendingReceive):
+            return item
+        message = item.handle.wait(self.recv_timeout)
+        if _is_stop_notice(message):
+            stopped = message[_STOP_KEY]
+            raise _PeerStopped(item.peer, item.label, stopped["rank"], stopped["reason"])
+        return message
 
     def _timed(self, action: Action, compute: Callable[[], Any]) -> Any:
         start = time.perf_counter() - self._t0
@@ -235,26 +419,26 @@ class Executor:
 
     def _send_forward(self, action: Action) -> None:
         s, m = action.stage, action.microbatch
-        self.transport.post_send(
-            self._outbox_forward.pop((s, m)), self._global_rank_of_stage(s + 1),
-            label=f"stage {s} -> {s + 1}, microbatch {m}, forward")
+        peer, label = self._send_route(action)
+        self.transport.post_send(self._outbox_forward.pop((s, m)), peer, label=label)
+        self._sends_posted += 1
         if not self.schedule.forward_only:
             self.stages[s].release_output(m)
 
     def _send_backward(self, action: Action) -> None:
         s, m = action.stage, action.microbatch
-        self.transport.post_send(
-            self._outbox_backward.pop((s, m)), self._global_rank_of_stage(s - 1),
-            label=f"stage {s} -> {s - 1}, microbatch {m}, backward")
+        peer, label = self._send_route(action)
+        self.transport.post_send(self._outbox_backward.pop((s, m)), peer, label=label)
+        self._sends_posted += 1
 
     def _recv_forward(self, action: Action) -> None:
         s, m = action.stage, action.microbatch
-        self._forward_inbox[(s, m)] = self.transport.post_recv(
-            self._global_rank_of_stage(s - 1),
-            label=f"stage {s - 1} -> {s}, microbatch {m}, forward")
+        self._forward_inbox[(s, m)] = self._post_recv(s - 1, _forward_label(s - 1, m))
 
     def _recv_backward(self, action: Action) -> None:
         s, m = action.stage, action.microbatch
-        self._backward_inbox[(s, m)] = self.transport.post_recv(
-            self._global_rank_of_stage(s + 1),
-            label=f"stage {s + 1} -> {s}, microbatch {m}, backward")
+        self._backward_inbox[(s, m)] = self._post_recv(s + 1, _backward_label(s + 1, m))
+
+    def _post_recv(self, from_stage: int, label: str) -> _PendingReceive:
+        peer = self._global_rank_of_stage(from_stage)
+        return _PendingReceive(self.transport.post_recv(peer, label=label), peer, label)
