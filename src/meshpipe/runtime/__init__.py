@@ -1,9 +1,9 @@
 """meshpipe.runtime: pipeline stages and the executor that runs a lowered schedule."""
 
-from meshpipe.runtime.executor import Executor, ExecutorError, StepResult
+from meshpipe.runtime.executor import Executor, ExecutorError, PeerFailedError, StepResult
 from meshpipe.runtime.grad_sync import all_reduce_gradients
 from meshpipe.runtime.split_backward import SplitBackward
 from meshpipe.runtime.stage import Stage, StageError
 
-__all__ = ["Executor", "ExecutorError", "SplitBackward", "Stage", "StageError", "StepResult",
+__all__ = ["Executor", "ExecutorError", "PeerFailedError", "SplitBackward", "Stage", "StageError", "StepResult",
            "all_reduce_gradients"]

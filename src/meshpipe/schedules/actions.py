@@ -14,6 +14,7 @@ import enum
 import io
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable, Iterator, NamedTuple
 
 
@@ -196,11 +197,11 @@ class Schedule:
                                      f"{part.stage} is placed on rank "
                                      f"{self.placement[part.stage]}")
 
-    @property
+    @cached_property
     def is_lowered(self) -> bool:
         return any(a.kind.is_comm for a in self.actions())
 
-    @property
+    @cached_property
     def forward_only(self) -> bool:
         return not any(p.kind.is_backward for a in self.actions() for p in a.computations)
 

@@ -24,7 +24,11 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 from torch.multiprocessing.spawn import ProcessException
 
+from meshpipe.runtime.executor import PeerFailedError
+
 PROCESS_GROUP_TIMEOUT_S = 60.0
+# What gloo says on the ranks left behind when a peer's process exits.
+_PEER_GONE_SIGNS = ("Connection closed by peer", "Connection reset by peer")
 
 
 class LaunchError(RuntimeError):
@@ -74,14 +78,23 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads_per_proc
             raise _first_failure(error_dir, error) from None
 
 
+def _is_consequence(error: BaseException) -> bool:
+    """Whether ``error`` only reports that another rank failed first."""
+    return isinstance(error, PeerFailedError) or any(
+        sign in str(error) for sign in _PEER_GONE_SIGNS)
+
+
 def _first_failure(error_dir: Path, error: ProcessException) -> LaunchError:
-    """The earliest recorded failure; torch only reports the first one it noticed."""
+    """The earliest failure that is not a consequence of another rank's (torch only reports
+    the first process it noticed; a neighbour stopped by the failure may record first)."""
     records = sorted((json.loads(p.read_text()) for p in error_dir.glob("error-*.json")),
                      key=lambda r: r["time"])
     if not records:
         return LaunchError(f"rank {error.error_index} exited abnormally: {error.msg}",
                            error.error_index)
-    first, later = records[0], records[1:]
+    causes = [r for r in records if not r["consequence"]]
+    first = (causes or records)[0]
+    later = [r for r in records if r is not first]
     message = f"rank {first['rank']} failed:\n{first['traceback']}"
     if later:
         message += ("then ranks " + ", ".join(str(r["rank"]) for r in later)
@@ -102,10 +115,11 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str |
                             timeout=timedelta(seconds=timeout_s))
     try:
         fn(*args)
-    except BaseException:
+    except BaseException as error:
         # Recorded before the group is torn down, which is what makes the other ranks fail.
         if error_dir is not None:
-            record = {"rank": rank, "time": time.time(), "traceback": traceback.format_exc()}
+            record = {"rank": rank, "time": time.time(), "traceback": traceback.format_exc(),
+                      "consequence": _is_consequence(error)}
             (error_dir / f"error-{rank}.json").write_text(json.dumps(record))
         raise
     finally:
