@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshpipe.comm.message import UnsupportedMessageError
+from meshpipe.comm.message import UnsupportedMessageError, flatten
 from meshpipe.comm.p2p import (
     HEADER_NBYTES,
     MessageMismatchError,
@@ -122,7 +122,7 @@ def test_receives_waited_in_reverse_order_resolve_in_posting_order():
     assert run_distributed(2, _reverse_waits) == [4, 4]
 
 
-# -- metadata caching and operation counts ---------------------------------------------
+# -- the steady path, layout changes and operation counts ----------------------------
 
 def _steady_stream(rank, world_size):
     transport = P2PTransport(timeout=TIMEOUT)
@@ -131,44 +131,191 @@ def _steady_stream(rank, world_size):
         return (torch.full((2, seq), value), torch.ones(seq, dtype=torch.bfloat16),
                 torch.arange(seq), torch.ones(seq, dtype=torch.bool), None, 4)
 
-    def exchange(seq, value):
+    def exchange(seq, value, channel=None):
         if rank == 0:
-            transport.post_send(message(seq, value), 1, label=f"s{seq}").wait()
+            transport.post_send(message(seq, value), 1, label=f"s{seq}", channel=channel).wait()
         else:
-            received = transport.post_recv(0, label=f"s{seq}").wait()
+            received = transport.post_recv(0, label=f"s{seq}", channel=channel).wait()
             assert_same_message(received, message(seq, value))
 
-    exchange(5, 0.0)  # first message: metadata travels
-    transport.stats.reset()
-    with counting_p2p_calls() as calls:
-        for value in range(1, 6):
-            exchange(5, float(value))
-    steady = (dict(calls), transport.stats.metadata_sent + transport.stats.metadata_received,
-              transport.stats.header_bytes_sent + transport.stats.header_bytes_received,
-              transport.stats.payload_bytes_sent + transport.stats.payload_bytes_received)
-    transport.stats.reset()
-    exchange(7, 1.0)                      # a new sequence length: metadata again
-    changed = transport.stats.metadata_sent + transport.stats.metadata_received
-    transport.stats.reset()
-    for value in range(4):                # two interleaved streams stay cached
-        exchange(7 if value % 2 else 5, float(value))
-    interleaved = transport.stats.metadata_sent + transport.stats.metadata_received
-    return steady, changed, interleaved
+    def measured(run):
+        transport.stats.reset()
+        with counting_p2p_calls() as calls:
+            run()
+        stats = transport.stats
+        return {"calls": dict(calls), "changes": stats.layout_changes_sent
+                + stats.layout_changes_received, "metadata": stats.metadata_sent
+                + stats.metadata_received, "header bytes": stats.header_bytes_sent
+                + stats.header_bytes_received, "payload bytes": stats.payload_bytes_sent
+                + stats.payload_bytes_received}
+
+    first = measured(lambda: exchange(5, 0.0))  # nothing expected yet: the slow path
+    steady = measured(lambda: [exchange(5, float(value)) for value in range(1, 6)])
+    changed = measured(lambda: exchange(7, 1.0))  # bigger: the payload takes the slow path
+    shrunk = measured(lambda: exchange(5, 2.0))   # smaller: it rides inside the notice
+    # two channels keep their own expected layouts: interleaving them stays steady...
+    exchange(7, 0.0, channel="wide")
+    channels = measured(lambda: [exchange(7 if value % 2 else 5, float(value),
+                                          channel="wide" if value % 2 else None)
+                                 for value in range(4)])
+    # ...while one channel alternating between them changes layout every time, with the
+    # metadata of both cached
+    alternating = measured(lambda: [exchange(5 if value % 2 else 7, float(value))
+                                    for value in range(4)])
+    return first, steady, changed, shrunk, channels, alternating
 
 
-def test_a_steady_stream_sends_only_headers_and_one_payload_per_message():
-    (sender, changed_0, interleaved_0), (receiver, changed_1, interleaved_1) = run_distributed(
-        2, _steady_stream)
+def test_a_steady_message_is_one_send_and_one_receive_and_changes_take_the_slow_path():
+    sender, receiver = run_distributed(2, _steady_stream)
+    first, steady, changed, shrunk, channels, alternating = zip(sender, receiver)
     # float32 2x5 (40 bytes + 8 alignment), bfloat16 (10 + 6), int64 (40 + 8), bool (5)
     payload_bytes = 48 + 16 + 48 + 5
-    assert sender[0] == {"isend": 10}  # a header and a payload for each of 5 messages
-    assert receiver[0] == {"irecv": 10}
-    for _, metadata, header_bytes, payload in (sender, receiver):
-        assert metadata == 0
-        assert header_bytes == 5 * HEADER_NBYTES == 200
-        assert payload == 5 * payload_bytes
-    assert changed_0 == changed_1 == 1
-    assert interleaved_0 == interleaved_1 == 0
+    # the first message: a notice the size of a header, then metadata and payload
+    assert first[0]["calls"] == {"isend": 3} and first[1]["calls"] == {"irecv": 3}
+    assert steady[0]["calls"] == {"isend": 5} and steady[1]["calls"] == {"irecv": 5}
+    for side in steady:
+        assert side["changes"] == side["metadata"] == 0
+        assert side["header bytes"] == 5 * HEADER_NBYTES == 5 * 48
+        assert side["payload bytes"] == 5 * payload_bytes
+    assert changed[0]["calls"] == {"isend": 3} and changed[1]["calls"] == {"irecv": 3}
+    assert changed[0]["changes"] == changed[0]["metadata"] == 1
+    assert shrunk[0]["calls"] == {"isend": 1} and shrunk[1]["calls"] == {"irecv": 1}
+    assert shrunk[0]["changes"] == 1 and shrunk[0]["metadata"] == 0  # slot cache hit
+    assert channels[0]["calls"] == {"isend": 4} and channels[1]["calls"] == {"irecv": 4}
+    assert channels[0]["changes"] == 0
+    assert alternating[0]["changes"] == 4 and alternating[0]["metadata"] == 0
+    # 5 -> 7 needs the slow path for the payload, 7 -> 5 fits in the notice
+    assert alternating[0]["calls"] == {"isend": 6} and alternating[1]["calls"] == {"irecv": 6}
+
+
+def _posted_ahead(rank, world_size):
+    """Receives posted ahead on one channel wait for the layout of the one before."""
+    transport = P2PTransport(timeout=TIMEOUT)
+    shapes = [(4, 3), (4, 3), (4, 3), (4, 3), (6, 3), (6, 3), (2, 3), (2, 3)]
+    messages = [torch.full(shape, float(i)) for i, shape in enumerate(shapes)]
+    if rank == 0:
+        transport.post_send(torch.zeros(4, 3), 1, label="warm-up", channel="F")
+        for i, message in enumerate(messages):
+            transport.post_send(message, 1, label=f"mb {i}", channel="F")
+        transport.wait_sends()
+        return None
+    transport.post_recv(0, label="warm-up", channel="F").wait()
+    transport.stats.reset()
+    with counting_p2p_calls() as calls:
+        handles = [transport.post_recv(0, label=f"mb {i}", channel="F") for i in range(3)]
+        posted_at_once = dict(calls)
+        received = [handles[0].wait()]
+        for i in range(3, len(messages)):  # keep three receives posted, as a pipeline does
+            handles.append(transport.post_recv(0, label=f"mb {i}", channel="F"))
+            received.append(handles[i - 2].wait())
+        received += [handle.wait() for handle in handles[-2:]]
+    for actual, expected in zip(received, messages):
+        assert_same_message(actual, expected)
+    stats = transport.stats
+    return (posted_at_once, dict(calls), stats.recvs_deferred, stats.layout_changes_received,
+            stats.metadata_received)
+
+
+def test_receives_posted_ahead_are_deferred_until_the_previous_layout_is_known():
+    posted_at_once, calls, deferred, changes, metadata = run_distributed(2, _posted_ahead)[1]
+    assert posted_at_once == {"irecv": 1}  # the other two wait for the first one's layout
+    assert deferred == len(range(1, 8))
+    assert changes == 2 and metadata == 2  # 4x3 -> 6x3 -> 2x3
+    # one receive per message, plus the slow-path payload and metadata of 6x3, plus the
+    # metadata of 2x3, whose payload fitted in the notice
+    assert calls == {"irecv": 8 + 2 + 1}
+
+
+def _scripted_traffic(rank, world_size, scripts, plans):
+    """Each rank sends its script to the other, then receives the other's by its plan."""
+    transport = P2PTransport(timeout=TIMEOUT)
+    peer = 1 - rank
+    for index, (channel, kind) in enumerate(scripts[rank]):
+        transport.post_send(_scripted_message(rank, index, kind), peer,
+                            label=f"{rank}:{index}", channel=channel)
+    expected = [_scripted_message(peer, index, kind)
+                for index, (_, kind) in enumerate(scripts[peer])]
+    handles: dict[int, object] = {}
+    for batch, wait_order in plans[rank]:
+        for index in batch:
+            handles[index] = transport.post_recv(peer, label=f"{peer}:{index}",
+                                                 channel=scripts[peer][index][0])
+        for index in wait_order:
+            assert_same_message(handles.pop(index).wait(), expected[index])
+    transport.wait_sends()
+    return transport.stats
+
+
+_SCRIPT_KINDS = {
+    "small": lambda gen: torch.randn(2, 3, generator=gen),
+    "same bytes, other dtype": lambda gen: torch.randint(0, 9, (2, 3), generator=gen,
+                                                         dtype=torch.int32),
+    "large": lambda gen: torch.randn(5, 7, generator=gen),
+    "tuple": lambda gen: (torch.randn(2, 3, generator=gen), None, 3,
+                          torch.ones(4, dtype=torch.bfloat16)),
+    "notice": lambda gen: {"stop": {"rank": 1, "reason": "a peer failed"}},
+}
+
+
+def _scripted_message(src, index, kind):
+    return _SCRIPT_KINDS[kind](torch.Generator().manual_seed(100 * src + index))
+
+
+def _script(rng, length):
+    """Messages over three channels, each mostly keeping its layout, sometimes changing."""
+    current = {channel: rng.choice(list(_SCRIPT_KINDS)) for channel in ("F", "B", None)}
+    script = []
+    for _ in range(length):
+        channel = rng.choice(list(current))
+        if rng.random() < 0.3:
+            current[channel] = rng.choice(list(_SCRIPT_KINDS))
+        script.append((channel, current[channel]))
+    return script
+
+
+def _plan(rng, length):
+    """Receives posted in batches, with some of the open ones waited in random order."""
+    plan, open_, next_index = [], [], 0
+    while next_index < length or open_:
+        size = min(rng.randint(0, 3), length - next_index)
+        batch = list(range(next_index, next_index + size))
+        next_index += size
+        open_ += batch
+        waited = rng.sample(open_, rng.randint(0 if next_index < length else len(open_),
+                                               len(open_)))
+        open_ = [index for index in open_ if index not in waited]
+        plan.append((batch, waited))
+    return plan
+
+
+def _expected_traffic(script):
+    """(layout changes, payloads too big for their notice) of a script, from its layouts."""
+    last: dict = {}
+    changes = slow_payloads = 0
+    for index, (channel, kind) in enumerate(script):
+        layout, _ = flatten(_scripted_message(0, index, kind))
+        previous = last.get(channel)
+        if previous is None or previous.encoded != layout.encoded:
+            changes += 1
+            capacity = 0 if previous is None else previous.payload_nbytes
+            slow_payloads += layout.payload_nbytes > capacity
+        last[channel] = layout
+    return changes, slow_payloads
+
+
+def test_random_traffic_on_several_channels_arrives_intact_in_any_wait_order():
+    rng = random.Random(2024)
+    scripts = [_script(rng, 40), _script(rng, 40)]
+    plans = [_plan(rng, 40), _plan(rng, 40)]
+    stats = run_distributed(2, _scripted_traffic, scripts, plans)
+    for rank in (0, 1):
+        sent, received = stats[rank], stats[1 - rank]
+        changes, slow_payloads = _expected_traffic(scripts[rank])
+        assert sent.messages_sent == received.messages_received == 40
+        assert sent.layout_changes_sent == received.layout_changes_received == changes
+        assert sent.sends_posted == 40 + sent.metadata_sent + slow_payloads
+        assert received.recvs_posted == 40 + received.metadata_received + slow_payloads
+    assert 0 < changes < 40 and stats[0].recvs_deferred > 0
 
 
 # -- several pipeline groups -----------------------------------------------------------
@@ -245,14 +392,18 @@ def _vtp(rank, world_size, stage_ranks, indices):
     with counting_p2p_calls() as calls:
         for i in indices:
             if mine > 0:
-                received = transport.post_recv(prev, label=f"F{mine - 1}:{i}").wait()
+                received = transport.post_recv(prev, label=f"F{mine - 1}:{i}",
+                                               channel=("F", mine - 1)).wait()
                 assert_same_message(received, make_message(mine - 1, i))
             if mine < last:
-                transport.post_send(make_message(mine, i), nxt, label=f"F{mine}:{i}").wait()
-                received = transport.post_recv(nxt, label=f"B{mine + 1}:{i}").wait()
+                transport.post_send(make_message(mine, i), nxt, label=f"F{mine}:{i}",
+                                    channel=("F", mine)).wait()
+                received = transport.post_recv(nxt, label=f"B{mine + 1}:{i}",
+                                               channel=("B", mine + 1)).wait()
                 assert_same_message(received, make_message(mine + 1, i))
             if mine > 0:
-                transport.post_send(make_message(mine, i), prev, label=f"B{mine}:{i}").wait()
+                transport.post_send(make_message(mine, i), prev, label=f"B{mine}:{i}",
+                                    channel=("B", mine)).wait()
     for group in groups:
         dist.destroy_process_group(group)
     stats = transport.stats
@@ -302,40 +453,41 @@ def test_a_vtp_stage_root_that_cannot_receive_makes_its_stage_fail_fast():
     assert root["next"] == member["next"] == [1.0, 1.0, 1.0]  # the stage stays in step
 
 
-# -- keeping sent data alive, then releasing it -------------------------------------------
+# -- the caller's tensors are free once a send is posted ---------------------------------
 
 def _sender_frees_after_posting(rank, world_size):
     transport = P2PTransport(timeout=TIMEOUT)
-    if rank == 0:
-        activation = torch.arange(1000, dtype=torch.float32)
+    originals = [torch.arange(1000, dtype=torch.float32), torch.arange(1000.0) * 2]
+    if rank == 1:
+        dist.barrier()  # receive only after the sender freed and overwrote its tensors
+        for i, original in enumerate(originals):  # the first takes the slow path
+            for label in (f"freed {i}", f"overwritten {i}"):
+                assert torch.equal(transport.post_recv(0, label=label).wait(), original)
+        return None
+    released_at_once, handles = [], []
+    for i, original in enumerate(originals):
+        activation = original.clone()
         storage = weakref.ref(activation.untyped_storage())
-        handle = transport.post_send(activation, 1, label="single")
+        handles.append(transport.post_send(activation, 1, label=f"freed {i}"))
         activation.data = torch.empty(0)  # the executor's way of freeing a sent activation
         del activation
         gc.collect()
-        kept_while_in_flight = storage() is not None
-        first, second = torch.ones(10), torch.ones(10)
-        packed_sources = weakref.ref(first.untyped_storage())
-        packed = transport.post_send((first, second), 1, label="packed")
-        del first, second
-        gc.collect()
-        sources_released_at_once = packed_sources() is None
-        dist.barrier()
-        handle.wait()
-        packed.wait()
-        gc.collect()
-        return kept_while_in_flight, storage() is None, sources_released_at_once
-    dist.barrier()  # receive only after the sender dropped its references
-    single = transport.post_recv(0, label="single").wait()
-    pair = transport.post_recv(0, label="packed").wait()
-    assert torch.equal(single, torch.arange(1000, dtype=torch.float32))
-    assert_same_message(pair, (torch.ones(10), torch.ones(10)))
-    return None
+        released_at_once.append(storage() is None)
+        reused = original.clone()
+        handles.append(transport.post_send(reused, 1, label=f"overwritten {i}"))
+        reused.zero_()
+    dist.barrier()
+    handles[0].wait()
+    still_pending = len(transport._pending_sends)
+    transport.wait_sends()
+    return released_at_once, still_pending, len(transport._pending_sends)
 
 
-def test_a_send_keeps_its_payload_alive_until_complete_then_releases_it():
-    kept, released, packed_released = run_distributed(2, _sender_frees_after_posting)[0]
-    assert kept and released and packed_released
+def test_a_sender_may_free_or_overwrite_its_tensors_as_soon_as_the_send_is_posted():
+    released_at_once, still_pending, pending_at_end = run_distributed(
+        2, _sender_frees_after_posting)[0]
+    assert released_at_once == [True, True]
+    assert still_pending == 3 and pending_at_end == 0  # handles release their buffers
 
 
 # -- bad input -------------------------------------------------------------------------
@@ -409,23 +561,28 @@ def test_averaging_messages_that_differ_is_an_error(case, expected):
 
 
 def _timeout(rank, world_size):
-    transport = P2PTransport(timeout=TIMEOUT)
+    # a group of its own: gloo closes the timed-out connection, the default group lives on
+    group = dist.new_group([0, 1])
+    transport = P2PTransport(group, timeout=TIMEOUT)
     label = "stage 0 -> 1, microbatch 5, forward"
     seen = {}
     if rank == 1:
-        handle = transport.post_recv(0, label=label)
-        seen["timeout"] = _expect(P2PTimeoutError, lambda: handle.wait(timeout=0.3))
-        dist.barrier()
-        seen["late"] = handle.wait().tolist()  # the receive stayed posted
-    else:
-        dist.barrier()  # send only once the receiver has timed out
-        transport.post_send(torch.ones(2), 1, label=label).wait()
+        handle = transport.post_recv(0, label=label, channel="F")
+        behind = transport.post_recv(0, label="microbatch 6", channel="F")
+        seen["timeout"] = _expect(P2PTimeoutError, lambda: behind.wait(timeout=0.3))
+        seen["again"] = _expect(P2PError, handle.wait)
+        seen["later"] = _expect(P2PError, lambda: transport.post_recv(0, label="microbatch 7"))
+    dist.barrier()
+    dist.destroy_process_group(group)
     return seen
 
 
-def test_a_wait_that_times_out_names_the_peer_and_the_label_and_can_be_retried():
+def test_a_wait_that_times_out_names_the_peer_and_the_label_and_stops_that_peer():
     seen = run_distributed(2, _timeout)[1]
     assert seen["timeout"].startswith(
-        "rank 1 timed out waiting for 'stage 0 -> 1, microbatch 5, forward' from rank 0: its "
-        "header has not arrived; rank 0 has not posted the matching send")
-    assert seen["late"] == [1.0, 1.0]
+        "rank 1 timed out waiting for 'microbatch 6' from rank 0, behind the earlier message "
+        "'stage 0 -> 1, microbatch 5, forward' (messages from one rank are resolved in "
+        "posting order): rank 0 did not post the matching operation in time")
+    assert "The connection to rank 0 is unusable now" in seen["timeout"]
+    for later in (seen["again"], seen["later"]):
+        assert "from rank 0: receiving from it failed earlier (rank 1 timed out" in later

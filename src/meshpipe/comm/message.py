@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Iterator
 
 import torch
@@ -47,7 +48,7 @@ class TensorSlot:
     shape: tuple[int, ...]
     offset: int
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         numel = 1
         for size in self.shape:
@@ -186,10 +187,21 @@ def pack(layout: MessageLayout, tensors: list[torch.Tensor], device: torch.devic
     if len(tensors) == 1 and tensors[0].device == device and tensors[0].is_contiguous():
         return tensors[0].detach().reshape(-1).view(torch.uint8)
     buffer = torch.empty(layout.payload_nbytes, dtype=torch.uint8, device=device)
+    pack_into(layout, tensors, buffer)
+    return buffer
+
+
+def pack_into(layout: MessageLayout, tensors: list[torch.Tensor], buffer: torch.Tensor) -> None:
+    """Copy the message's tensors into ``buffer``, a ``uint8`` tensor of at least
+    ``layout.payload_nbytes`` bytes whose start is aligned to :data:`PAYLOAD_ALIGNMENT`
+    (e.g. a slice of a larger buffer that also holds a header)."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < layout.payload_nbytes:
+        raise ValueError(f"pack_into needs a 1-d uint8 buffer of at least "
+                         f"{layout.payload_nbytes} bytes, got {buffer.dtype} "
+                         f"{list(buffer.shape)}")
     for tensor, slot in zip(tensors, layout.tensors):
         if slot.nbytes:
             _slot_view(buffer, slot).copy_(tensor.detach())
-    return buffer
 
 
 def unpack(layout: MessageLayout, payload: torch.Tensor) -> Any:

@@ -1,47 +1,59 @@
 """Point-to-point transport for pipeline messages (activations forward, gradients backward).
 
 A message is a pytree of tensors and small values (see :mod:`meshpipe.comm.message`);
-nothing about its shapes or dtypes is declared. Every message travels as:
+nothing about its shapes or dtypes is declared. Messages travel on *channels*: a channel
+is one stream of messages between an ordered pair of ranks, named by any hashable value
+that sender and receiver agree on (the executor uses ``(kind, stage)``, e.g. "stage 3
+forward activations"); calls without ``channel`` use the pair's default channel. Each
+side remembers the layout (structure, dtypes, shapes) of the last message on every
+channel: that is the layout the receiver *expects* for the next one.
 
-1. a fixed 40-byte header (five int64: sequence number, metadata slot, metadata size,
-   payload size, label digest) on the *meta group*, a CPU (gloo) group;
-2. its metadata (JSON layout, see :class:`~meshpipe.comm.message.MessageLayout`) on the
-   meta group, **only when it is not cached**: each direction of each pair of ranks keeps
-   :data:`METADATA_SLOTS` recently used layouts, the sender decides which slot a layout
-   goes in and the receiver follows, so interleaved streams to one peer (activations of
-   one stage and gradients of another) stay cached;
-3. its payload, all tensors packed into one ``uint8`` buffer, on the payload group (NCCL
-   on GPUs), omitted when the message has no tensor bytes.
+Steady state, the layout is the expected one: the receiver posts, at ``post_recv`` time,
+ONE receive of exactly a 48-byte header plus that layout's payload into one buffer, and
+the sender sends exactly that in ONE send. The header (six int64: sequence number, slot,
+metadata size, payload size, label digest, layout digest) sits in front of the payload in
+the same buffer, so it travels with the payload on the payload group (NCCL on GPUs: the
+header is read from the device after the wait). A steady message thus costs one send,
+one receive and 48 bytes beyond the tensor data and its alignment padding; the tensors
+arrive as views into the receive buffer.
 
-So a steady message costs exactly two point-to-point operations on each side (header +
-payload) and 40 bytes beyond the tensor data plus at most 15 alignment bytes per tensor
-after the first.
+Layout changes (and the first message of a channel): the sender still sends exactly the
+size the receiver expects, but its header is a *layout-change notice*: it names a
+metadata slot of a per-pair cache of :data:`METADATA_SLOTS` layouts (so streams that
+alternate between layouts send their metadata once) and the new payload size. The
+payload rides inside the notice when it fits in the expected size, else it follows on
+the *slow path*; the metadata follows on the slow path when it is not cached. The slow
+path is the meta group (gloo, CPU tensors) with its own tag, so it never interleaves with
+the steady stream; the receiver fetches the follow-ups when it reads the notice in
+``wait``.
 
 Matching: between an ordered pair of ranks, messages are received in the order they were
 sent, and the receiver must post its receives from a peer in the order that peer posted the
-sends (the executor guarantees it). The payload size is only known once the header is in,
-so each peer's receives are resolved strictly first-in first-out by a background thread of
-the receiving rank, one per peer: it posts the header receive of the oldest pending
-message, waits for it, fetches the metadata if it travelled, posts the payload receive and
-moves on to the next message. Payloads therefore flow while the caller computes, as with
-receives of pre-declared shapes, and handles may be waited in any order. Correctness never
-depends on tags, which NCCL ignores.
+sends (the executor guarantees it), with the same channel on both sides. A receive can
+only be posted once the layout of the previous message on its channel is known; while
+that message is not resolved yet (read in a ``wait``), the receive is *deferred*, and so
+is every later receive from that peer (point-to-point operations match in posting order;
+NCCL has no tags). ``wait`` resolves a peer's messages strictly in posting order, posting
+deferred receives as soon as they can be, so handles may be waited in any order. No
+thread is involved: everything happens in ``post_*`` and ``wait`` calls.
 
 Ranks are **global** ranks throughout (``dist.get_rank()`` numbering), also when a group
-is given. All posting is non-blocking (``isend``/``irecv``); only ``wait`` blocks. A receive
-wait that times out before the message's header arrived leaves the receive posted: waiting
-again later can still succeed.
+is given. All posting is non-blocking (``isend``/``irecv``); only ``wait`` blocks. Waits
+time out through gloo, which then closes the connection to that peer: a timed-out wait
+raises :class:`P2PTimeoutError` naming the peer and the message, and every later receive
+from that peer fails at once with an error naming the first failure.
 """
 
 from __future__ import annotations
 
 import hashlib
-import threading
+import struct
 import time
 from collections import deque
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from functools import lru_cache
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,19 +65,27 @@ from meshpipe.comm.message import (
     describe_difference,
     flatten,
     pack,
+    pack_into,
     slot_views,
     tensor_paths,
     unflatten,
     unpack,
 )
 
-HEADER_NUMEL = 5
-HEADER_NBYTES = HEADER_NUMEL * 8
+# Six little-endian int64; 48 bytes, a multiple of 16: the payload behind it stays aligned.
+_HEADER_FORMAT = struct.Struct("<6q")
+HEADER_NUMEL = 6
+HEADER_NBYTES = _HEADER_FORMAT.size
 METADATA_SLOTS = 8
-# A peer's receive thread exits after this long without pending receives.
-_WORKER_IDLE_S = 2.0
+# Slot value of a header whose message has the layout the receiver expects.
+_STEADY_SLOT = -1
 # Slot value of a VTP broadcast header that says the stage root failed to receive.
-_ROOT_FAILED_SLOT = -1
+_ROOT_FAILED_SLOT = -2
+# Tags of the steady stream and of the slow path (they share a group when the payload
+# group is gloo); NCCL ignores tags, so the two never share an NCCL group.
+_STEADY_TAG = 0
+_SLOW_TAG = 1
+_DIGEST_CACHE = 4096
 
 GroupArg = ProcessGroup | Sequence[ProcessGroup] | None
 
@@ -88,6 +108,8 @@ class TransportStats:
 
     messages_sent: int = 0
     messages_received: int = 0
+    layout_changes_sent: int = 0
+    layout_changes_received: int = 0
     metadata_sent: int = 0
     metadata_received: int = 0
     header_bytes_sent: int = 0
@@ -98,6 +120,7 @@ class TransportStats:
     payload_bytes_received: int = 0
     sends_posted: int = 0
     recvs_posted: int = 0
+    recvs_deferred: int = 0
     broadcasts: int = 0
     broadcast_metadata: int = 0
 
@@ -106,33 +129,72 @@ class TransportStats:
             setattr(self, field.name, 0)
 
 
-@dataclass(frozen=True)
-class _Header:
+class _Header(NamedTuple):
     seq: int
     slot: int
     metadata_nbytes: int
     payload_nbytes: int
     label_digest: int
+    layout_digest: int
 
     def to_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.seq, self.slot, self.metadata_nbytes, self.payload_nbytes,
-                             self.label_digest], dtype=torch.int64)
+        return torch.tensor(self, dtype=torch.int64)
+
+    def write_into(self, buffer: torch.Tensor) -> None:
+        """Write the header into the first bytes of a ``uint8`` buffer (on any device)."""
+        if buffer.device.type == "cpu":
+            _HEADER_FORMAT.pack_into(buffer.numpy(), 0, *self)
+        else:
+            packed = torch.frombuffer(bytearray(_HEADER_FORMAT.pack(*self)), dtype=torch.uint8)
+            buffer[:HEADER_NBYTES].copy_(packed)
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> "_Header":
-        return cls(*(int(value) for value in tensor.tolist()))
+        return cls(*tensor.tolist())
+
+    @classmethod
+    def read_from(cls, buffer: torch.Tensor) -> "_Header":
+        """The header in the first bytes of a ``uint8`` buffer (a device buffer is copied
+        to the host, which waits for the stream that received it)."""
+        host = buffer[:HEADER_NBYTES] if buffer.device.type == "cpu" else (
+            buffer[:HEADER_NBYTES].cpu())
+        return cls(*_HEADER_FORMAT.unpack_from(host.numpy()))
 
 
+def _digest(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+@lru_cache(maxsize=_DIGEST_CACHE)
 def _label_digest(label: str) -> int:
     """64-bit digest of a label (0 for no label): lets the receiver check it cheaply."""
-    if not label:
-        return 0
-    digest = hashlib.blake2b(label.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
+    return _digest(label.encode()) if label else 0
+
+
+@lru_cache(maxsize=_DIGEST_CACHE)
+def _layout_digest(encoded: bytes) -> int:
+    return _digest(encoded)
 
 
 def _describe(label: str) -> str:
     return repr(label) if label else "an unlabelled message"
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """The layout a receive on a channel is sized for, with its digest."""
+
+    layout: MessageLayout
+    digest: int
+
+    @classmethod
+    def of(cls, layout: MessageLayout) -> "_Expected":
+        return cls(layout, _layout_digest(layout.encoded))
+
+
+def _capacity(expected: _Expected | None) -> int:
+    """Payload bytes that a message sized for ``expected`` has room for."""
+    return 0 if expected is None else expected.layout.payload_nbytes
 
 
 class _SenderSlots:
@@ -174,46 +236,74 @@ class _ReceiverSlots:
 
 
 class _Outbox:
-    """Sender state towards one peer."""
+    """Sender state towards one peer: what the peer expects next on each channel."""
 
     def __init__(self) -> None:
         self.seq = 0
         self.slots = _SenderSlots()
+        self.expected: dict[Hashable, _Expected] = {}
+
+
+@dataclass
+class _Part:
+    """One point-to-point operation of a message send."""
+
+    name: str
+    tensor: torch.Tensor
+    group: ProcessGroup | None
+    tag: int
 
 
 class _Incoming:
-    """One expected message from one peer, from header receive to payload arrival."""
+    """One expected message from one peer, from ``post_recv`` until it is resolved."""
 
     def __init__(self, peer: int, group: ProcessGroup | None, meta_group: ProcessGroup | None,
-                 label: str) -> None:
+                 label: str, channel: Hashable) -> None:
         self.peer = peer
         self.group = group
         self.meta_group = meta_group
         self.label = label
         self.digest = _label_digest(label)
+        self.channel = channel
+        self.expected: _Expected | None = None  # what the posted receive is sized for
+        self.buffer: torch.Tensor | None = None
+        self.work: Any = None
         self.layout: MessageLayout | None = None
         self.payload: torch.Tensor | None = None
-        self.payload_work: Any = None
-        self.resolved = False  # header (and metadata) read, payload receive posted
-        self.arrived = False
         self.error: P2PError | None = None
+        self.resolved = False
+
+
+class _ChannelInbox:
+    """Receiver state of one channel from one peer."""
+
+    def __init__(self) -> None:
+        self.expected: _Expected | None = None  # layout of the last resolved message
+        self.outstanding = 0                    # receives posted and not resolved
 
 
 class _Inbox:
-    """Receiver state for one peer: the FIFO of messages whose header is not yet read.
+    """Receiver state for one peer: its unresolved messages in posting order.
 
-    ``changed`` guards ``queue``, ``failure``, ``worker`` and the ``resolved`` flags; the
-    worker thread alone reads headers and posts receives from this peer.
+    ``queue`` holds every unresolved message; its first ``len(queue) - len(deferred)``
+    entries have their receive posted, the rest (``deferred``) wait for the layout of an
+    earlier message of their channel.
     """
 
     def __init__(self, peer: int) -> None:
         self.peer = peer
         self.seq = 0
         self.slots = _ReceiverSlots()
+        self.channels: dict[Hashable, _ChannelInbox] = {}
         self.queue: deque[_Incoming] = deque()
+        self.deferred: deque[_Incoming] = deque()
         self.failure: P2PError | None = None
-        self.changed = threading.Condition()
-        self.worker: threading.Thread | None = None
+
+    def channel(self, channel: Hashable) -> _ChannelInbox:
+        state = self.channels.get(channel)
+        if state is None:
+            state = self.channels[channel] = _ChannelInbox()
+        return state
 
 
 @dataclass(frozen=True)
@@ -243,12 +333,13 @@ class _PostedSend:
 class SendHandle:
     """Handle of a posted message send (to one or several peers).
 
-    It keeps the message's payload alive until the send has completed, then releases it.
-    A sent activation may therefore be "freed" right after posting by dropping references
-    to it (e.g. ``tensor.data = torch.empty(0)``) but must not be resized in place before
-    the send completes. Gloo reports completion only through ``wait``; NCCL also through
-    ``is_completed``. Dropping the handle does not cancel the send: the transport keeps it
-    until it is waited here or by :meth:`P2PTransport.wait_sends`.
+    The transport sends from buffers of its own, filled when the send is posted: the
+    caller may free, resize or overwrite the message's tensors as soon as ``post_send``
+    returns (the executor frees sent activations right away). The handle keeps those
+    buffers alive until the send has completed. Gloo reports completion only through
+    ``wait``; NCCL also through ``is_completed``. Dropping the handle does not cancel the
+    send: the transport keeps it until it is waited here or by
+    :meth:`P2PTransport.wait_sends`.
     """
 
     def __init__(self, transport: "P2PTransport | None", sends: list[_PostedSend],
@@ -329,18 +420,17 @@ class RecvHandle:
 class P2PTransport:
     """Sends and receives pipeline messages between ranks with non-blocking point-to-point ops.
 
-    ``group`` carries payloads (default: the default group); ``meta_group`` carries headers
-    and metadata and must be able to carry CPU tensors (gloo). It defaults to ``group`` when
+    ``group`` carries the steady messages, header and payload in one buffer (default: the
+    default group); ``meta_group`` carries the slow path (metadata and payloads of layout
+    changes) and must be able to carry CPU tensors (gloo). It defaults to ``group`` when
     that one can; an NCCL payload group needs an explicit gloo ``meta_group`` over the same
     ranks. Payload buffers live on ``device``. ``timeout`` (seconds) is the default of every
     ``wait``; None leaves it to the process group's own timeout. With ``check_labels``, a
     receive whose label differs from the label the peer sent with (both non-empty) raises
     :class:`MessageMismatchError`: give a send and its receive the same label.
 
-    A receive whose header has not arrived in time raises :class:`P2PTimeoutError` and
-    stays posted. Other timed-out waits (a send, a payload already announced by its header,
-    a VTP broadcast) are gloo timeouts, after which gloo has closed the group's connection
-    to that peer.
+    A wait that times out raises :class:`P2PTimeoutError`; gloo has then closed the group's
+    connection to that peer, so later receives from it fail at once (see the module doc).
     """
 
     def __init__(self, group: ProcessGroup | None = None, *,
@@ -358,7 +448,7 @@ class P2PTransport:
             if not _carries_cpu_tensors(group):
                 raise ValueError(
                     f"rank {self.rank}: the payload group uses {dist.get_backend(group)}, "
-                    "which cannot carry the CPU headers; pass meta_group=<a gloo group over "
+                    "which cannot carry the CPU metadata; pass meta_group=<a gloo group over "
                     "the same ranks> (dist.new_group(ranks, backend='gloo'))")
             meta_group = group
         elif not _carries_cpu_tensors(meta_group):
@@ -369,7 +459,6 @@ class P2PTransport:
         self.timeout = timeout
         self.check_labels = check_labels
         self.stats = TransportStats()
-        self._stats_lock = threading.Lock()  # receive threads count too
         self._outboxes: dict[int, _Outbox] = {}
         self._inboxes: dict[int, _Inbox] = {}
         # In-flight sends, oldest first: gloo cancels a send whose work object is destroyed,
@@ -380,12 +469,14 @@ class P2PTransport:
     # -- sending -----------------------------------------------------------------------
 
     def post_send(self, message: Any, dst: int | Sequence[int], *, label: str = "",
-                  group: GroupArg = None) -> SendHandle:
+                  group: GroupArg = None, channel: Hashable = None) -> SendHandle:
         """Post the send of ``message`` to global rank ``dst`` (or to each of several).
 
         ``group`` overrides the payload group (one per destination when a sequence).
-        Raises :class:`UnsupportedMessageError` before posting anything if the message
-        holds something the transport cannot carry.
+        ``channel`` names the stream the message belongs to; the receiver must post its
+        receive with the same channel (see the module doc). Raises
+        :class:`UnsupportedMessageError` before posting anything if the message holds
+        something the transport cannot carry.
         """
         peers, groups = self._routes(dst, group, "dst")
         try:
@@ -394,35 +485,61 @@ class P2PTransport:
             raise UnsupportedMessageError(
                 f"rank {self.rank}: cannot send {_describe(label)} to rank(s) {peers}: {error}"
             ) from None
-        payload = pack(layout, tensors, self.device) if layout.payload_nbytes else None
-        digest = _label_digest(label)
+        label_digest = _label_digest(label)
         sends: list[_PostedSend] = []
-        keep_alive: list[torch.Tensor] = [] if payload is None else [payload]
+        keep_alive: list[torch.Tensor] = []
         for peer, payload_group in zip(peers, groups):
             outbox = self._outboxes.setdefault(peer, _Outbox())
-            slot, is_new = outbox.slots.assign(layout.encoded)
-            header = _Header(outbox.seq, slot, len(layout.encoded) if is_new else 0,
-                             layout.payload_nbytes, digest).to_tensor()
+            parts = self._wire_parts(outbox, channel, layout, tensors, label_digest,
+                                     payload_group)
             outbox.seq += 1
-            meta_group = self._meta_group_for(payload_group)
-            parts = [("header", header, meta_group)]
-            if is_new:
-                metadata = torch.frombuffer(bytearray(layout.encoded), dtype=torch.uint8)
-                parts.append(("metadata", metadata, meta_group))
-            if payload is not None:
-                parts.append(("payload", payload, payload_group))
-            for part, tensor, part_group in parts:
-                work = dist.isend(tensor, dst=peer, group=part_group)
-                sends.append(_PostedSend(work, peer, part_group, part))
-                keep_alive.append(tensor)
-            self._count(sends_posted=len(parts), messages_sent=1,
-                        header_bytes_sent=HEADER_NBYTES,
-                        metadata_sent=int(is_new),
-                        metadata_bytes_sent=len(layout.encoded) if is_new else 0,
-                        payload_bytes_sent=layout.payload_nbytes)
+            for part in parts:
+                work = dist.isend(part.tensor, dst=peer, group=part.group, tag=part.tag)
+                sends.append(_PostedSend(work, peer, part.group, part.name))
+                keep_alive.append(part.tensor)
         handle = SendHandle(self, sends, keep_alive, label)
         self._pending_sends[handle] = None
         return handle
+
+    def _wire_parts(self, outbox: _Outbox, channel: Hashable, layout: MessageLayout,
+                    tensors: list[torch.Tensor], label_digest: int,
+                    payload_group: ProcessGroup | None) -> list[_Part]:
+        """The operations that carry one message to one peer; updates what it expects."""
+        expected = outbox.expected.get(channel)
+        capacity = _capacity(expected)
+        buffer = torch.empty(HEADER_NBYTES + capacity, dtype=torch.uint8, device=self.device)
+        body = buffer[HEADER_NBYTES:]
+        payload_nbytes = layout.payload_nbytes
+        if expected is not None and expected.layout.encoded == layout.encoded:
+            _Header(outbox.seq, _STEADY_SLOT, 0, payload_nbytes, label_digest,
+                    expected.digest).write_into(buffer)
+            pack_into(layout, tensors, body)
+            stats = self.stats  # the steady path counts inline: it runs for every message
+            stats.messages_sent += 1
+            stats.sends_posted += 1
+            stats.header_bytes_sent += HEADER_NBYTES
+            stats.payload_bytes_sent += payload_nbytes
+            return [_Part("message", buffer, payload_group, _STEADY_TAG)]
+        changed = outbox.expected[channel] = _Expected.of(layout)
+        slot, is_new = outbox.slots.assign(layout.encoded)
+        metadata_nbytes = len(layout.encoded) if is_new else 0
+        _Header(outbox.seq, slot, metadata_nbytes, payload_nbytes, label_digest,
+                changed.digest).write_into(buffer)
+        meta_group = self._meta_group_for(payload_group)
+        parts = [_Part("layout-change notice", buffer, payload_group, _STEADY_TAG)]
+        if is_new:
+            metadata = torch.frombuffer(bytearray(layout.encoded), dtype=torch.uint8)
+            parts.append(_Part("metadata", metadata, meta_group, _SLOW_TAG))
+        if payload_nbytes <= capacity:
+            pack_into(layout, tensors, body)
+        else:
+            payload = torch.empty(payload_nbytes, dtype=torch.uint8)
+            pack_into(layout, tensors, payload)
+            parts.append(_Part("payload", payload, meta_group, _SLOW_TAG))
+        self._count(messages_sent=1, layout_changes_sent=1, sends_posted=len(parts),
+                    header_bytes_sent=HEADER_NBYTES, metadata_sent=int(is_new),
+                    metadata_bytes_sent=metadata_nbytes, payload_bytes_sent=payload_nbytes)
+        return parts
 
     def wait_sends(self, timeout: float | None = None) -> None:
         """Wait for every send posted so far that has not been waited (e.g. at step end)."""
@@ -434,142 +551,152 @@ class P2PTransport:
     # -- receiving ---------------------------------------------------------------------
 
     def post_recv(self, src: int | Sequence[int], *, label: str = "", group: GroupArg = None,
-                  average: bool = False) -> RecvHandle:
+                  average: bool = False, channel: Hashable = None) -> RecvHandle:
         """Post the receive of one message from global rank ``src`` (or from each of several).
 
-        With several sources (each with its own group when ``group`` is a sequence, as when
-        one stage is fed by several pipeline groups), ``average=True`` makes ``wait``
-        return the mean: floating tensors are averaged with float32 (or wider) accumulation
-        and returned in their own dtype; integer and bool tensors and non-tensor leaves must
-        be equal across sources and pass through.
+        ``channel`` must be the one the peer sends the message on. With several sources
+        (each with its own group when ``group`` is a sequence, as when one stage is fed by
+        several pipeline groups), ``average=True`` makes ``wait`` return the mean: floating
+        tensors are averaged with float32 (or wider) accumulation and returned in their own
+        dtype; integer and bool tensors and non-tensor leaves must be equal across sources
+        and pass through.
         """
         peers, groups = self._routes(src, group, "src")
+        inboxes = [self._inboxes.setdefault(peer, _Inbox(peer)) for peer in peers]
+        for inbox in inboxes:
+            self._raise_if_failed(inbox, label)
         incomings = []
-        for peer, payload_group in zip(peers, groups):
-            inbox = self._inboxes.setdefault(peer, _Inbox(peer))
-            incoming = _Incoming(peer, payload_group, self._meta_group_for(payload_group), label)
-            with inbox.changed:
-                self._raise_if_failed(inbox, label)
-                inbox.queue.append(incoming)
-                if inbox.worker is None:
-                    inbox.worker = threading.Thread(
-                        target=self._serve, args=(inbox,), daemon=True,
-                        name=f"meshpipe-p2p-recv-{self.rank}-from-{peer}")
-                    inbox.worker.start()
-                inbox.changed.notify_all()
+        for inbox, payload_group in zip(inboxes, groups):
+            incoming = _Incoming(inbox.peer, payload_group, self._meta_group_for(payload_group),
+                                 label, channel)
+            inbox.queue.append(incoming)
+            if inbox.deferred or inbox.channel(channel).outstanding:
+                inbox.deferred.append(incoming)
+                self._count(recvs_deferred=1)
+            else:
+                self._post_steady_recv(inbox, incoming)
             incomings.append(incoming)
         return RecvHandle(self, incomings, label, average, single=isinstance(src, int))
 
-    def _serve(self, inbox: _Inbox) -> None:
-        """Receive thread of one peer: resolve its pending messages in posting order."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        while True:
-            with inbox.changed:
-                if not inbox.changed.wait_for(lambda: inbox.queue, timeout=_WORKER_IDLE_S):
-                    inbox.worker = None
-                    return
-                head = inbox.queue[0]
-            try:
-                self._resolve(inbox, head)
-            except P2PError as error:
-                self._stop_inbox(inbox, error)
-                return
-            except Exception as error:  # noqa: BLE001 - every failure must reach the waiters
-                failure = P2PError(f"rank {self.rank}: unexpected error while receiving "
-                                   f"{_describe(head.label)} from rank {inbox.peer}: {error!r}")
-                failure.__cause__ = error
-                self._stop_inbox(inbox, failure)
-                return
-            with inbox.changed:
-                head.resolved = True
-                inbox.queue.popleft()
-                inbox.changed.notify_all()
+    def _post_steady_recv(self, inbox: _Inbox, incoming: _Incoming) -> None:
+        """Post the one receive of ``incoming``, sized for its channel's expected layout."""
+        state = inbox.channel(incoming.channel)
+        incoming.expected = state.expected
+        incoming.buffer = torch.empty(HEADER_NBYTES + _capacity(state.expected),
+                                      dtype=torch.uint8, device=self.device)
+        incoming.work = dist.irecv(incoming.buffer, src=incoming.peer, group=incoming.group,
+                                   tag=_STEADY_TAG)
+        state.outstanding += 1
+        self.stats.recvs_posted += 1
 
-    @staticmethod
-    def _stop_inbox(inbox: _Inbox, failure: P2PError) -> None:
-        with inbox.changed:
-            inbox.failure = failure
-            inbox.worker = None
-            inbox.changed.notify_all()
+    def _complete(self, incoming: _Incoming, deadline: float | None
+                  ) -> tuple[MessageLayout, torch.Tensor]:
+        """Resolve the peer's messages up to ``incoming``; its layout and payload."""
+        inbox = self._inboxes[incoming.peer]
+        while not incoming.resolved:
+            self._raise_if_failed(inbox, incoming.label)
+            self._resolve_next(inbox, incoming, deadline)
+        if incoming.error is not None:
+            raise incoming.error
+        return incoming.layout, incoming.payload
 
-    def _resolve(self, inbox: _Inbox, head: _Incoming) -> None:
-        """Read the header (and metadata) of ``head`` and post its payload receive."""
-        raw_header = torch.empty(HEADER_NUMEL, dtype=torch.int64)
-        work = dist.irecv(raw_header, src=head.peer, group=head.meta_group)
-        self._count(recvs_posted=1)
-        self._wait_work(work, None, head.meta_group, head.peer,
-                        lambda: f"the header of {_describe(head.label)} from rank {head.peer}")
-        header = _Header.from_tensor(raw_header)
-        head.layout = self._read_layout(inbox, head, header)
-        if self.check_labels and head.digest and header.label_digest and (
-                head.digest != header.label_digest):
-            head.error = MessageMismatchError(
-                f"rank {self.rank} expected {_describe(head.label)} from rank {head.peer}, but "
-                f"the message rank {head.peer} sent at this point (#{header.seq} between "
-                "them) carries a different label: the two ranks post their sends and "
-                "receives in different orders; check that their schedules match")
-        head.payload = torch.empty(head.layout.payload_nbytes, dtype=torch.uint8,
-                                   device=self.device)
-        if head.layout.payload_nbytes:
-            head.payload_work = dist.irecv(head.payload, src=head.peer, group=head.group)
-            self._count(recvs_posted=1)
+    def _resolve_next(self, inbox: _Inbox, waited: _Incoming, deadline: float | None) -> None:
+        """Wait for the peer's oldest unresolved message and read it (its receive is posted:
+        a deferred receive is posted as soon as every earlier message is resolved)."""
+        head = inbox.queue[0]
+
+        def describe() -> str:
+            what = f"{_describe(waited.label)} from rank {head.peer}"
+            if head is waited:
+                return what
+            return (f"{what}, behind the earlier message {_describe(head.label)} (messages "
+                    "from one rank are resolved in posting order)")
+
+        def fail(error: P2PError) -> None:
+            inbox.failure = error
+
+        self._wait_work(head.work, deadline, head.group, head.peer, describe, on_failure=fail)
+        try:
+            self._read(inbox, head, deadline)
+        except P2PError as error:
+            fail(error)
+            raise
         inbox.seq += 1
+        inbox.queue.popleft()
+        state = inbox.channel(head.channel)
+        state.outstanding -= 1
+        head.resolved = True
+        head.buffer = head.work = None
+        while inbox.deferred and not inbox.channel(inbox.deferred[0].channel).outstanding:
+            self._post_steady_recv(inbox, inbox.deferred.popleft())
 
-    def _read_layout(self, inbox: _Inbox, head: _Incoming, header: _Header) -> MessageLayout:
+    def _read(self, inbox: _Inbox, head: _Incoming, deadline: float | None) -> None:
+        """Read the arrived message ``head``: its header, layout, payload and label check."""
         peer = head.peer
 
         def corrupt(reason: str) -> MessageMismatchError:
             return MessageMismatchError(
                 f"rank {self.rank} receiving {_describe(head.label)} from rank {peer}: "
                 f"{reason}. The two ranks' transports are out of step (was one of them "
-                "re-created, or does another component use the same group for sends?)")
+                "re-created, do they name the message's channel alike, or does another "
+                "component use the same group for sends?)")
 
+        header = _Header.read_from(head.buffer)
         if header.seq != inbox.seq:
             raise corrupt(f"the header says message #{header.seq}, expected #{inbox.seq}")
+        body = head.buffer[HEADER_NBYTES:]
+        state = inbox.channel(head.channel)
+        if header.slot == _STEADY_SLOT:
+            expected = head.expected
+            if expected is None or (header.layout_digest, header.payload_nbytes) != (
+                    expected.digest, expected.layout.payload_nbytes):
+                raise corrupt("the message claims the layout this rank expected on its "
+                              "channel, but it is not that layout")
+            head.layout, head.payload = expected.layout, body
+        else:
+            head.layout = _layout_for(header, inbox.slots,
+                                      lambda nbytes: self._fetch_metadata(head, nbytes,
+                                                                          deadline),
+                                      corrupt)
+            expected = _Expected.of(head.layout)
+            nbytes = header.payload_nbytes
+            head.payload = (body[:nbytes] if nbytes <= body.numel()
+                            else self._fetch_payload(head, nbytes, deadline))
+            self._count(layout_changes_received=1)
+        state.expected = expected
+        stats = self.stats
+        stats.messages_received += 1
+        stats.header_bytes_received += HEADER_NBYTES
+        stats.payload_bytes_received += header.payload_nbytes
+        if self.check_labels and head.digest and header.label_digest and (
+                head.digest != header.label_digest):
+            head.error = MessageMismatchError(
+                f"rank {self.rank} expected {_describe(head.label)} from rank {peer}, but "
+                f"the message rank {peer} sent at this point (#{header.seq} between "
+                "them) carries a different label: the two ranks post their sends and "
+                "receives in different orders; check that their schedules match")
 
-        def fetch_metadata(nbytes: int) -> torch.Tensor:
-            data = torch.empty(nbytes, dtype=torch.uint8)
-            work = dist.irecv(data, src=peer, group=head.meta_group)
-            self._count(recvs_posted=1, metadata_received=1, metadata_bytes_received=nbytes)
-            self._wait_work(work, None, head.meta_group, peer,
-                            lambda: f"the metadata of {_describe(head.label)} from rank {peer}")
-            return data
+    def _fetch_metadata(self, head: _Incoming, nbytes: int, deadline: float | None
+                        ) -> torch.Tensor:
+        data = self._fetch_slow(head, torch.empty(nbytes, dtype=torch.uint8), "metadata",
+                                deadline)
+        self._count(metadata_received=1, metadata_bytes_received=nbytes)
+        return data
 
-        return _layout_for(header, inbox.slots, fetch_metadata, corrupt)
+    def _fetch_payload(self, head: _Incoming, nbytes: int, deadline: float | None
+                       ) -> torch.Tensor:
+        payload = self._fetch_slow(head, torch.empty(nbytes, dtype=torch.uint8), "payload",
+                                   deadline)
+        return payload.to(self.device)
 
-    def _complete(self, incoming: _Incoming, deadline: float | None
-                  ) -> tuple[MessageLayout, torch.Tensor]:
-        """Wait until ``incoming`` has arrived (its header first, then its payload)."""
-        inbox = self._inboxes[incoming.peer]
-        with inbox.changed:
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            inbox.changed.wait_for(lambda: incoming.resolved or inbox.failure is not None,
-                                   timeout=remaining)
-            if not incoming.resolved:
-                self._raise_if_failed(inbox, incoming.label)
-                blocking = inbox.queue[0]
-                raise P2PTimeoutError(
-                    f"rank {self.rank} timed out waiting for {_describe(incoming.label)} from "
-                    f"rank {incoming.peer}: "
-                    + ("its header has not arrived" if blocking is incoming else
-                       f"the header of the earlier message {_describe(blocking.label)} has "
-                       "not arrived (receives from one peer complete in posting order)")
-                    + f"; rank {incoming.peer} has not posted the matching send. Check that "
-                    f"both ranks run matching schedules and that rank {incoming.peer} is "
-                    "alive. The receive stays posted: waiting again may still succeed")
-        if not incoming.arrived:
-            if incoming.payload_work is not None:
-                self._wait_work(
-                    incoming.payload_work, deadline, incoming.group, incoming.peer,
-                    lambda: f"the payload of {_describe(incoming.label)} from rank "
-                            f"{incoming.peer}")
-            incoming.arrived = True
-            self._count(messages_received=1, header_bytes_received=HEADER_NBYTES,
-                        payload_bytes_received=incoming.layout.payload_nbytes)
-        if incoming.error is not None:
-            raise incoming.error
-        return incoming.layout, incoming.payload
+    def _fetch_slow(self, head: _Incoming, buffer: torch.Tensor, part: str,
+                    deadline: float | None) -> torch.Tensor:
+        """Receive one slow-path follow-up of ``head`` into the CPU ``buffer``."""
+        work = dist.irecv(buffer, src=head.peer, group=head.meta_group, tag=_SLOW_TAG)
+        self._count(recvs_posted=1)
+        self._wait_work(work, deadline, head.meta_group, head.peer,
+                        lambda: f"the {part} of {_describe(head.label)} from rank {head.peer}")
+        return buffer
 
     def _average(self, parts: list[tuple[MessageLayout, torch.Tensor]], peers: list[int],
                  label: str) -> Any:
@@ -643,9 +770,9 @@ class P2PTransport:
                 f"receiving from it failed earlier ({inbox.failure})") from inbox.failure
 
     def _count(self, **amounts: int) -> None:
-        with self._stats_lock:
-            for name, amount in amounts.items():
-                setattr(self.stats, name, getattr(self.stats, name) + amount)
+        stats = self.stats
+        for name, amount in amounts.items():
+            setattr(stats, name, getattr(stats, name) + amount)
 
     def _deadline(self, timeout: float | None) -> float | None:
         seconds = self.timeout if timeout is None else timeout
@@ -676,6 +803,7 @@ class P2PTransport:
             if on_failure is not None:
                 on_failure(error)
             raise error from cause
+
 
 
 class StageRecvHandle:
@@ -754,7 +882,7 @@ class VTPTransport:
         self._broadcast_failure: P2PError | None = None
 
     def post_send(self, message: Any, dst: int | Sequence[int], *, label: str = "",
-                  group: GroupArg = None) -> SendHandle:
+                  group: GroupArg = None, channel: Hashable = None) -> SendHandle:
         """Post a send to the stage(s) holding global rank(s) ``dst``; only the root posts."""
         roots = self._roots(dst)
         if not self.is_stage_root:
@@ -764,13 +892,14 @@ class VTPTransport:
                 raise UnsupportedMessageError(
                     f"rank {self.rank}: cannot send {_describe(label)}: {error}") from None
             return SendHandle.completed()
-        return self.p2p.post_send(message, roots, label=label, group=group)
+        return self.p2p.post_send(message, roots, label=label, group=group, channel=channel)
 
     def post_recv(self, src: int | Sequence[int], *, label: str = "", group: GroupArg = None,
-                  average: bool = False) -> StageRecvHandle:
+                  average: bool = False, channel: Hashable = None) -> StageRecvHandle:
         """Post a receive from the stage(s) holding ``src``; see ``P2PTransport.post_recv``."""
         roots = self._roots(src)
-        inner = (self.p2p.post_recv(roots, label=label, group=group, average=average)
+        inner = (self.p2p.post_recv(roots, label=label, group=group, average=average,
+                                    channel=channel)
                  if self.is_stage_root else None)
         return StageRecvHandle(self, inner, label)
 
@@ -814,7 +943,7 @@ class VTPTransport:
 
     def _broadcast_root_failure(self, label: str, deadline: float | None) -> None:
         """Tell the stage's other ranks that the root could not receive, so they fail fast."""
-        header = _Header(self._broadcast_seq, _ROOT_FAILED_SLOT, 0, 0, _label_digest(label))
+        header = _Header(self._broadcast_seq, _ROOT_FAILED_SLOT, 0, 0, _label_digest(label), 0)
         self._broadcast_seq += 1
         self._broadcast(header.to_tensor(), self.intra_meta_group, deadline, "header", label)
 
@@ -822,7 +951,8 @@ class VTPTransport:
         layout, tensors = flatten(message)
         slot, is_new = self._broadcast_sender_slots.assign(layout.encoded)
         header = _Header(self._broadcast_seq, slot, len(layout.encoded) if is_new else 0,
-                         layout.payload_nbytes, _label_digest(label))
+                         layout.payload_nbytes, _label_digest(label),
+                         _layout_digest(layout.encoded))
         self._broadcast_seq += 1
         self._broadcast(header.to_tensor(), self.intra_meta_group, deadline, "header", label)
         if is_new:
@@ -909,6 +1039,9 @@ def _layout_for(header: _Header, slots: _ReceiverSlots,
     if layout.payload_nbytes != header.payload_nbytes:
         raise corrupt(f"the header announces {header.payload_nbytes} payload bytes but the "
                       f"metadata describes {layout.payload_nbytes}")
+    if _layout_digest(layout.encoded) != header.layout_digest:
+        raise corrupt(f"metadata slot {header.slot} holds another layout than the one the "
+                      "header announces")
     return layout
 
 
