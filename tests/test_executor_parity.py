@@ -85,3 +85,42 @@ def test_live_activations_never_exceed_the_simulated_peak(name, pp, microbatches
     results = run_distributed(pp, pipeline_step, name, pp, microbatches, stages_per_rank=vpp)
     for rank, r in enumerate(results):
         assert 0 < r["peak"] <= r["simulated_peak"], (rank, r["peak"], r["simulated_peak"])
+
+
+def _two_steps_transport_stats(rank, world_size, name, microbatches, vpp):
+    from meshpipe.comm.p2p import P2PTransport
+    from meshpipe.models import Transformer, causal_lm_loss, split
+    from meshpipe.runtime import Executor, Stage
+    from meshpipe.schedules import build
+    from pipeline_cases import batch
+
+    schedule = build(name, world_size, microbatches, stages_per_rank=vpp)
+    chunks = split(Transformer(tiny_config(2 * schedule.num_stages)), schedule.num_stages)
+    last = schedule.num_stages - 1
+    stages = {s: Stage(chunks[s], s, schedule.num_stages,
+                       loss_fn=causal_lm_loss if s == last else None)
+              for s in schedule.stages_of(rank)}
+    transport = P2PTransport()
+    executor = Executor(schedule, stages, pp_rank=rank, pipeline_ranks=list(range(world_size)),
+                        transport=transport)
+    tokens, targets = batch(microbatches * MICROBATCH_SIZE)
+    positions = torch.arange(tokens.shape[1])  # forward messages carry it, gradients do not
+    inputs = [(t, positions, None) for t in tokens.split(MICROBATCH_SIZE)]
+    executor.step(inputs, list(targets.split(MICROBATCH_SIZE)))
+    transport.stats.reset()
+    executor.step(inputs, list(targets.split(MICROBATCH_SIZE)))
+    stats = transport.stats
+    return (stats.messages_sent, stats.sends_posted, stats.recvs_posted,
+            stats.layout_changes_sent, stats.metadata_sent)
+
+
+@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("interleaved", 2)])
+def test_a_steady_step_moves_each_message_in_one_operation(name, vpp):
+    """Each (direction, stage) stream keeps its layout, so after the first step no metadata
+    or layout notice travels and every message is one send and one receive. Interleaved
+    sends activations and gradients (different layouts) between the same pair of ranks."""
+    for messages, sends, receives, changes, metadata in run_distributed(
+            2, _two_steps_transport_stats, name, 4, vpp):
+        assert messages > 0
+        assert sends == receives == messages
+        assert changes == metadata == 0

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from meshpipe.comm.p2p import P2PTransport
 from meshpipe.runtime.stage import Stage
@@ -87,14 +87,29 @@ def _is_stop_notice(message: Any) -> bool:
     return isinstance(message, dict) and message.keys() == {_STOP_KEY}
 
 
-def _forward_label(stage: int, microbatch: int) -> str:
-    """Label of the activation message from ``stage`` to ``stage + 1``."""
-    return f"stage {stage} -> {stage + 1}, microbatch {microbatch}, forward"
+class _Message(NamedTuple):
+    """One pipeline message as both ends name it.
+
+    ``channel`` is the stream it belongs to (direction and sending stage): the transport
+    sizes a posted receive by the previous message of the same channel, so a send, its
+    receive and a stop notice standing in for it must all name the same channel.
+    """
+
+    sender: int
+    receiver: int
+    label: str
+    channel: tuple[str, int]
 
 
-def _backward_label(stage: int, microbatch: int) -> str:
-    """Label of the gradient message from ``stage`` to ``stage - 1``."""
-    return f"stage {stage} -> {stage - 1}, microbatch {microbatch}, backward"
+def _message_of(action: Action) -> _Message:
+    """The message a SEND or RECV action moves."""
+    s, m = action.stage, action.microbatch
+    forward = action.kind in (Kind.SEND_F, Kind.RECV_F)
+    sender = s if action.kind in (Kind.SEND_F, Kind.SEND_B) else s - 1 if forward else s + 1
+    receiver = sender + 1 if forward else sender - 1
+    direction = "forward" if forward else "backward"
+    return _Message(sender, receiver, f"stage {sender} -> {receiver}, microbatch {m}, {direction}",
+                    (direction, sender))
 
 
 @dataclass
@@ -271,11 +286,13 @@ class Executor:
         """Post ``notice`` for every owed send; the handle of the first one to each peer."""
         first_notices: dict[int, Any] = {}
         unreachable: set[int] = set()
-        for peer, label in self._owed_sends():
+        for message in self._owed_sends():
+            peer = self._global_rank_of_stage(message.receiver)
             if peer in unreachable:
                 continue
             try:
-                handle = self.transport.post_send(notice, peer, label=label)
+                handle = self.transport.post_send(notice, peer, label=message.label,
+                                                  channel=message.channel)
             except Exception:  # noqa: BLE001 - best effort: the error being raised matters
                 unreachable.add(peer)
                 continue
@@ -296,16 +313,10 @@ class Executor:
             except Exception:  # noqa: BLE001 - the peer is gone or not listening
                 continue
 
-    def _owed_sends(self) -> list[tuple[int, str]]:
-        """(global peer rank, label) of every send of this step not posted yet, in order."""
+    def _owed_sends(self) -> list[_Message]:
+        """Every message of this step not sent yet, in order."""
         sends = [a for a in self.actions if a.kind in (Kind.SEND_F, Kind.SEND_B)]
-        return [self._send_route(a) for a in sends[self._sends_posted:]]
-
-    def _send_route(self, action: Action) -> tuple[int, str]:
-        s, m = action.stage, action.microbatch
-        if action.kind is Kind.SEND_F:
-            return self._global_rank_of_stage(s + 1), _forward_label(s, m)
-        return self._global_rank_of_stage(s - 1), _backward_label(s, m)
+        return [_message_of(a) for a in sends[self._sends_posted:]]
 
     def _where(self) -> str:
         return f"pipeline rank {self.pp_rank} (global rank {self.pipeline_ranks[self.pp_rank]})"
@@ -418,27 +429,28 @@ class Executor:
             self._handlers[part.kind](part)
 
     def _send_forward(self, action: Action) -> None:
-        s, m = action.stage, action.microbatch
-        peer, label = self._send_route(action)
-        self.transport.post_send(self._outbox_forward.pop((s, m)), peer, label=label)
-        self._sends_posted += 1
+        self._post_send(action, self._outbox_forward)
         if not self.schedule.forward_only:
-            self.stages[s].release_output(m)
+            self.stages[action.stage].release_output(action.microbatch)
 
     def _send_backward(self, action: Action) -> None:
-        s, m = action.stage, action.microbatch
-        peer, label = self._send_route(action)
-        self.transport.post_send(self._outbox_backward.pop((s, m)), peer, label=label)
+        self._post_send(action, self._outbox_backward)
+
+    def _post_send(self, action: Action, outbox: dict) -> None:
+        message = _message_of(action)
+        self.transport.post_send(outbox.pop((action.stage, action.microbatch)),
+                                 self._global_rank_of_stage(message.receiver),
+                                 label=message.label, channel=message.channel)
         self._sends_posted += 1
 
     def _recv_forward(self, action: Action) -> None:
-        s, m = action.stage, action.microbatch
-        self._forward_inbox[(s, m)] = self._post_recv(s - 1, _forward_label(s - 1, m))
+        self._forward_inbox[(action.stage, action.microbatch)] = self._post_recv(action)
 
     def _recv_backward(self, action: Action) -> None:
-        s, m = action.stage, action.microbatch
-        self._backward_inbox[(s, m)] = self._post_recv(s + 1, _backward_label(s + 1, m))
+        self._backward_inbox[(action.stage, action.microbatch)] = self._post_recv(action)
 
-    def _post_recv(self, from_stage: int, label: str) -> _PendingReceive:
-        peer = self._global_rank_of_stage(from_stage)
-        return _PendingReceive(self.transport.post_recv(peer, label=label), peer, label)
+    def _post_recv(self, action: Action) -> _PendingReceive:
+        message = _message_of(action)
+        peer = self._global_rank_of_stage(message.sender)
+        handle = self.transport.post_recv(peer, label=message.label, channel=message.channel)
+        return _PendingReceive(handle, peer, message.label)
