@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshpipe.models import Transformer, TransformerConfig, causal_lm_loss, split
@@ -383,6 +384,38 @@ class OutputSavedByAnotherOp(Residual):
         return hidden, hidden * self.linear.weight[0]
 
 
+class _SaveForBackward(torch.autograd.Function):
+    """x * w with x and w saved by ``save_for_backward`` (as a custom op would)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(0)
+
+
+class OutputSavedByCustomFunction(Residual):
+    def forward(self, x):
+        hidden = self.linear(x) + x
+        return hidden, _SaveForBackward.apply(hidden, self.linear.weight[0])
+
+
+class OutputViewSavedByAnotherOp(Residual):
+    def forward(self, x):
+        hidden = self.linear(x) + x
+        return hidden, hidden[:2].t() * self.linear.weight[:, :1]
+
+
+class OutputSavedByCheckpoint(Residual):
+    def forward(self, x):
+        hidden = self.linear(x) + x
+        return hidden, checkpoint(torch.sin, hidden, use_reentrant=True)
+
+
 class PassThrough(Residual):
     def forward(self, x):
         return self.linear(x), x
@@ -397,6 +430,9 @@ class ViewOut(Residual):
     (Residual, [True]),
     (TanhOut, [False]),                      # tanh saved its own result
     (OutputSavedByAnotherOp, [False, True]),  # the product saved the first output
+    (OutputSavedByCustomFunction, [False, True]),  # so did save_for_backward
+    (OutputViewSavedByAnotherOp, [False, True]),   # a saved view shares its storage
+    (OutputSavedByCheckpoint, [False, True]),      # a reentrant checkpoint saves its input
     (PassThrough, [True, False]),             # the second output is the stage's input
     (ViewOut, [False]),                       # a view: freeing it frees nothing
 ])
@@ -417,6 +453,54 @@ def test_release_output_frees_only_what_backward_does_not_need(module_type, free
     leaf = x.clone().requires_grad_(True)
     expected = reference(leaf)
     torch.autograd.backward(expected, grads)
+    torch.testing.assert_close(input_grads, leaf.grad)
+    _assert_same_grads(param_grads, _param_grads(reference))
+
+
+class EmbedWithPositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+
+    def forward(self, tokens, positions):
+        return self.embed(tokens) + positions.unsqueeze(-1), positions
+
+
+def test_release_output_keeps_what_the_first_stage_passes_through_from_its_inputs():
+    stage = Stage(EmbedWithPositions(), 0, 2)
+    tokens, positions = torch.randint(0, 10, (2, 5)), torch.arange(5)
+    for microbatch in range(2):  # the caller passes the same positions every time
+        hidden, passed = stage.forward(microbatch, (tokens, positions))
+        stage.release_output(microbatch)
+        assert hidden.untyped_storage().nbytes() == 0
+        assert passed is positions and torch.equal(positions, torch.arange(5))
+
+
+class CheckpointedTanh(Residual):
+    """A non-reentrant checkpoint: reading its saved tensors recomputes the region."""
+
+    def __init__(self):
+        super().__init__()
+        self.regions_run = 0
+
+    def region(self, x):
+        self.regions_run += 1
+        return torch.tanh(self.linear(x))
+
+    def forward(self, x):
+        return checkpoint(self.region, x, use_reentrant=False)
+
+
+def test_release_output_reads_no_saved_tensor_so_checkpoints_do_not_recompute():
+    torch.manual_seed(0)
+    module = CheckpointedTanh()
+    reference = copy.deepcopy(module)
+    x, grad = torch.randn(4, 8), torch.randn(4, 8)
+    freed, param_grads, input_grads = _release_and_backward(module, x, grad)
+    assert module.regions_run == 2  # forward, and the recomputation in backward only
+    assert freed == [True]  # the checkpoint keeps no tensor on the output's storage
+    leaf = x.clone().requires_grad_(True)
+    torch.autograd.backward(reference(leaf), grad)
     torch.testing.assert_close(input_grads, leaf.grad)
     _assert_same_grads(param_grads, _param_grads(reference))
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from meshpipe.runtime.split_backward import SplitBackward
@@ -79,41 +80,28 @@ def _describe(values: list[Any]) -> str:
     return "(" + ", ".join(one(v) for v in values) + ")"
 
 
-_SAVED_ATTRIBUTES: dict[type, list[str]] = {}
+def _storage_use_count(tensor: Tensor) -> int:
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
-def _saved_tensors(node: Node) -> list[Tensor]:
-    """Tensors an autograd node saved for its backward (built-in ops and custom Functions)."""
-    names = _SAVED_ATTRIBUTES.get(type(node))
-    if names is None:
-        names = [name for name in dir(type(node)) if name.startswith("_saved_")]
-        if hasattr(type(node), "saved_tensors"):
-            names.append("saved_tensors")
-        _SAVED_ATTRIBUTES[type(node)] = names
-    found: list[Tensor] = []
-    for name in names:
-        try:
-            value = getattr(node, name)
-        except RuntimeError:  # already freed by an earlier backward through a shared node
-            continue
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        found.extend(v for v in values if isinstance(v, Tensor))
-    return found
+@cache
+def _exclusive_use_counts() -> tuple[int, int]:
+    """Use counts of a tensor that nothing else references, and of its storage, counted
+    the way ``_shared`` counts: measured once rather than assumed, since they depend on
+    how torch's Python wrappers hold their references."""
+    tensor = torch.empty(1)
+    return tensor._use_count(), _storage_use_count(tensor)
 
 
-def _storages_saved_by_graph(nodes: list[Node]) -> set[int]:
-    """Data pointers of every storage saved by a node of the graph below ``nodes``."""
-    pointers: set[int] = set()
-    seen: set[Node] = set()
-    stack = [node for node in nodes if node is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        pointers.update(t.untyped_storage().data_ptr() for t in _saved_tensors(node))
-        stack.extend(child for child, _ in node.next_functions if child is not None)
-    return pointers
+def _shared(tensor: Tensor) -> bool:
+    """Whether anything besides this Python tensor holds the tensor or its storage.
+
+    Autograd saves a tensor that an op takes as input by holding the tensor itself, and
+    an op's own result by holding another tensor on the same storage; a view of the
+    tensor saved by a later op, or alive anywhere else, also holds the storage.
+    """
+    own_tensor, own_storage = _exclusive_use_counts()
+    return tensor._use_count() > own_tensor or _storage_use_count(tensor) > own_storage
 
 
 class Stage:
@@ -389,25 +377,24 @@ class Stage:
 
         The next stage holds its own copy, and backward only needs the outputs' autograd
         nodes, which stay. An output is kept when freeing it would break backward or free
-        nothing: it is (a view of) a stage input, i.e. a skip connection; it is a view; or
-        its storage is saved by a node of the graph (``tanh``, ``sigmoid``, ``softmax`` save
-        their result; an op consuming the output inside the stage may save it as input).
-        Only call this after the send of the outputs completed. A microbatch with nothing
-        held (forward-only, or backward done) is left alone.
+        nothing: it is a view; it shares its storage with a stage input (a value passed
+        through, which the caller may still use, e.g. the positions of every microbatch);
+        or something besides the stage holds the tensor or its storage (checked in O(1)
+        per output from their use counts): an op that saved it for backward (``tanh``,
+        ``sigmoid``, ``softmax`` save their result; an op consuming the output inside the
+        stage may save it, or a view of it, as input), any other live view of it. (A
+        saved-tensor hook that packs the very tensor object, neither a copy nor a
+        ``detach()``, hides its save from the counts.) Call it once the outputs' send is
+        posted (the transport sends from a copy). A microbatch with nothing held
+        (forward-only, or backward done) is left alone.
         """
         saved = self._saved.get(microbatch)
         if saved is None or saved.split is not None:
             return
-        keep = self._storages_to_keep(saved)
+        inputs = {leaf.untyped_storage().data_ptr() for leaf in saved.input_leaves
+                  if isinstance(leaf, Tensor)}
         for value in saved.outputs:
             if not isinstance(value, Tensor) or value._base is not None or value.numel() == 0:
                 continue
-            if value.untyped_storage().data_ptr() not in keep:
+            if value.untyped_storage().data_ptr() not in inputs and not _shared(value):
                 value.data = torch.empty(0, dtype=value.dtype, device=value.device)
-
-    def _storages_to_keep(self, saved: _Microbatch) -> set[int]:
-        inputs = {leaf.untyped_storage().data_ptr() for leaf in saved.input_leaves
-                  if isinstance(leaf, Tensor)}
-        nodes = [edge.node for edge in saved.roots]
-        nodes += [value.grad_fn for value in saved.outputs if isinstance(value, Tensor)]
-        return inputs | _storages_saved_by_graph(nodes)
