@@ -27,8 +27,6 @@ from meshpipe.schedules.validation import validate
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.config import add_arguments as add_train_arguments
 from meshpipe.train.config import from_arguments as train_config_from_arguments
-from meshpipe.train.launch import LaunchError
-from meshpipe.train.trainer import run as run_training
 
 USAGE_ERROR = 2
 
@@ -221,6 +219,10 @@ def _train(args: argparse.Namespace, out: TextIO) -> int:
 
 def _train_and_report(config: TrainConfig, out: TextIO) -> int:
     """Train; exit status 1 if a rank failed or the --check parity comparison failed."""
+    # Imported here: torch loads in seconds, and the schedule commands do not need it.
+    from meshpipe.train.launch import LaunchError
+    from meshpipe.train.trainer import run as run_training
+
     try:
         metrics = run_training(config)
     except LaunchError as error:

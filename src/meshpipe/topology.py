@@ -10,15 +10,19 @@ process groups (every rank must call it, in the same order) from a ``DeviceMesh`
 flattened groups the runtime needs (all of context parallelism; data x context for gradients).
 ``StageGroups`` covers the heterogeneous case where pipeline stages have different sizes
 (VTP: each stage is a block of ranks whose first rank talks to the neighbour stages).
+
+torch is imported only where groups are built, so configuration code (and the schedule
+command line) can use the layout arithmetic without loading torch.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 AXES = ("pp", "dp", "cp_ring", "cp_ulysses", "tp")
 
@@ -132,8 +136,10 @@ class Topology:
     @staticmethod
     def build(layout: ParallelLayout, device_type: str = "cpu") -> Topology:
         """Create every process group of ``layout``; a collective call on all ranks."""
-        layout.check_world_size(dist.get_world_size())
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
+
+        layout.check_world_size(dist.get_world_size())
 
         mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=AXES)
         rank = dist.get_rank()
@@ -152,6 +158,8 @@ class Topology:
 
 def _my_group(layout: ParallelLayout, rank: int, axes: Sequence[str]) -> dist.ProcessGroup:
     """Create the groups along ``axes`` (collectively, all of them) and return this rank's."""
+    import torch.distributed as dist
+
     mine = None
     for ranks in layout.group_ranks(axes):
         group = dist.new_group(ranks)
@@ -171,6 +179,7 @@ class StageGroups:
 
     stage_ranks: list[list[int]]
     stage: int
+    rank: int
     intra_group: dist.ProcessGroup | None
 
     @property
@@ -179,7 +188,7 @@ class StageGroups:
 
     @property
     def is_leader(self) -> bool:
-        return dist.get_rank() == self.stage_ranks[self.stage][0]
+        return self.rank == self.stage_ranks[self.stage][0]
 
     @staticmethod
     def layout(stage_sizes: Sequence[int]) -> list[list[int]]:
@@ -192,6 +201,8 @@ class StageGroups:
     @staticmethod
     def build(stage_sizes: Sequence[int]) -> StageGroups:
         """Create one intra-stage group per stage; a collective call on all ranks."""
+        import torch.distributed as dist
+
         stage_ranks = StageGroups.layout(stage_sizes)
         world = dist.get_world_size()
         if sum(stage_sizes) != world:
@@ -204,4 +215,4 @@ class StageGroups:
             group = dist.new_group(ranks)
             if i == stage:
                 intra = group
-        return StageGroups(stage_ranks, stage, intra)
+        return StageGroups(stage_ranks, stage, rank, intra)

@@ -7,11 +7,13 @@ from meshpipe.schedules.builders import (SCHEDULES, build, combined_1f1b, dualpi
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.placement import (PLACEMENTS, loop_placement, resolve_placement,
                                           v_placement, wraparound_placement)
+from meshpipe.schedules.simulate import (CostModel, Simulation, Timeline, TimedAction, compare,
+                                         simulate)
 from meshpipe.schedules.validation import ScheduleError, validate
 
 __all__ = [
-    "Action", "Kind", "PLACEMENTS", "SCHEDULES", "Schedule", "ScheduleError", "build",
-    "combined_1f1b", "dualpipe_v", "gpipe", "interleaved_1f1b", "loop_placement", "lower",
-    "no_pipelining", "one_f_one_b", "resolve_placement", "v_placement", "validate",
+    "Action", "CostModel", "Kind", "PLACEMENTS", "SCHEDULES", "Schedule", "ScheduleError",
+    "Simulation", "TimedAction", "Timeline", "build", "combined_1f1b", "compare", "dualpipe_v", "gpipe", "interleaved_1f1b", "loop_placement", "lower",
+    "no_pipelining", "one_f_one_b", "resolve_placement", "simulate", "v_placement", "validate",
     "wraparound_placement", "zb_h1", "zb_v",
 ]
