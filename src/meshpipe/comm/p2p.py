@@ -50,10 +50,11 @@ import hashlib
 import struct
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from functools import lru_cache
-from typing import Any, Callable, Hashable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -489,7 +490,7 @@ class P2PTransport:
         sends: list[_PostedSend] = []
         keep_alive: list[torch.Tensor] = []
         for peer, payload_group in zip(peers, groups):
-            outbox = self._outboxes.setdefault(peer, _Outbox())
+            outbox = self._outboxes.get(peer) or self._outboxes.setdefault(peer, _Outbox())
             parts = self._wire_parts(outbox, channel, layout, tensors, label_digest,
                                      payload_group)
             outbox.seq += 1
@@ -562,7 +563,8 @@ class P2PTransport:
         and pass through.
         """
         peers, groups = self._routes(src, group, "src")
-        inboxes = [self._inboxes.setdefault(peer, _Inbox(peer)) for peer in peers]
+        inboxes = [self._inboxes.get(peer) or self._inboxes.setdefault(peer, _Inbox(peer))
+                   for peer in peers]
         for inbox in inboxes:
             self._raise_if_failed(inbox, label)
         incomings = []
