@@ -16,6 +16,7 @@ from meshpipe.comm.message import (
     describe_difference,
     flatten,
     pack,
+    pack_into,
     unpack,
 )
 
@@ -102,6 +103,18 @@ def test_several_tensors_are_copied_into_one_buffer():
     payload = pack(layout, tensors, CPU)
     a.fill_(0)
     assert not torch.equal(unpack(layout, payload)[0], a)
+
+
+def test_a_message_packs_into_a_buffer_behind_a_header_and_stays_aligned():
+    message = (torch.randn(3), {"ids": torch.arange(5), "c": torch.randn(2, dtype=torch.cdouble)})
+    layout, tensors = flatten(message)
+    header = 48  # the transport's header: a multiple of PAYLOAD_ALIGNMENT
+    buffer = torch.zeros(header + layout.payload_nbytes, dtype=torch.uint8)
+    pack_into(layout, tensors, buffer[header:])
+    assert not buffer[:header].any()
+    assert_same_message(unpack(layout, buffer[header:]), message)
+    with pytest.raises(ValueError, match=f"at least {layout.payload_nbytes} bytes"):
+        pack_into(layout, tensors, buffer[header + 1:])
 
 
 def test_the_layout_depends_on_structure_shapes_dtypes_values_not_tensor_data():
