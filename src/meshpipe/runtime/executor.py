@@ -9,8 +9,8 @@ state"; it dispatches each action to a handler:
 - ``F`` / ``B`` / ``I`` / ``W`` run the stage, waiting on the parked handle (or taking the
   local hand-over from a neighbouring stage on this rank);
 - ``SEND_F`` / ``SEND_B`` post a send; a sent forward output's storage is released at once
-  (seed 003's deallocation: the transport keeps its own reference until the send completes,
-  and the autograd graph stays usable);
+  (seed 003's deallocation: the transport sends from its own packed copy, and the autograd
+  graph stays usable);
 - ``OVERLAP`` runs its forward half, then its backward half.
 
 When an action fails, the rank tells every pipeline peer it still owes messages: each
@@ -105,8 +105,9 @@ def _message_of(action: Action) -> _Message:
     """The message a SEND or RECV action moves."""
     s, m = action.stage, action.microbatch
     forward = action.kind in (Kind.SEND_F, Kind.RECV_F)
-    sender = s if action.kind in (Kind.SEND_F, Kind.SEND_B) else s - 1 if forward else s + 1
-    receiver = sender + 1 if forward else sender - 1
+    step = 1 if forward else -1
+    sender = s if action.kind in (Kind.SEND_F, Kind.SEND_B) else s - step
+    receiver = sender + step
     direction = "forward" if forward else "backward"
     return _Message(sender, receiver, f"stage {sender} -> {receiver}, microbatch {m}, {direction}",
                     (direction, sender))

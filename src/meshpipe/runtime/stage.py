@@ -100,8 +100,11 @@ def _shared(tensor: Tensor) -> bool:
     an op's own result by holding another tensor on the same storage; a view of the
     tensor saved by a later op, or alive anywhere else, also holds the storage.
     """
-    own_tensor, own_storage = _exclusive_use_counts()
-    return tensor._use_count() > own_tensor or _storage_use_count(tensor) > own_storage
+    try:
+        own_tensor, own_storage = _exclusive_use_counts()
+        return tensor._use_count() > own_tensor or _storage_use_count(tensor) > own_storage
+    except AttributeError:  # a torch without these (private) counters: keeping is always safe
+        return True
 
 
 class Stage:

@@ -126,7 +126,10 @@ class Trainer:
         self._shared = self._shared_parameter_groups(chunks)
         self.optimizer = torch.optim.AdamW([p for _, p in self.parameters], lr=config.lr,
                                            weight_decay=config.weight_decay)
-        transport = P2PTransport(device=self.device, timeout=RECV_TIMEOUT_S)
+        # Headers and metadata need a CPU (gloo) group when payloads go through NCCL.
+        meta_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
+        transport = P2PTransport(device=self.device, meta_group=meta_group,
+                                 timeout=RECV_TIMEOUT_S)
         executor_args = dict(pp_rank=self.topology.pp_rank,
                              pipeline_ranks=self.topology.pipeline_ranks, transport=transport,
                              recv_timeout=RECV_TIMEOUT_S)
@@ -185,7 +188,7 @@ class Trainer:
 
     def _global_loss(self, local_mean: float | None) -> float:
         """Mean loss over the whole step: CP shares add up, DP replicas average."""
-        value = torch.tensor([local_mean or 0.0], dtype=torch.float64)
+        value = torch.tensor([local_mean or 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(value)
         return value.item() / self.config.dp
 
@@ -213,9 +216,10 @@ class Trainer:
         """Global gradient norm over the whole model (each tied weight counted once)."""
         duplicates = {id(p) for p, group in self._shared
                       if dist.get_rank(group) != 0}
-        squares = sum(float(p.grad.pow(2).sum()) for _, p in self.parameters
-                      if p.grad is not None and id(p) not in duplicates)
-        total = torch.tensor([squares], dtype=torch.float64)
+        squares = [p.grad.detach().double().pow(2).sum() for _, p in self.parameters
+                   if p.grad is not None and id(p) not in duplicates]
+        total = (torch.stack(squares).sum() if squares
+                 else torch.zeros((), dtype=torch.float64, device=self.device)).reshape(1)
         dist.all_reduce(total, group=self.topology.pp_group)
         norm = math.sqrt(total.item())
         if self.config.grad_clip > 0 and norm > self.config.grad_clip:
