@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--a2a-tokens", type=int, default=512,
+    parser.add_argument("--a2a-tokens", type=int, default=768,
                         help="all-to-all: per-rank tokens of the aligned case, a multiple of 3")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
