@@ -80,6 +80,11 @@ def test_learning_rate_warms_up_then_decays():
     (dict(heads=6, kv_heads=4), "--heads 6 must be a multiple of --kv-heads 4"),
     (dict(cp_ring=2, seq_len=30), "--seq-len 30 is not divisible"),
     (dict(microbatches=0), "--microbatches must be >= 1"),
+    (dict(eval_every=-1), "--eval-every must be >= 0"),
+    (dict(checkpoint_every=-2), "--checkpoint-every must be >= 0"),
+    (dict(lr=-1.0), "need 0 < --lr"),
+    (dict(lr=1e-3, min_lr=1e-2), "--min-lr <= --lr"),
+    (dict(steps=3, timeline_step=5), "--timeline-step 5 is after the last step 3"),
 ])
 def test_bad_configuration_is_rejected_with_the_fix(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -239,7 +239,8 @@ DEMO_CONFIG = TrainConfig(pp=2, cp_ring=2, schedule="1f1b", microbatches=4, micr
 
 
 def _demo(args: argparse.Namespace, out: TextIO) -> int:
-    config = replace(DEMO_CONFIG, out_dir=str(args.out / "train"), steps=args.steps)
+    config = replace(DEMO_CONFIG, out_dir=str(args.out / "train"), steps=args.steps,
+                     timeline_step=min(DEMO_CONFIG.timeline_step, args.steps))
     out.write(f"Training the reference transformer on the shipped Shakespeare corpus: pp "
               f"{config.pp} x cp ring {config.cp_ring} = {config.world_size} CPU processes, "
               f"schedule {config.schedule}, {config.steps} steps.\n")

@@ -64,8 +64,19 @@ class TrainConfig:
                     "heads", "kv_heads", "steps")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
-                                 f"{getattr(self, name)}")
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        non_negative = ("warmup_steps", "weight_decay", "grad_clip", "eval_every",
+                        "checkpoint_every", "timeline_step", "min_lr")
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0 (0 disables where it "
+                                 f"applies), got {getattr(self, name)}")
+        if not 0 < self.lr or self.min_lr > self.lr:
+            raise ValueError(f"need 0 < --lr and --min-lr <= --lr, got --lr {self.lr} "
+                             f"--min-lr {self.min_lr}")
+        if self.timeline_step > self.steps:
+            raise ValueError(f"--timeline-step {self.timeline_step} is after the last step "
+                             f"{self.steps}; use a step in 1..{self.steps}, or 0 for none")
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads "
                              f"{self.kv_heads} (grouped-query attention)")
@@ -97,6 +108,10 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 FIELD_HELP = {
@@ -135,7 +150,7 @@ FIELD_HELP = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per TrainConfig field."""
     for field in dataclasses.fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
+        flag = "--" + _flag(field.name)
         if field.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction,
                                 default=field.default, help=FIELD_HELP[field.name])
