@@ -50,12 +50,14 @@ class Kind(enum.Enum):
 
 
 _COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP})
+_OVERLAP = Kind.OVERLAP
 
 # Direction of the peer stage for each communication kind.
 _PEER_OFFSET = {Kind.SEND_F: +1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: +1}
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 _OVERLAP_RE = re.compile(r"^\((.+);(.+)\)OVERLAP_F_B$")
+_UNSUPPORTED_TORCH_RE = re.compile(r"^\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*$")
 
 
 class _ActionFields(NamedTuple):
@@ -83,15 +85,13 @@ class Action(_ActionFields):
         if stage < 0 or microbatch < 0:
             raise ValueError(f"action {kind.value}: stage and microbatch must be >= 0, "
                              f"got stage={stage} microbatch={microbatch}")
-        if (kind is Kind.OVERLAP) != bool(parts):
-            raise ValueError("only an OVERLAP action has parts; use Action.overlap(f, b)")
+        if parts or kind is _OVERLAP:
+            parts = _overlap_parts(kind, stage, microbatch, parts)
         return tuple.__new__(cls, (kind, stage, microbatch, parts))
 
     @staticmethod
     def overlap(forward: Action, backward: Action) -> Action:
         """Co-schedule ``forward`` (an F) with ``backward`` (a B) as one OVERLAP action."""
-        if forward.kind is not Kind.F or backward.kind is not Kind.B:
-            raise ValueError(f"OVERLAP pairs an F with a B, got {forward} and {backward}")
         return Action(Kind.OVERLAP, forward.stage, forward.microbatch, (forward, backward))
 
     @property
@@ -122,8 +122,40 @@ class Action(_ActionFields):
         if match := _ACTION_RE.match(text):
             stage, kind, microbatch = match.groups()
             return Action(Kind(kind), int(stage), int(microbatch))
+        if _UNSUPPORTED_TORCH_RE.match(text):
+            raise ValueError(f"cannot parse action {text!r}: torch.distributed.pipelining's "
+                             f"UNSHARD, RESHARD and REDUCE_GRAD actions (FSDP and gradient "
+                             f"reduction) have no meshpipe equivalent; meshpipe reads compute "
+                             f"actions (F, B, I, W, OVERLAP_F_B) and SEND/RECV only: delete "
+                             f"the UNSHARD, RESHARD and REDUCE_GRAD cells")
         raise ValueError(f"cannot parse action {text!r}: expected <stage><kind><microbatch> "
                          f"such as '0F3', '1SEND_B2' or '(0F3;0B1)OVERLAP_F_B'")
+
+
+def _overlap_parts(kind: Kind, stage: int, microbatch: int,
+                   parts: Iterable[Action]) -> tuple[Action, Action]:
+    """The parts of an OVERLAP action as a tuple, after checking that they are a forward
+    then a full backward and that the action's own stage and microbatch are the forward's
+    (the slow path of ``Action.__new__``: plain actions never get here)."""
+    if kind is not _OVERLAP:
+        raise ValueError(f"only an OVERLAP action has parts, not a {kind.value} action "
+                         f"(parts={parts!r}); build one with Action.overlap(forward, backward)")
+    try:
+        parts = tuple(parts)
+    except TypeError:
+        raise TypeError(f"the parts of an OVERLAP action are a sequence (forward, backward), "
+                        f"got {type(parts).__name__}") from None
+    forward, backward = parts if len(parts) == 2 else (None, None)
+    if not (isinstance(forward, Action) and isinstance(backward, Action)
+            and forward.kind is Kind.F and backward.kind is Kind.B):
+        raise ValueError(f"an OVERLAP pairs an F with a B: its parts are (forward, backward), "
+                         f"got {parts!r}; build one with Action.overlap(forward, backward)")
+    if stage != forward.stage or microbatch != forward.microbatch:
+        raise ValueError(f"the OVERLAP of {forward} and {backward} has the stage and "
+                         f"microbatch of its forward ({forward.stage}, {forward.microbatch}), "
+                         f"not ({stage}, {microbatch}); build it with Action.overlap(forward, "
+                         f"backward)")
+    return parts
 
 
 def F(stage: int, microbatch: int) -> Action:
@@ -234,7 +266,14 @@ class Schedule:
 
     @staticmethod
     def from_csv(text: str, name: str = "") -> Schedule:
-        """Parse ``to_csv`` output (or a torch.distributed.pipelining CSV schedule).
+        """Parse ``to_csv`` output, or a torch.distributed.pipelining CSV holding only the
+        actions meshpipe has: compute actions (``F``, ``B``, ``I``, ``W``, and an
+        ``OVERLAP_F_B`` of one F and one B) and ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``.
+        That covers torch's "compute_only" CSVs of multi-stage schedules (empty cells, its
+        idle slots, are skipped). torch's "compute_comms" CSVs also hold ``UNSHARD``,
+        ``RESHARD`` and ``REDUCE_GRAD`` cells (written without a microbatch), as do the
+        orders of its single-stage schedules: such a cell is a ValueError naming its row
+        and text; delete those cells to read the rest.
 
         Ranks, stages, microbatches and placement are read off the actions: a stage's rank
         is the rank whose row holds its actions.
