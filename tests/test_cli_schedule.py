@@ -10,9 +10,10 @@ import pytest
 from meshpipe.cli import main
 from meshpipe.schedules.actions import Schedule
 from meshpipe.schedules.builders import SCHEDULES, build
+from meshpipe.schedules.compare import compare
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.render import to_text
-from meshpipe.schedules.simulate import CostModel, compare, simulate
+from meshpipe.schedules.simulate import CostModel, simulate
 
 
 def run(capsys, *argv):
@@ -70,6 +71,11 @@ def test_show_takes_costs_placement_and_forward_only(capsys):
     (["schedule", "show", "zb-h1", "--pp", "2", "-m", "2", "--placement", "v"],
      "runs on the loop placement"),
     (["schedule"], "required: SUBCOMMAND"),
+    (["schedule", "compare", "--pp", "4", "-m", "8", "--b", "4", "--i", "1", "--w", "1"],
+     "meshpipe: error: a full backward must cost what its split halves cost: --b 4 but --i 1 "
+     "+ --w 1 = 2; give --b alone"),
+    (["schedule", "show", "zb-h1", "--pp", "2", "-m", "2", "--b", "1", "--i", "3"],
+     "--b 1 but --i 3 alone is more"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(capsys, argv, fragment):
     status, out, err = run(capsys, *argv)
@@ -108,6 +114,22 @@ def test_compare_lists_every_schedule_with_figures_or_the_reason(capsys, tmp_pat
     assert [r["schedule"] for r in document["schedules"]] == list(SCHEDULES)
     one_f_one_b = next(r for r in document["schedules"] if r["schedule"] == "1f1b")
     assert one_f_one_b["peak_activations"] == [4, 3, 2, 1]
+
+
+def test_compare_with_only_b_gives_split_backward_schedules_the_same_work(capsys, tmp_path):
+    path = tmp_path / "compare.json"
+    status, out, _ = run(capsys, "schedule", "compare", "--pp", "4", "-m", "8", "--b", "4",
+                         "--json", str(path))
+    assert status == 0
+    assert "costs F=1 B=4 I=2 W=2 comm=0" in out
+    document = json.loads(path.read_text())
+    assert (document["costs"]["backward_input"], document["costs"]["backward_weight"]) == (2, 2)
+    makespans = {row["schedule"]: row["makespan"] for row in document["schedules"]
+                 if "makespan" in row}
+    assert makespans["1f1b"] == 55  # (m + p - 1)(F + B)
+    # No schedule finishes before one rank's own work, m (F + B) = 40.
+    assert min(makespans.values()) >= 40
+    assert makespans["zb-h1"] < makespans["1f1b"]
 
 
 def test_demo_trains_then_compares_and_draws_the_best_schedule(capsys, tmp_path):

@@ -1,18 +1,20 @@
-"""The discrete-event simulator, on hand-built schedules (independent of the builders),
-and ``compare`` over the builders."""
+"""The discrete-event simulator and its cost model, on hand-built schedules (independent
+of the builders)."""
+
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshpipe.schedules.actions import Action, B, F, I, Kind, Schedule, W
-from meshpipe.schedules.builders import SCHEDULES, build
+from meshpipe.schedules.builders import build
 from meshpipe.schedules.simulate import (
+    BackwardCostMismatch,
     CostModel,
     SimulationDeadlock,
     TimedAction,
     Timeline,
-    compare,
     simulate,
 )
 from meshpipe.schedules.validation import ScheduleError
@@ -109,7 +111,8 @@ def test_forward_only_schedules_hold_one_activation_at_a_time():
 def test_backward_waits_for_the_input_gradient_and_weight_waits_for_its_input_half():
     schedule = Schedule(2, 2, 1, (0, 1), [[F(0, 0), I(0, 0), W(0, 0)],
                                           [F(1, 0), B(1, 0)]])
-    costs = CostModel(forward=1, backward=3, backward_input=2, backward_weight=5)
+    # Stage 0 splits its backward (I 2, W 5); stage 1 runs a full B of 3.
+    costs = CostModel(forward=1, backward=(7, 3), backward_input=(2, 1), backward_weight=(5, 2))
     assert starts(simulate(schedule, costs)) == {
         "0F0": 0, "1F0": 1, "1B0": 2, "0I0": 5, "0W0": 7}
     assert simulate(schedule, costs).makespan == 12
@@ -246,35 +249,48 @@ def test_scaled_costs_scale_compute_and_memory_but_not_messages():
     costs = CostModel(forward=2, backward_input=(1, 3), comm=0.5, activation_bytes=8).scaled(0.5)
     assert (costs.forward, costs.backward_input, costs.comm, costs.activation_bytes) == (
         1.0, (0.5, 1.5), 0.5, 4.0)
-    assert costs.backward is None and costs.overlap is None
+    assert costs.backward == (1.0, 2.0) and costs.overlap is None
     wraparound = build("gpipe", 3, 2, placement="wraparound")  # 3 ranks' model in 4 stages
     assert CostModel(forward=3, comm=1).for_stages_of(wraparound) == CostModel(
         forward=2.25, backward_input=0.75, backward_weight=0.75, comm=1)
 
 
-def test_compare_runs_every_schedule_like_for_like():
-    p, m, v = 4, 8, 2
-    rows = {row.name: row for row in compare(p, m, stages_per_rank=v)}
-    assert list(rows) == list(SCHEDULES)
-    assert rows["none"].simulation is None and "runs on 1 rank" in rows["none"].reason
-    assert rows["none"].as_dict() == {"schedule": "none", "stages_per_rank": 1,
-                                      "reason": rows["none"].reason}
-    assert rows["1f1b"].simulation.bubble_ratio == pytest.approx((p - 1) / (m + p - 1))
-    interleaved = rows["interleaved"]
-    assert interleaved.stages_per_rank == v
-    assert interleaved.simulation.bubble_ratio == pytest.approx((p - 1) / (v * m + p - 1))
-    halved = simulate(build("interleaved", p, m, stages_per_rank=v), CostModel().scaled(1 / v))
-    assert interleaved.simulation.makespan == halved.makespan
-    for row in rows.values():
-        if row.simulation is not None:
-            assert row.peak_activation_memory == pytest.approx(
-                max(row.simulation.peak_activations) / row.stages_per_rank)
-    assert rows["1f1b"].as_dict()["peak_activation_memory"] == [4, 3, 2, 1]
+@pytest.mark.parametrize("given, expected", [
+    (dict(), (2, 1, 1)),
+    (dict(backward=4), (4, 2, 2)),
+    (dict(backward=4, backward_input=3), (4, 3, 1)),
+    (dict(backward=4, backward_weight=4), (4, 0, 4)),
+    (dict(backward_input=3), (4, 3, 1)),
+    (dict(backward_weight=0.5), (1.5, 1, 0.5)),
+    (dict(backward_input=2, backward_weight=3), (5, 2, 3)),
+    (dict(backward=0.3, backward_input=0.1, backward_weight=0.2), (0.3, 0.1, 0.2)),
+    (dict(backward=(4, 2)), ((4, 2), (2, 1), (2, 1))),
+    (dict(backward=4, backward_input=(1, 3)), (4, (1, 3), (3, 1))),
+])
+def test_a_full_backward_costs_its_split_halves(given, expected):
+    costs = CostModel(**given)
+    assert (costs.backward, costs.backward_input, costs.backward_weight) == expected
 
 
-def test_compare_reports_costs_that_do_not_fit_a_schedule_as_its_reason():
-    rows = {row.name: row for row in compare(2, 4, costs=CostModel(forward=(1, 1)),
-                                             names=["1f1b", "zb-v"])}
-    assert rows["1f1b"].simulation is not None
-    assert "CostModel.forward has 2 per-stage values but the schedule has 4 stages" in \
-        rows["zb-v"].reason
+def test_backward_alone_makes_split_and_full_backward_schedules_cost_the_same():
+    costs = CostModel(backward=4)
+    full, split = simulate(one_f_one_b(4, 8), costs), simulate(one_f_one_b(4, 8, True), costs)
+    assert full.busy == split.busy == (8 * (1 + 4),) * 4
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(backward=4, backward_input=1, backward_weight=1),
+     "backward 4 but backward_input 1 + backward_weight 1 = 2;"),
+    (dict(backward=1, backward_weight=2), "backward 1 but backward_weight 2 alone is more"),
+    (dict(backward=(2, 4), backward_input=1, backward_weight=1),
+     "backward 4 but backward_input 1 + backward_weight 1 = 2 on stage 1"),
+])
+def test_a_backward_that_differs_from_its_halves_is_rejected(given, message):
+    with pytest.raises(BackwardCostMismatch, match="a full backward must cost what its split "
+                                                   "halves cost: " + re.escape(message)):
+        CostModel(**given)
+
+
+def test_per_stage_backward_costs_must_agree_in_length():
+    with pytest.raises(ValueError, match="have 2 and 3 per-stage values"):
+        CostModel(backward=(1, 2, 3), backward_input=(1, 1))

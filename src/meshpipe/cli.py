@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import NoReturn, TextIO
 
 from meshpipe.schedules.builders import SCHEDULES, build
+from meshpipe.schedules.compare import VIRTUAL_STAGE_SCHEDULES, compare
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.placement import PLACEMENTS
 from meshpipe.schedules.render import comparison_table, to_png, to_text, write_chrome_trace
-from meshpipe.schedules.simulate import (VIRTUAL_STAGE_SCHEDULES, CostModel, compare,
-                                         simulate)
+from meshpipe.schedules.simulate import BackwardCostMismatch, CostModel, simulate
 from meshpipe.schedules.validation import validate
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.config import add_arguments as add_train_arguments
@@ -79,18 +79,25 @@ def _add_costs(parser: argparse.ArgumentParser) -> None:
         "v stages per rank runs each stage at 1/v of them.")
     group.add_argument("--f", type=_cost, default=1.0, help="forward (default 1)")
     group.add_argument("--b", type=_cost, default=None,
-                       help="full backward B (default: --i plus --w)")
-    group.add_argument("--i", type=_cost, default=1.0, help="input-gradient backward I "
-                                                            "(default 1)")
-    group.add_argument("--w", type=_cost, default=1.0, help="weight-gradient backward W "
-                                                            "(default 1)")
+                       help="full backward B; always --i plus --w, so that schedules with "
+                       "split backwards compare fairly (default: their sum)")
+    group.add_argument("--i", type=_cost, default=None,
+                       help="input-gradient backward I (default: half of --b given alone, "
+                       "--b minus --w given with it, else 1)")
+    group.add_argument("--w", type=_cost, default=None,
+                       help="weight-gradient backward W (default: half of --b given alone, "
+                       "--b minus --i given with it, else 1)")
     group.add_argument("--comm", type=_cost, default=0.0,
                        help="latency of one message between ranks (default 0)")
 
 
 def _costs(args: argparse.Namespace) -> CostModel:
-    return CostModel(forward=args.f, backward=args.b, backward_input=args.i,
-                     backward_weight=args.w, comm=args.comm)
+    try:
+        return CostModel(forward=args.f, backward=args.b, backward_input=args.i,
+                         backward_weight=args.w, comm=args.comm)
+    except BackwardCostMismatch as error:
+        raise CommandLineError(f"meshpipe: error: {error.describe('--b', '--i', '--w')}"
+                               ) from None
 
 
 def _parser() -> _Parser:
@@ -189,9 +196,8 @@ _COMPARISON_NOTE = ("\nCosts are per rank's share of the model (1/pp of it); a s
 
 
 def _comparison_heading(pp: int, microbatches: int, vpp: int, costs: CostModel) -> str:
-    backward = "I+W" if costs.backward is None else f"{costs.backward:g}"
     return (f"pp={pp}, microbatches={microbatches}, vpp={vpp}; costs F={costs.forward:g} "
-            f"B={backward} I={costs.backward_input:g} W={costs.backward_weight:g} "
+            f"B={costs.backward:g} I={costs.backward_input:g} W={costs.backward_weight:g} "
             f"comm={costs.comm:g}\n\n")
 
 

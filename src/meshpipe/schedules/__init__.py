@@ -4,16 +4,18 @@ from meshpipe.schedules.actions import Action, Kind, Schedule
 from meshpipe.schedules.builders import (SCHEDULES, build, combined_1f1b, dualpipe_v, gpipe,
                                          interleaved_1f1b, no_pipelining, one_f_one_b, zb_h1,
                                          zb_v)
+from meshpipe.schedules.compare import Comparison, compare
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.placement import (PLACEMENTS, loop_placement, resolve_placement,
                                           v_placement, wraparound_placement)
-from meshpipe.schedules.simulate import (CostModel, Simulation, Timeline, TimedAction, compare,
-                                         simulate)
+from meshpipe.schedules.simulate import (BackwardCostMismatch, CostModel, Simulation, Timeline,
+                                         TimedAction, simulate)
 from meshpipe.schedules.validation import ScheduleError, validate
 
 __all__ = [
-    "Action", "CostModel", "Kind", "PLACEMENTS", "SCHEDULES", "Schedule", "ScheduleError",
-    "Simulation", "TimedAction", "Timeline", "build", "combined_1f1b", "compare", "dualpipe_v", "gpipe", "interleaved_1f1b", "loop_placement", "lower",
-    "no_pipelining", "one_f_one_b", "resolve_placement", "simulate", "v_placement", "validate",
-    "wraparound_placement", "zb_h1", "zb_v",
+    "Action", "BackwardCostMismatch", "Comparison", "CostModel", "Kind", "PLACEMENTS",
+    "SCHEDULES", "Schedule", "ScheduleError", "Simulation", "TimedAction", "Timeline", "build",
+    "combined_1f1b", "compare", "dualpipe_v", "gpipe", "interleaved_1f1b", "loop_placement",
+    "lower", "no_pipelining", "one_f_one_b", "resolve_placement", "simulate", "v_placement",
+    "validate", "wraparound_placement", "zb_h1", "zb_v",
 ]

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshpipe.schedules.actions import Action, Kind, Schedule
-from meshpipe.schedules.simulate import (Comparison, CostModel, Simulation, Timeline,
-                                         TimedAction, simulate)
+from meshpipe.schedules.compare import Comparison
+from meshpipe.schedules.simulate import CostModel, Simulation, Timeline, TimedAction, simulate
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -307,7 +307,7 @@ def write_chrome_trace(x: Renderable, path: str | os.PathLike, **options: float)
 
 
 def comparison_table(rows: Sequence[Comparison]) -> str:
-    """A Markdown table of ``simulate.compare`` rows: bubble, makespan, peak activations."""
+    """A Markdown table of ``compare`` rows: bubble, makespan, peak activations."""
     lines = ["| schedule | stages/rank | bubble | makespan | peak live activations "
              "| peak activation memory | note |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]

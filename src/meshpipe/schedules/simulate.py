@@ -35,8 +35,14 @@ class CostModel:
     """How long each kind of action takes, per stage, and what a message between ranks costs.
 
     Every field is a number (the same for every stage) or a sequence with one entry per
-    stage. ``backward`` (a full B) defaults to ``backward_input + backward_weight`` of the
-    stage. ``overlap`` (an OVERLAP action) is indexed by the stage of its forward half and
+    stage. A full backward B costs what its split halves cost, ``backward == backward_input
+    + backward_weight`` on every stage, so that schedules with B and schedules with I and W
+    compare fairly. Give any of the three and the others follow: none gives I = W = 1 and
+    B = 2; ``backward`` alone splits into equal halves; ``backward`` and one half make the
+    other half the difference; one or both halves without ``backward`` leave a missing half
+    at 1 and make B their sum. All three are set after construction; a ``backward`` that
+    differs from the halves given with it raises ``BackwardCostMismatch`` (a ValueError).
+    ``overlap`` (an OVERLAP action) is indexed by the stage of its forward half and
     defaults to the forward of that stage plus the backward of its backward half's stage.
     ``comm`` is the latency of one message sent by a stage to a neighbour stage on another
     rank (stages on the same rank hand over for free). ``activation_bytes`` is the size of
@@ -46,8 +52,8 @@ class CostModel:
 
     forward: Cost = 1.0
     backward: Cost | None = None
-    backward_input: Cost = 1.0
-    backward_weight: Cost = 1.0
+    backward_input: Cost | None = None
+    backward_weight: Cost | None = None
     overlap: Cost | None = None
     comm: Cost = 0.0
     activation_bytes: Cost | None = None
@@ -57,6 +63,11 @@ class CostModel:
             value = getattr(self, spec.name)
             if value is not None:
                 object.__setattr__(self, spec.name, _checked_cost(spec.name, value))
+        full, input_half, weight_half = _split_backward(self.backward, self.backward_input,
+                                                        self.backward_weight)
+        object.__setattr__(self, "backward", full)
+        object.__setattr__(self, "backward_input", input_half)
+        object.__setattr__(self, "backward_weight", weight_half)
 
     def scaled(self, factor: float) -> CostModel:
         """Compute costs and activation sizes times ``factor``; ``comm`` is per message and
@@ -88,6 +99,87 @@ class CostModel:
 
 _SCALED_COSTS = ("forward", "backward", "backward_input", "backward_weight", "overlap",
                  "activation_bytes")
+
+
+class BackwardCostMismatch(ValueError):
+    """A full backward cost B that differs from the split halves given with it (I + W).
+
+    ``backward_weight`` (or ``backward_input``) is None when only the other half was given
+    and it alone costs more than B. ``stage`` is None for single numbers. ``describe``
+    words the error with other names for the three costs (the CLI's ``--b/--i/--w``).
+    """
+
+    def __init__(self, backward: float, backward_input: float | None,
+                 backward_weight: float | None, stage: int | None) -> None:
+        self.backward = backward
+        self.backward_input = backward_input
+        self.backward_weight = backward_weight
+        self.stage = stage
+        super().__init__(self.describe("backward", "backward_input", "backward_weight"))
+
+    def describe(self, backward: str, backward_input: str, backward_weight: str) -> str:
+        where = "" if self.stage is None else f" on stage {self.stage}"
+        if self.backward_input is None or self.backward_weight is None:
+            name, half = ((backward_input, self.backward_input)
+                          if self.backward_weight is None
+                          else (backward_weight, self.backward_weight))
+            halves = f"{name} {half:g} alone is more"
+        else:
+            halves = (f"{backward_input} {self.backward_input:g} + {backward_weight} "
+                      f"{self.backward_weight:g} = {self.backward_input + self.backward_weight:g}")
+        return (f"a full backward must cost what its split halves cost: {backward} "
+                f"{self.backward:g} but {halves}{where}; give {backward} alone, the halves "
+                f"alone, or values that add up")
+
+
+def _split_backward(backward: float | tuple[float, ...] | None,
+                    backward_input: float | tuple[float, ...] | None,
+                    backward_weight: float | tuple[float, ...] | None
+                    ) -> tuple[float | tuple[float, ...], ...]:
+    """(B, I, W) from those given, with B = I + W on every stage (rules: ``CostModel``).
+
+    A number given stays a number; a cost derived from a per-stage sequence is one."""
+    given = (backward, backward_input, backward_weight)
+    lengths = sorted({len(value) for value in given if isinstance(value, tuple)})
+    if not lengths:
+        return _split_stage(*given, stage=None)
+    if len(lengths) > 1:
+        raise ValueError(f"CostModel.backward, backward_input and backward_weight have "
+                         f"{' and '.join(map(str, lengths))} per-stage values: give each one "
+                         f"value per stage, or a single number")
+
+    def on_stage(value: float | tuple[float, ...] | None, stage: int) -> float | None:
+        return value[stage] if isinstance(value, tuple) else value
+
+    per_stage = zip(*(_split_stage(*(on_stage(value, stage) for value in given), stage=stage)
+                      for stage in range(lengths[0])))
+    return tuple(value if isinstance(value, float) else derived
+                 for value, derived in zip(given, per_stage))
+
+
+def _split_stage(backward: float | None, backward_input: float | None,
+                 backward_weight: float | None, stage: int | None) -> tuple[float, float, float]:
+    """(B, I, W) of one stage (or of every stage, ``stage`` None) from those given."""
+    if backward is None:
+        input_half = 1.0 if backward_input is None else backward_input
+        weight_half = 1.0 if backward_weight is None else backward_weight
+        return input_half + weight_half, input_half, weight_half
+    if backward_input is None and backward_weight is None:
+        return backward, backward / 2, backward / 2
+    if backward_input is not None and backward_weight is not None:
+        if not _same_cost(backward, backward_input + backward_weight):
+            raise BackwardCostMismatch(backward, backward_input, backward_weight, stage)
+        return backward, backward_input, backward_weight
+    half = backward_weight if backward_input is None else backward_input
+    if half > backward and not _same_cost(half, backward):
+        raise BackwardCostMismatch(backward, backward_input, backward_weight, stage)
+    rest = max(0.0, backward - half)
+    return (backward, rest, half) if backward_input is None else (backward, half, rest)
+
+
+def _same_cost(a: float, b: float) -> bool:
+    """Equal up to rounding (scaled costs, decimal fractions such as 0.1 + 0.2)."""
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
 
 
 def _checked_cost(name: str, value: object) -> float | tuple[float, ...]:
@@ -393,8 +485,7 @@ class _Simulator:
         self.forward = costs.per_stage("forward", num_stages)
         self.backward_input = costs.per_stage("backward_input", num_stages)
         self.backward_weight = costs.per_stage("backward_weight", num_stages)
-        self.backward = costs.per_stage("backward", num_stages) or tuple(
-            i + w for i, w in zip(self.backward_input, self.backward_weight))
+        self.backward = costs.per_stage("backward", num_stages)
         self.overlap = costs.per_stage("overlap", num_stages)
         comm = costs.per_stage("comm", num_stages)
         # Latency of the input of stage s: from s-1 (forward) or s+1 (backward).
@@ -606,78 +697,3 @@ class _Simulator:
             + ". Reorder the actions so every input is produced before it is needed.",
             rank=first, index=self.position[first],
             action=schedule.ranks[first][self.position[first]], waiting_for=waits[0])
-
-
-VIRTUAL_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved", "combined-1f1b")
-"""The schedules that ``compare`` builds with ``stages_per_rank`` virtual stages; the others
-use their own layout (one stage per rank, or the V placement's two)."""
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """One schedule in a comparison: its simulation, or why it cannot run at these sizes."""
-
-    name: str
-    stages_per_rank: int
-    simulation: Simulation | None
-    reason: str | None = None
-
-    @property
-    def peak_activations(self) -> int | None:
-        """The largest per-rank peak of live (stage, microbatch) pairs; None if not run."""
-        return None if self.simulation is None else max(self.simulation.peak_activations)
-
-    @property
-    def peak_activation_memory(self) -> float | None:
-        """The largest per-rank peak of ``activation_bytes`` (see ``compare``); None if not run."""
-        if self.simulation is None or self.simulation.peak_activation_bytes is None:
-            return None
-        return max(self.simulation.peak_activation_bytes)
-
-    def as_dict(self) -> dict[str, object]:
-        """Plain values for JSON: sizes, makespan, bubbles, peaks, or the reason."""
-        row: dict[str, object] = {"schedule": self.name, "stages_per_rank": self.stages_per_rank}
-        if self.simulation is None:
-            row["reason"] = self.reason
-            return row
-        simulation = self.simulation
-        row.update(makespan=simulation.makespan, bubble_ratio=simulation.bubble_ratio,
-                   bubble_ratios=list(simulation.bubble_ratios),
-                   peak_activations=list(simulation.peak_activations))
-        if simulation.peak_activation_bytes is not None:
-            row["peak_activation_memory"] = list(simulation.peak_activation_bytes)
-        return row
-
-
-def compare(num_ranks: int, num_microbatches: int, *, stages_per_rank: int = 2,
-            costs: CostModel | None = None, names: Sequence[str] | None = None,
-            forward_only: bool = False) -> tuple[Comparison, ...]:
-    """Build and simulate every schedule (or those in ``names``) at the same sizes.
-
-    ``costs`` describe one rank's share of the model (one stage of a ``num_ranks``-stage
-    split); ``activation_bytes`` defaults to 1, one microbatch's activations on that
-    share. Each schedule runs ``costs.for_stages_of(schedule)`` (a schedule with v stages
-    per rank: 1/v of them per stage), so makespans and activation memory compare like for
-    like. ``stages_per_rank`` applies
-    to ``VIRTUAL_STAGE_SCHEDULES``. A schedule whose builder (or the cost model) rejects
-    the sizes is kept with the error message as its ``reason``, so one unsupported size
-    never hides the others.
-    """
-    from meshpipe.schedules.builders import SCHEDULES, build
-
-    costs = CostModel() if costs is None else costs
-    if costs.activation_bytes is None:
-        costs = replace(costs, activation_bytes=1.0)
-    rows = []
-    for name in SCHEDULES if names is None else names:
-        virtual = stages_per_rank if name in VIRTUAL_STAGE_SCHEDULES else 1
-        try:
-            schedule = build(name, num_ranks, num_microbatches, stages_per_rank=virtual,
-                             forward_only=forward_only)
-            virtual = schedule.stages_per_rank
-            simulation = simulate(schedule, costs.for_stages_of(schedule))
-        except ValueError as error:
-            rows.append(Comparison(name, virtual, None, str(error)))
-            continue
-        rows.append(Comparison(name, virtual, simulation))
-    return tuple(rows)
