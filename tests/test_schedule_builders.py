@@ -6,8 +6,8 @@ import pytest
 
 from meshpipe.schedules import (SCHEDULES, Kind, Schedule, build, combined_1f1b, dualpipe_v,
                                 gpipe, interleaved_1f1b, loop_placement, no_pipelining,
-                                one_f_one_b, resolve_placement, v_placement, validate,
-                                wraparound_placement, zb_h1, zb_v)
+                                one_f_one_b, resolve_placement, simulate, v_placement,
+                                validate, wraparound_placement, zb_h1, zb_v)
 from meshpipe.schedules.interleaved import virtual_microbatch_table
 
 
@@ -37,6 +37,19 @@ def test_named_placements():
 def test_bad_placements_are_rejected(placement, num_ranks, match):
     with pytest.raises(ValueError, match=match):
         resolve_placement(placement, num_ranks)
+
+
+def test_an_explicit_placement_sets_the_stages_per_rank():
+    assert resolve_placement((0, 1, 0, 1), 2, 2) == (0, 1, 0, 1)
+    assert resolve_placement((0, 1, 0), 2, 2) == (0, 1, 0)  # ragged: at most 2 on a rank
+    with pytest.raises(ValueError, match=r"placement \(0, 1\) holds up to 1 stages per rank, "
+                                         r"but stages_per_rank=3"):
+        resolve_placement((0, 1), 2, 3)
+    with pytest.raises(ValueError, match=r"placement \(0, 1\) holds up to 1 stages per rank, "
+                                         r"but stages_per_rank=3"):
+        build("gpipe", 2, 4, stages_per_rank=3, placement=(0, 1))
+    with pytest.raises(ValueError, match=r"holds up to 2 stages per rank, but stages_per_rank=3"):
+        build("1f1b", 2, 4, stages_per_rank=3, placement=[0, 1, 1, 0])
 
 
 def test_placement_sizes_are_checked():
@@ -129,6 +142,18 @@ def test_interleaved_rejects_microbatch_counts_megatron_rejects():
         interleaved_1f1b(4, 8, 2, microbatch_group_size=2)
     # a last group of 3 >= p microbatches is accepted
     validate(interleaved_1f1b(2, 7, 2, microbatch_group_size=4))
+
+
+def test_interleaved_with_one_stage_per_rank_takes_any_microbatch_count():
+    # Megatron's last-group rule guards chunk changes; one chunk has none to stall on.
+    for p, m in [(4, 5), (4, 2), (3, 7), (5, 1)]:
+        schedule = interleaved_1f1b(p, m, 1)
+        validate(schedule)
+        assert simulate(schedule).bubble_ratio == pytest.approx((p - 1) / (m + p - 1))
+    assert build("interleaved", 4, 5, stages_per_rank=1) == interleaved_1f1b(4, 5, 1)
+    with pytest.raises(ValueError, match="interleaved: microbatch_group_size applies to "
+                                         "interleaved pipelining"):
+        interleaved_1f1b(4, 8, 1, microbatch_group_size=4)
 
 
 # --- combined 1F1B ---------------------------------------------------------------------

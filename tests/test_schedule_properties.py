@@ -22,7 +22,7 @@ def _within_constraints(name: str, p: int, v: int, m: int) -> bool:
         "none": p == 1 and v == 1,
         "gpipe": True,
         "1f1b": True,
-        "interleaved": m % p == 0,  # default group size p: m >= p and a multiple of p
+        "interleaved": v == 1 or m % p == 0,  # default group size p: a multiple of p
         "zb-h1": v == 1,
         "zb-v": v in (1, 2),
         "dualpipe-v": v in (1, 2) and m >= 2 * p,

@@ -16,7 +16,8 @@ steady steps of forward ``W_r + k`` followed by backward ``k``, then the remaini
 
 Megatron-Core accepts ``N`` only in ``[p, m]`` and rejects a last group with fewer than p
 microbatches (``0 < m mod N < p``), which would stall the pipeline on dependencies; the
-builders here raise ValueError for the same inputs.
+builders here raise ValueError for the same inputs when v > 1. With v = 1 there is one chunk
+and no group to stall on: any m >= 1 is accepted (and N is not taken).
 """
 
 from __future__ import annotations
@@ -71,6 +72,22 @@ def check_group_size(name: str, num_ranks: int, num_microbatches: int, stages_pe
     return group
 
 
+def _group_size(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int,
+                microbatch_group_size: int | None) -> int:
+    """The microbatch group size of the table. With one stage per rank the table is the
+    microbatches in order whatever the groups, so any m >= 1 runs and the group size is not
+    taken; with several, Megatron-Core's checks apply (``check_group_size``)."""
+    if stages_per_rank != 1:
+        return check_group_size(name, num_ranks, num_microbatches, stages_per_rank,
+                                microbatch_group_size)
+    check_count("num_ranks", num_ranks)
+    check_count("num_microbatches", num_microbatches)
+    if microbatch_group_size is not None:
+        raise ValueError(f"{name}: microbatch_group_size applies to interleaved pipelining "
+                         f"(stages_per_rank > 1); leave it unset")
+    return num_ranks
+
+
 def _rank_order(rank: int, num_ranks: int, stages_per_rank: int,
                 table: list[tuple[int, int]], warmup: int, combined: bool) -> list[Action]:
     """Warmup forwards, steady forward/backward pairs, cooldown backwards of one rank."""
@@ -102,21 +119,23 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int
                      forward_only: bool = False) -> Schedule:
     """Interleaved 1F1B (Megatron-Core's virtual pipeline schedule), loop placement.
 
-    Constraints: ``p <= N <= m`` and ``m mod N`` is 0 or ``>= p`` (N = microbatch_group_size,
-    default p: then m must be a multiple of p). Warmup ``2 (p-r-1) + (v-1) N`` on rank r.
+    Constraints (v > 1): ``p <= N <= m`` and ``m mod N`` is 0 or ``>= p``
+    (N = microbatch_group_size, default p: then m must be a multiple of p). With v = 1 any
+    m >= 1 runs and N is not taken: the last-group rule guards the chunk changes of v > 1,
+    and one chunk has none. Warmup ``2 (p-r-1) + (v-1) N`` on rank r.
 
     Bubble (closed form, m a multiple of p, N = p, chunk costs F/v and B/v, free
     communication): ``(p-1) / (v m + p - 1)``, for any ratio of B to F. Simulated at
     F = I = W (each chunk costing 1/v of a full forward and 2/v of a full backward) the
     figure is exactly that closed form. With stages_per_rank = 1 this is Megatron's
-    interleaved code path with one chunk: warmup ``2 (p-r-1)``, the same bubble as 1F1B at
-    up to twice its activation memory.
+    interleaved code path with one chunk: warmup ``2 (p-r-1)``, the same bubble as 1F1B,
+    ``(p-1) / (m + p - 1)`` for any m, at up to twice its activation memory.
 
     The forward-only variant runs the forwards in the same table order (Megatron's
     all-warmup mode).
     """
-    group = check_group_size("interleaved", num_ranks, num_microbatches, stages_per_rank,
-                             microbatch_group_size)
+    group = _group_size("interleaved", num_ranks, num_microbatches, stages_per_rank,
+                        microbatch_group_size)
     table = virtual_microbatch_table(num_microbatches, stages_per_rank, group)
     ranks = [_rank_order(rank, num_ranks, stages_per_rank, table,
                          min(len(table), _interleaved_warmup(rank, num_ranks, stages_per_rank,
@@ -154,16 +173,8 @@ def combined_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 
     overlap cost below F + B, which a cost model can express with ``overlap``. The
     forward-only variant is plain forwards in table order (nothing to pair).
     """
-    if stages_per_rank == 1:
-        check_count("num_ranks", num_ranks)
-        check_count("num_microbatches", num_microbatches)
-        if microbatch_group_size is not None:
-            raise ValueError("combined-1f1b: microbatch_group_size applies to interleaved "
-                             "pipelining (stages_per_rank > 1); leave it unset")
-        group = num_ranks
-    else:
-        group = check_group_size("combined-1f1b", num_ranks, num_microbatches,
-                                 stages_per_rank, microbatch_group_size)
+    group = _group_size("combined-1f1b", num_ranks, num_microbatches, stages_per_rank,
+                        microbatch_group_size)
     table = virtual_microbatch_table(num_microbatches, stages_per_rank, group)
     ranks = [_rank_order(rank, num_ranks, stages_per_rank, table,
                          min(len(table), _interleaved_warmup(rank, num_ranks, stages_per_rank,

@@ -13,6 +13,7 @@ Three named layouts, and any explicit stage -> rank sequence:
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence
 
 from meshpipe.schedules._building import check_count
@@ -67,8 +68,10 @@ def resolve_placement(placement: str | Sequence[int] | None, num_ranks: int,
                       stages_per_rank: int = 1) -> tuple[int, ...]:
     """A placement from a name ("loop", "v", "wraparound"), a sequence, or None (loop).
 
-    ``stages_per_rank`` applies to the loop layout; V always holds 2 stages per rank and
-    wrap-around a ragged 2-then-1, so a conflicting ``stages_per_rank`` is an error.
+    ``stages_per_rank`` applies to the loop layout; V always holds 2 stages per rank,
+    wrap-around a ragged 2-then-1, and an explicit sequence as many as it says (the most
+    stages any rank holds), so for those ``stages_per_rank`` is 1 (unset) or that number:
+    anything else is an error.
     """
     check_count("stages_per_rank", stages_per_rank)
     if placement is None or placement == "loop":
@@ -87,4 +90,11 @@ def resolve_placement(placement: str | Sequence[int] | None, num_ranks: int,
     if isinstance(placement, str):
         raise ValueError(f"unknown placement {placement!r}; use one of {PLACEMENTS} "
                          f"or an explicit stage -> rank sequence")
-    return check_placement(placement, num_ranks)
+    stages = check_placement(placement, num_ranks)
+    most = max(Counter(stages).values())
+    if stages_per_rank not in (1, most):
+        raise ValueError(f"placement {stages} holds up to {most} stages per rank, but "
+                         f"stages_per_rank={stages_per_rank}; an explicit placement sets the "
+                         f"stages per rank itself: leave stages_per_rank unset (1) or give a "
+                         f"placement with {stages_per_rank} stages on a rank")
+    return stages
