@@ -258,11 +258,13 @@ def test_causal_lm_loss_rejects_bad_arguments():
         causal_lm_loss(torch.randn(2, 6, 10), torch.zeros(2, 6, dtype=torch.int64), reduction="x")
 
 
-def test_positions_of_the_wrong_length_or_beyond_max_seq_len_are_rejected():
+def test_positions_of_the_wrong_length_negative_or_beyond_max_seq_len_are_rejected():
     with pytest.raises(ValueError, match=r"positions must have shape \[12\]"):
         Transformer(SMALL)(_tokens(), positions=torch.arange(11))
     with pytest.raises(ValueError, match="raise TransformerConfig.max_seq_len"):
         Transformer(SMALL)(_tokens(), positions=torch.arange(60, 72))
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        Transformer(SMALL)(_tokens(), positions=torch.arange(-1, 11))
 
 
 def _zigzag(seq, rank, world):

@@ -53,3 +53,14 @@ def test_a_timeout_names_the_ranks_still_running():
     with pytest.raises(DistributedTestError, match=r"ranks \[0\] still running after 2 s"):
         run_distributed(2, _sleep_on_rank_zero, 30.0, timeout=2.0)
     assert run_distributed(2, _all_reduce_rank, 1.0)[1][0] == 1
+
+
+def test_closing_a_pool_whose_start_failed_does_not_raise():
+    import multiprocessing
+
+    from meshpipe.testing import WorkerPool
+
+    pool = WorkerPool(2)
+    pool._processes = [multiprocessing.get_context("spawn").Process(target=print)]
+    pool.close()
+    assert pool._processes == []

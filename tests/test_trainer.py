@@ -14,7 +14,8 @@ import torch
 
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.trainer import Trainer, lr_at
+from meshpipe.train import checkpoint
+from meshpipe.train.trainer import Trainer, compare_with_single_process, lr_at, reference_gradients
 
 SMALL = dict(dim=32, layers=4, heads=4, kv_heads=2, seq_len=16, microbatch_size=2, steps=4,
              eval_every=0, timeline_step=0, progress=False)
@@ -110,3 +111,28 @@ def test_cli_reports_a_bad_layout_in_one_line(tmp_path):
     assert done.returncode == 2
     assert "--layers 1 cannot fill the 2 stages" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_resume_a_tied_model_in_another_layout(tmp_path):
+    """Tied weights are saved under one full-model name whatever the layout that wrote them."""
+    base = dict(SMALL, out_dir=str(tmp_path), checkpoint_every=2, tie_embeddings=True)
+    straight = run_distributed(1, _train, TrainConfig(**base, pp=1, schedule="none"))[0]
+    relayout = run_distributed(2, _train, TrainConfig(**base, pp=2, resume=True),
+                               rewind_to="step-000001")[0]
+    torch.testing.assert_close(torch.tensor(relayout), torch.tensor(straight[2:]))
+
+
+def test_check_fails_when_a_gradient_is_missing():
+    config = TrainConfig(**SMALL, pp=1, schedule="none")
+    loss, grads = reference_gradients(config)
+    assert compare_with_single_process(config, loss, [grads])["passed"]
+    del grads["layers.1.attention.wq.weight"]
+    report = compare_with_single_process(config, loss, [grads])
+    assert not report["passed"]
+    assert report["mismatched"] == ["layers.1.attention.wq.weight"]
+
+
+def test_old_checkpoints_expire_by_step_number(tmp_path):
+    for step in (999_998, 999_999, 1_000_000):
+        (tmp_path / f"step-{step:06d}").mkdir()
+    assert [p.name for p in checkpoint.expired(tmp_path)] == ["step-999998"]

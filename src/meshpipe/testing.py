@@ -193,10 +193,11 @@ class WorkerPool:
                 task_queue.put(None)
             except (OSError, ValueError):
                 pass
+        started = [process for process in self._processes if process.pid is not None]
         deadline = time.monotonic() + 2.0
-        for process in self._processes:
+        for process in started:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for process in self._processes:
+        for process in started:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)

@@ -186,6 +186,9 @@ def default_positions(tokens_or_hidden: Tensor, positions: Tensor | None) -> Ten
     if positions.dim() != 1 or positions.shape[0] != seq:
         raise ValueError(f"positions must have shape [{seq}] (one per token of the local "
                          f"sequence); got {tuple(positions.shape)}")
+    if seq and int(positions.min()) < 0:
+        raise ValueError(f"positions must be >= 0 (a token's position inside its document); "
+                         f"got {int(positions.min())}")
     return positions
 
 

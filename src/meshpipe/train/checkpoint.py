@@ -59,10 +59,16 @@ def save(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimiz
         pointer = root / "latest.tmp"
         pointer.write_text(directory.name)
         pointer.replace(root / "latest")
-        for old in sorted(root.glob("step-*"))[:-KEEP_LAST]:
+        for old in expired(root):
             shutil.rmtree(old)
     dist.barrier()
     return directory
+
+
+def expired(root: Path, keep: int = KEEP_LAST) -> list[Path]:
+    """Checkpoint directories older than the ``keep`` newest (by step number, not name)."""
+    by_step = sorted(Path(root).glob("step-*"), key=lambda path: int(path.name.split("-")[1]))
+    return by_step[:-keep]
 
 
 def latest(root: Path) -> Path | None:

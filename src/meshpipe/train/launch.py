@@ -44,8 +44,12 @@ def under_torchrun() -> bool:
 
 
 def device_for_this_rank() -> torch.device:
-    """CUDA device LOCAL_RANK where CUDA exists, else the CPU."""
-    if torch.cuda.is_available():
+    """Under torchrun, CUDA device LOCAL_RANK where CUDA exists; otherwise the CPU.
+
+    Local runs are CPU processes by design (one per rank, any count), also on a machine
+    with GPUs: use torchrun to place one rank per GPU.
+    """
+    if under_torchrun() and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 

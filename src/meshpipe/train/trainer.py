@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +41,12 @@ from meshpipe.topology import Topology
 from meshpipe.train import checkpoint
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, encode, load_corpus
-from meshpipe.train.launch import device_for_this_rank, launch
+from meshpipe.train.launch import (PROCESS_GROUP_TIMEOUT_S, device_for_this_rank, launch,
+                                   under_torchrun)
 
 RECV_TIMEOUT_S = 60.0
+# With --check, the other ranks wait while rank 0 recomputes the whole step in one process.
+CHECK_TIMEOUT_S = 900.0
 
 
 def run(config: TrainConfig) -> dict[str, Any] | None:
@@ -52,10 +56,11 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
     on the other ranks of a torchrun job).
     """
     build_schedule(config)
-    launch(_fit_on_this_rank, config.world_size, config)
-    metrics_file = Path(config.out_dir) / "metrics.json"
-    if dist.is_initialized() and dist.get_rank() != 0:
+    timeout = CHECK_TIMEOUT_S if config.check else PROCESS_GROUP_TIMEOUT_S
+    launch(_fit_on_this_rank, config.world_size, config, timeout_s=timeout)
+    if under_torchrun() and int(os.environ["RANK"]) != 0:
         return None
+    metrics_file = Path(config.out_dir) / "metrics.json"
     return json.loads(metrics_file.read_text()) if metrics_file.exists() else None
 
 
@@ -117,7 +122,10 @@ class Trainer:
         self.schedule = build_schedule(config)
         num_stages = self.schedule.num_stages
         attention = make_attention(self.topology.cp_ulysses_group, self.topology.cp_ring_group)
-        chunks = split(Transformer(model_config(config), attention=attention), num_stages)
+        model = Transformer(model_config(config), attention=attention)
+        # Full-model names (a tied head is the embedding) key checkpoints and --check.
+        self._names = {id(param): name for name, param in model.named_parameters()}
+        chunks = split(model, num_stages)
         my_stages = self.schedule.stages_of(self.topology.pp_rank)
         self.stages = {s: Stage(chunks[s].to(self.device), s, num_stages,
                                 loss_fn=self._loss if s == num_stages - 1 else None)
@@ -153,10 +161,11 @@ class Trainer:
         return loss_sum / self._tokens_per_microbatch
 
     def _unique_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters once each, under their full-model names."""
         seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
         for stage in self.stages.values():
-            for name, param in stage.module.named_parameters():
-                seen.setdefault(id(param), (name, param))
+            for param in stage.module.parameters():
+                seen.setdefault(id(param), (self._names[id(param)], param))
         return list(seen.values())
 
     def _shared_parameter_groups(self, chunks) -> list[tuple[torch.nn.Parameter, Any]]:
@@ -327,18 +336,19 @@ def reference_gradients(config: TrainConfig) -> tuple[float, dict[str, torch.Ten
         losses.append(causal_lm_loss(model(batch.tokens), batch.targets))
     loss = torch.stack(losses).mean()
     loss.backward()
-    grads = {name: p.grad for name, p in model.named_parameters()}
-    if config.tie_embeddings:
-        grads["head.weight"] = grads["embedding.weight"]
-    return loss.item(), grads
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
 
 
 def compare_with_single_process(config: TrainConfig, loss: float,
                                 gathered: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     reference_loss, reference = reference_gradients(config)
-    worst_grad, worst_name, mismatched = 0.0, "", []
+    worst_grad, worst_name = 0.0, ""
+    reported = {name for grads in gathered for name in grads}
+    mismatched = sorted(set(reference) ^ reported)  # a gradient missing on every rank fails
     for grads in gathered:
         for name, grad in grads.items():
+            if name not in reference:
+                continue
             difference = (grad - reference[name]).abs().max().item()
             if difference > worst_grad:
                 worst_grad, worst_name = difference, name
