@@ -108,6 +108,26 @@ def test_text_grid_resolution_follows_fractional_costs():
     assert grid_rows(to_text(simulation, resolution=1.5))[0][0] == "F0"
     with pytest.raises(ValueError, match="resolution must be a positive"):
         to_text(simulation, resolution=0)
+    # makespan 10: 10000 columns draw, 10001 are refused with the smallest usable step
+    assert len(grid_rows(to_text(simulation, resolution=1e-3))[0]) == 10000
+    with pytest.raises(ValueError, match=r"resolution 0\.0001 makes 100000 columns of a "
+                                         r"makespan of 10, more than 10000: use a resolution "
+                                         r">= 0\.001"):
+        to_text(simulation, resolution=1e-4)
+
+
+def test_an_explicit_origin_after_a_start_is_refused_and_one_before_shifts_the_grid():
+    records = [(0, "0F0", 0.0, 1.0), (0, "0F1", 1.0, 2.0)]
+    with pytest.raises(ValueError, match=r"rank 0 action #0 0F0 starts at 0, before the "
+                                         r"timeline's origin 0\.5: give an origin at or before "
+                                         r"the earliest start \(0\)"):
+        Timeline.from_records(records, origin=0.5)
+    with pytest.raises(ValueError, match="rank 1 action #1 1F1 starts at 3, before"):
+        Timeline.from_columns([[F(0, 0)], [F(1, 0), F(1, 1)]], [[5], [5, 3]], [[6], [6, 4]],
+                              origin=4)
+    earlier = Timeline.from_records(records, origin=-1.0)
+    assert earlier.makespan == 3
+    assert _trim(grid_rows(to_text(earlier))[0]) == ". F0 F1".split()
 
 
 def test_text_grid_of_a_measured_timeline_starts_at_its_origin():

@@ -35,6 +35,7 @@ KIND_COLOURS = {
 """Box colour of each compute kind; later chunks of a rank are drawn in lighter shades."""
 
 _MAX_TEXT_COLUMNS = 1000
+_MAX_EXPLICIT_COLUMNS = 10 * _MAX_TEXT_COLUMNS
 _IDLE = "."
 
 
@@ -127,7 +128,8 @@ def to_text(x: Renderable, *, resolution: float | None = None) -> str:
     Each column shows the action running on that rank then (``F3`` = forward of
     microbatch 3; ``2F3`` = on stage 2, where ranks hold several stages; ``F3+B1`` = an
     OVERLAP), ``.`` when the rank is idle. By default a column is the largest step that
-    keeps every box edge exact, so a box of length k fills k columns.
+    keeps every box edge exact, so a box of length k fills k columns (at most 1000 columns);
+    a ``resolution`` giving more than 10000 columns is a ValueError.
     """
     picture = _picture(x)
     timeline = picture.timeline
@@ -137,6 +139,10 @@ def to_text(x: Renderable, *, resolution: float | None = None) -> str:
         raise ValueError(f"resolution must be a positive time step, got {resolution}")
     quantum = resolution or _grid_quantum(boxes, origin, makespan)
     columns = max(1, math.ceil(makespan / quantum - 1e-9))
+    if columns > _MAX_EXPLICIT_COLUMNS:
+        raise ValueError(f"resolution {quantum:g} makes {columns} columns of a makespan of "
+                         f"{makespan:g}, more than {_MAX_EXPLICIT_COLUMNS}: use a resolution "
+                         f">= {makespan / _MAX_EXPLICIT_COLUMNS:.3g}, or leave it unset")
     grid = [[_IDLE] * columns for _ in range(timeline.num_ranks)]
     for timed in boxes:
         first = min(columns - 1, round((timed.start - origin) / quantum))

@@ -223,8 +223,9 @@ class Timeline:
     records of measured data (``Timeline.from_records``). ``seconds_per_unit`` says what
     one time unit is (``1.0`` for times measured in seconds; ``None`` for the abstract
     units of a simulation). ``origin`` is time zero of the step, by default the earliest
-    start. Times are kept in flat arrays so that simulating millions of actions stays
-    cheap; ``ranks`` materialises the ``TimedAction`` tuples on first use.
+    start; no action may start before it. Times are kept in flat arrays so that simulating
+    millions of actions stays cheap; ``ranks`` materialises the ``TimedAction`` tuples on
+    first use.
     """
 
     def __init__(self, ranks: Iterable[Iterable[TimedAction]], *,
@@ -254,7 +255,8 @@ class Timeline:
                      ends: Sequence[Sequence[float]], *, origin: float | None = None,
                      seconds_per_unit: float | None = None) -> Timeline:
         """Per rank, parallel sequences of actions, start times and end times (the fast
-        path ``simulate`` uses: lengths are checked, individual times are not)."""
+        path ``simulate`` uses: lengths and starts against ``origin`` are checked, ends
+        against starts are not)."""
         if not len(actions) == len(starts) == len(ends):
             raise ValueError(f"{len(actions)} action lists, {len(starts)} start lists and "
                              f"{len(ends)} end lists: give one of each per rank")
@@ -298,10 +300,24 @@ class Timeline:
         self._actions = tuple(actions)
         self._starts = tuple(starts)
         self._ends = tuple(ends)
+        earliest = min((min(column) for column in starts if column), default=None)
         if origin is None:
-            origin = min((min(column) for column in starts if column), default=0.0)
+            origin = 0.0 if earliest is None else earliest
+        elif earliest is not None and earliest < origin:
+            self._raise_start_before(origin)
         self.origin = float(origin)
         self.seconds_per_unit = seconds_per_unit
+
+    def _raise_start_before(self, origin: float) -> None:
+        """Name the first action (by rank) that starts before ``origin``."""
+        for rank, column in enumerate(self._starts):
+            index = next((i for i, start in enumerate(column) if start < origin), None)
+            if index is not None:
+                raise ValueError(
+                    f"rank {rank} action #{index} {self._actions[rank][index]} starts at "
+                    f"{column[index]:g}, before the timeline's origin {origin:g}: give an "
+                    f"origin at or before the earliest start "
+                    f"({min(min(c) for c in self._starts if c):g}), or leave it unset")
 
     @property
     def num_ranks(self) -> int:
