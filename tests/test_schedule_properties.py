@@ -7,27 +7,74 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshpipe.schedules import (SCHEDULES, Kind, Schedule, build, combined_1f1b, dualpipe_v,
-                                gpipe, interleaved_1f1b, lower, one_f_one_b, validate, zb_h1,
-                                zb_v)
+from meshpipe.schedules import (SCHEDULES, Kind, Schedule, ScheduleError, build, combined_1f1b,
+                                dualpipe_v, gpipe, interleaved_1f1b, lower, one_f_one_b,
+                                validate, zb_h1, zb_v)
 from meshpipe.schedules.simulate import CostModel, simulate
 
-SIZES = dict(num_ranks=st.integers(1, 16), stages_per_rank=st.integers(1, 4),
-             num_microbatches=st.integers(1, 64), forward_only=st.booleans())
+RANKS = st.integers(1, 16)
+MICROBATCHES = st.integers(1, 64)
 
 
-def _within_constraints(name: str, p: int, v: int, m: int) -> bool:
-    """The documented constraints of each schedule, written independently of the builders."""
-    return {
-        "none": p == 1 and v == 1,
-        "gpipe": True,
-        "1f1b": True,
-        "interleaved": v == 1 or m % p == 0,  # default group size p: a multiple of p
-        "zb-h1": v == 1,
-        "zb-v": v in (1, 2),
-        "dualpipe-v": v in (1, 2) and m >= 2 * p,
-        "combined-1f1b": v == 1 or m % p == 0,
-    }[name]
+@st.composite
+def _virtual_sizes(draw: st.DrawFn) -> tuple[int, int, int]:
+    """Interleaved (and combined) with the default group size p: any m with one stage per
+    rank, a multiple of p with several."""
+    p, v = draw(RANKS), draw(st.integers(1, 4))
+    m = draw(MICROBATCHES) if v == 1 else p * draw(st.integers(1, 64 // p))
+    return p, v, m
+
+
+@st.composite
+def _dualpipe_sizes(draw: st.DrawFn) -> tuple[int, int, int]:
+    p = draw(RANKS)
+    return p, 2, draw(st.integers(2 * p, 64))
+
+
+# Sizes (p, v, m) within each schedule's documented constraints, written independently of
+# the builders, so that every example builds a schedule.
+SIZES_WITHIN = {
+    "none": st.tuples(st.just(1), st.just(1), MICROBATCHES),
+    "gpipe": st.tuples(RANKS, st.integers(1, 4), MICROBATCHES),
+    "1f1b": st.tuples(RANKS, st.integers(1, 4), MICROBATCHES),
+    "interleaved": _virtual_sizes(),
+    "zb-h1": st.tuples(RANKS, st.just(1), MICROBATCHES),
+    "zb-v": st.tuples(RANKS, st.just(2), MICROBATCHES),
+    "dualpipe-v": _dualpipe_sizes(),
+    "combined-1f1b": _virtual_sizes(),
+}
+
+
+@st.composite
+def _not_a_multiple_of_p(draw: st.DrawFn) -> tuple[int, int, int]:
+    p = draw(st.integers(2, 16))
+    m = p * draw(st.integers(0, 64 // p - 1)) + draw(st.integers(1, p - 1))
+    return p, draw(st.integers(2, 4)), m
+
+
+@st.composite
+def _too_few_for_dualpipe(draw: st.DrawFn) -> tuple[int, int, int]:
+    p = draw(RANKS)
+    return p, 2, draw(st.integers(1, 2 * p - 1))
+
+
+# Sizes outside each schedule's constraints: a count below 1 for every schedule, and the
+# schedule's own limits.
+_ZERO_COUNT = st.one_of(st.tuples(st.just(0), st.integers(1, 4), MICROBATCHES),
+                        st.tuples(RANKS, st.just(0), MICROBATCHES),
+                        st.tuples(RANKS, st.integers(1, 4), st.just(0)))
+SIZES_OUTSIDE = {
+    "none": st.one_of(_ZERO_COUNT, st.tuples(st.integers(2, 16), st.integers(1, 4), MICROBATCHES),
+                      st.tuples(st.just(1), st.integers(2, 4), MICROBATCHES)),
+    "gpipe": _ZERO_COUNT,
+    "1f1b": _ZERO_COUNT,
+    "interleaved": st.one_of(_ZERO_COUNT, _not_a_multiple_of_p()),
+    "zb-h1": st.one_of(_ZERO_COUNT, st.tuples(RANKS, st.integers(2, 4), MICROBATCHES)),
+    "zb-v": st.one_of(_ZERO_COUNT, st.tuples(RANKS, st.integers(3, 4), MICROBATCHES)),
+    "dualpipe-v": st.one_of(_ZERO_COUNT, _too_few_for_dualpipe(),
+                            st.tuples(RANKS, st.integers(3, 4), MICROBATCHES)),
+    "combined-1f1b": st.one_of(_ZERO_COUNT, _not_a_multiple_of_p()),
+}
 
 
 def _assert_one_of_each(schedule: Schedule, forward_only: bool) -> None:
@@ -80,16 +127,13 @@ def _assert_receives_as_early_as_documented(compute_only: Schedule, lowered: Sch
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
-@settings(max_examples=8, deadline=None)
-@given(**SIZES)
-def test_every_schedule_is_complete_valid_and_simulates(name, num_ranks, stages_per_rank,
-                                                        num_microbatches, forward_only):
-    p, v, m = num_ranks, stages_per_rank, num_microbatches
-    if not _within_constraints(name, p, v, m):
-        with pytest.raises(ValueError):
-            build(name, p, m, stages_per_rank=v, forward_only=forward_only)
-        return
+@settings(max_examples=15, deadline=None)
+@given(data=st.data(), forward_only=st.booleans())
+def test_every_schedule_is_complete_valid_and_simulates(name, data, forward_only):
+    p, v, m = data.draw(SIZES_WITHIN[name], label="(num_ranks, stages_per_rank, microbatches)")
     schedule = build(name, p, m, stages_per_rank=v, forward_only=forward_only)
+    assert (schedule.num_ranks, schedule.num_microbatches) == (p, m)
+    assert schedule.stages_per_rank == v
     assert schedule.forward_only == forward_only
     _assert_one_of_each(schedule, forward_only)
     validate(schedule)
@@ -102,6 +146,16 @@ def test_every_schedule_is_complete_valid_and_simulates(name, num_ranks, stages_
     assert simulate(schedule).makespan > 0
     for each in (schedule, lowered):
         assert Schedule.from_csv(each.to_csv()) == each
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@settings(max_examples=10, deadline=None)
+@given(data=st.data(), forward_only=st.booleans())
+def test_sizes_outside_a_schedules_constraints_are_a_value_error(name, data, forward_only):
+    p, v, m = data.draw(SIZES_OUTSIDE[name], label="(num_ranks, stages_per_rank, microbatches)")
+    with pytest.raises(ValueError) as error:
+        build(name, p, m, stages_per_rank=v, forward_only=forward_only)
+    assert not isinstance(error.value, ScheduleError)  # the builder's check, not a bad schedule
 
 
 @settings(max_examples=15, deadline=None)
