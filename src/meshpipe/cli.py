@@ -82,11 +82,11 @@ def _add_costs(parser: argparse.ArgumentParser) -> None:
                        help="full backward B; always --i plus --w, so that schedules with "
                        "split backwards compare fairly (default: their sum)")
     group.add_argument("--i", type=_cost, default=None,
-                       help="input-gradient backward I (default: half of --b given alone, "
-                       "--b minus --w given with it, else 1)")
+                       help="input-gradient backward I (default: --b minus --w if both are "
+                       "given, half of --b if only --b is, else 1)")
     group.add_argument("--w", type=_cost, default=None,
-                       help="weight-gradient backward W (default: half of --b given alone, "
-                       "--b minus --i given with it, else 1)")
+                       help="weight-gradient backward W (default: --b minus --i if both are "
+                       "given, half of --b if only --b is, else 1)")
     group.add_argument("--comm", type=_cost, default=0.0,
                        help="latency of one message between ranks (default 0)")
 
