@@ -149,3 +149,13 @@ def test_python_dash_m_meshpipe_runs_the_cli():
     assert result.returncode == 2
     assert result.stderr.strip().endswith("expected a number >= 1, got 0 (see --help)")
     assert "Traceback" not in result.stderr
+
+
+def test_a_reader_that_stops_early_is_not_an_error():
+    command = (f"{sys.executable} -m meshpipe schedule show 1f1b --pp 16 --microbatches 512"
+               " | head -1")
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True,
+                            text=True)
+    assert result.stdout.startswith("1f1b: 16 ranks")
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
+    assert result.returncode == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -283,6 +284,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         prefix = "" if isinstance(error, CommandLineError) else "meshpipe: error: "
         print(f"{prefix}{message}", file=sys.stderr)
         return USAGE_ERROR
+    except BrokenPipeError:
+        # The reader went away (`meshpipe schedule compare ... | head`): not an error.
+        # Point stdout at devnull so the interpreter's final flush does not complain.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
