@@ -531,6 +531,41 @@ def test_release_output_really_frees_the_hidden_state():
     stage.release_output(0)  # nothing held any more: a no-op
 
 
+class ReturnsModuleTensors(Residual):
+    """Sends a buffer, a plain tensor attribute, a parameter and an integer tensor it computed
+    beside its activation: none of them is this forward's differentiable result."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((8,), 2.0))
+        self.offsets = torch.arange(8.0)
+
+    def forward(self, x):
+        return self.linear(x) + x, self.scale, self.offsets, self.linear.bias, x.argmax(-1)
+
+
+def test_release_output_frees_only_this_forwards_differentiable_results():
+    torch.manual_seed(0)
+    module = ReturnsModuleTensors()
+    reference = copy.deepcopy(module)
+    stage = Stage(module, 1, 3)
+    x = torch.randn(4, 8)
+    hidden, scale, offsets, bias, argmax = stage.forward(0, x)
+    stage.release_output(0)
+    assert hidden.untyped_storage().nbytes() == 0
+    torch.testing.assert_close(module.scale, torch.full((8,), 2.0))
+    torch.testing.assert_close(module.offsets, torch.arange(8.0))
+    torch.testing.assert_close(module.linear.bias, reference.linear.bias)
+    torch.testing.assert_close(argmax, x.argmax(-1))
+    assert scale is module.scale and offsets is module.offsets and bias is module.linear.bias
+    grad = torch.randn(4, 8)
+    input_grads = stage.backward(0, (grad, None, None, None, None))
+    leaf = x.clone().requires_grad_(True)
+    torch.autograd.backward(reference(leaf)[0], grad)
+    torch.testing.assert_close(input_grads, leaf.grad)
+    _assert_same_grads(_param_grads(module), _param_grads(reference))
+
+
 # ---------------------------------------------------------- state and bookkeeping
 
 
@@ -588,6 +623,43 @@ def test_parameter_grads_accumulate_and_are_never_zeroed():
     stage.backward_input(0, grad)
     stage.backward_weight(0)
     torch.testing.assert_close(module.linear.weight.grad, 2 * once)
+
+
+def test_reset_forgets_held_forwards_and_split_backward_state():
+    torch.manual_seed(0)
+    module = Residual()
+    reference = copy.deepcopy(module)
+    stage = Stage(module, 1, 3)
+    x, grad = torch.randn(2, 8), torch.randn(2, 8)
+    stage.forward(0, x)
+    stage.forward(1, x)
+    stage.backward_input(1, grad)  # half-way through a split backward
+    stage.reset()
+    assert stage.live_microbatches == 0
+    assert "no forward of this microbatch" in str(_error(lambda: stage.backward_weight(1)))
+    module.zero_grad(set_to_none=True)
+    for microbatch in (0, 1):  # the same ids run again, each with one backward
+        stage.forward(microbatch, x)
+        stage.backward(microbatch, grad)
+    leaf = x.clone().requires_grad_(True)
+    torch.autograd.backward(reference(leaf), grad)
+    expected = {name: 2 * g for name, g in _param_grads(reference).items()}
+    _assert_same_grads(_param_grads(module), expected)
+
+
+def test_forward_only_without_a_target_returns_the_output_without_a_loss():
+    tokens, targets = _data(1, seed=5)
+    stages = _pipeline(Transformer(CONFIG), 2)
+    message = stages[0].forward(0, (tokens[0],), keep_for_backward=False)
+    assert not stages[1].computes_loss(None, keep_for_backward=False)
+    assert stages[1].computes_loss(targets[0], keep_for_backward=False)
+    logits = stages[1].forward(0, message, keep_for_backward=False)
+    reference = Transformer(CONFIG)
+    torch.testing.assert_close(logits, reference(tokens[0]).detach())
+    _, loss = stages[1].forward(0, message, target=targets[0], keep_for_backward=False)
+    torch.testing.assert_close(loss, causal_lm_loss(reference(tokens[0]), targets[0]).detach())
+    assert "no target" in str(_error(lambda: stages[1].forward(0, message)))
+    assert not stages[0].computes_loss(targets[0])
 
 
 # ------------------------------------------------------------------------- errors
@@ -653,6 +725,37 @@ def test_last_stage_rejects_output_grads_and_other_stages_reject_a_loss():
     assert "pass output_grads=None" in str(_error(lambda: stage.backward(0, torch.ones(2, 8))))
     with pytest.raises(ValueError, match="only the last stage"):
         Stage(Residual(), 0, 3, loss_fn=lambda out, target: out.sum())
+
+
+class ReentrantCheckpoint(nn.Module):
+    """An embedding (first stage) or the stage input, then a reentrant-checkpointed block."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8) if first else None
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        hidden = self.embed(x) if self.embed is not None else x
+        return checkpoint(lambda h: torch.tanh(self.linear(h)), hidden, use_reentrant=True)
+
+
+@pytest.mark.parametrize("index, failing_action", [(1, "backward_input"),
+                                                   (0, "backward_weight")])
+def test_split_backward_through_a_reentrant_checkpoint_asks_for_use_reentrant_false(
+        index, failing_action):
+    stage = Stage(ReentrantCheckpoint(first=index == 0), index, 3)
+    x = torch.randint(0, 10, (2, 4)) if index == 0 else torch.randn(2, 4, 8)
+    stage.forward(0, x)
+    with pytest.raises(StageError) as info:
+        stage.backward_input(0, torch.ones(2, 4, 8))
+        stage.backward_weight(0)
+    assert info.value.action == failing_action
+    assert "use torch.utils.checkpoint(..., use_reentrant=False) with zero-bubble schedules" \
+        in str(info.value)
+    stage.forward(1, x)  # a full backward works through it
+    stage.backward(1, torch.ones(2, 4, 8))
+    assert stage.module.linear.weight.grad is not None
 
 
 # ------------------------------------------- split backward on arbitrary graphs

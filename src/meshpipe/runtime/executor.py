@@ -142,6 +142,10 @@ class Executor:
     schedule fails before any process waits on a message that will never come.
     ``recv_timeout`` (seconds) bounds every wait for a message (None: the transport's own
     timeout); a wait that runs out raises an ExecutorError naming the peer and the message.
+
+    A failed step leaves messages in flight on the transport (stop notices, sends no peer
+    took), so the executor refuses every later step; the failure path drops what the step
+    held in its stages (``Stage.reset``), which a new executor can then reuse.
     """
 
     def __init__(self, schedule: Schedule, stages: Mapping[int, Stage], *, pp_rank: int,
@@ -163,6 +167,7 @@ class Executor:
         self.transport = transport
         self.recv_timeout = recv_timeout
         self.actions = self.schedule.ranks[pp_rank]
+        self._failure: str | None = None
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
             Kind.B: self._backward,
@@ -218,11 +223,14 @@ class Executor:
         """Run every action of this rank once.
 
         ``inputs[m]`` is microbatch ``m``'s message for stage 0 (needed where stage 0 lives),
-        ``targets[m]`` its target for the loss (needed where the last stage lives, unless the
-        schedule is forward-only and no loss is wanted). ``loss_scales[m]`` multiplies
-        microbatch ``m``'s loss before its backward (default ``1/num_microbatches``, so the
-        gradients are those of the mean loss).
+        ``targets[m]`` its target for the loss (needed where the last stage lives; a
+        forward-only schedule given no targets returns the outputs without losses).
+        ``loss_scales[m]`` multiplies microbatch ``m``'s loss before its backward (default
+        ``1/num_microbatches``, so the gradients are those of the mean loss).
+
+        If the step fails, its error is raised and every later call raises an ExecutorError.
         """
+        self._refuse_after_failure()
         self._sends_posted = 0
         try:
             self._check_step_arguments(inputs, targets, loss_scales)
@@ -231,16 +239,34 @@ class Executor:
                 self._run(index, action)
             self._wait_for_sends()
         except Exception as error:
-            self._stop_peers(error)
+            self._fail(error)
             raise
         finally:
             self._inputs = self._targets = None
         return self._result
 
+    def _fail(self, error: Exception) -> None:
+        """Stop the peers, drop what the stages hold for this step, refuse later steps."""
+        self._failure = f"{type(error).__name__}: {error}"[:_STOP_REASON_CHARS]
+        for stage in self.stages.values():
+            stage.reset()
+        self._stop_peers(error)
+
+    def _refuse_after_failure(self) -> None:
+        if self._failure is None:
+            return
+        raise ExecutorError(
+            f"{self._where()}: a previous step of this executor failed, so its transport "
+            "still holds messages of that step and cannot be reused; build a new "
+            "P2PTransport over a new process group (dist.new_group) and a new Executor (the "
+            f"stages were reset and can be reused; zero their gradients). The step failed "
+            f"with {self._failure}")
+
     def _start(self, inputs, targets, loss_scales) -> None:
         self._inputs = inputs
         self._targets = targets
-        self._loss_scales = loss_scales or [1.0 / self.num_microbatches] * self.num_microbatches
+        self._loss_scales = (loss_scales if loss_scales is not None
+                             else [1.0 / self.num_microbatches] * self.num_microbatches)
         self._forward_inbox: dict[tuple[int, int], Any] = {}
         self._backward_inbox: dict[tuple[int, int], Any] = {}
         self._outbox_forward: dict[tuple[int, int], Any] = {}
@@ -333,13 +359,23 @@ class Executor:
             raise ExecutorError(f"{self._where()} holds stage 0 and needs inputs for {m} "
                                 f"microbatches, got {got}; pass step(inputs=[one message per "
                                 "microbatch], ...) on this rank")
-        needs_targets = self.holds_last_stage and not self.schedule.forward_only
-        if needs_targets and (targets is None or len(targets) != m):
+        forward_only = self.schedule.forward_only
+        last = self.stages.get(self.schedule.num_stages - 1)
+        wants_loss = (last is not None and last.loss_fn is not None
+                      and (not forward_only or targets is not None))
+        if wants_loss and (targets is None or len(targets) != m):
             got = "none" if targets is None else len(targets)
             raise ExecutorError(f"{self._where()} holds the last stage "
                                 f"{self.schedule.num_stages - 1} and needs targets for {m} "
                                 f"microbatches to compute the loss, got {got}; pass "
                                 "step(..., targets=[one target per microbatch]) on this rank")
+        missing = ([i for i, target in enumerate(targets) if target is None]
+                   if wants_loss and forward_only else [])
+        if missing:
+            raise ExecutorError(f"{self._where()}: a forward-only step given targets has none "
+                                f"for microbatches {missing}, so its mean loss would leave "
+                                "them out; pass a target for every microbatch, or "
+                                "targets=None for outputs without losses")
         if loss_scales is not None and len(loss_scales) != m:
             raise ExecutorError(f"{self._where()}: {len(loss_scales)} loss scales given for "
                                 f"{m} microbatches")
@@ -384,7 +420,7 @@ class Executor:
             output = self._timed(action, lambda: stage.forward(
                 m, message, target=target, loss_scale=self._loss_scales[m],
                 keep_for_backward=not forward_only))
-            if stage.loss_fn is not None:
+            if stage.computes_loss(target, keep_for_backward=not forward_only):
                 output, loss = output
                 self._result.losses.append(float(loss))
             if forward_only:

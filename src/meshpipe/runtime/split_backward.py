@@ -30,6 +30,17 @@ weight-consuming op) are held until W.
 
 W accumulates through ``autograd.backward(inputs=weights)``, the way a full backward does
 (into ``.grad``, running the parameters' hooks), so I then W gives the gradients of B.
+
+Limits:
+
+- A hook registered on an input-side activation (``Tensor.register_hook`` on a tensor the
+  stage input flows into) runs in I and again in W, because W restarts at the node that
+  produced that activation. The gradients stay right (W starts from the value I captured
+  after the hook), but side effects (counting, logging, recording statistics) happen
+  twice; keep such hooks pure, or use a schedule with full backwards (B).
+- ``torch.utils.checkpoint(..., use_reentrant=True)`` cannot run here: its backward refuses
+  ``autograd.grad`` and ``backward(inputs=...)``, which I and W are made of. ``Stage``
+  reports that failure as a StageError asking for ``use_reentrant=False``, which works.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ class StageError(RuntimeError):
 
     def __init__(self, problem: str, *, stage: int, microbatch: int, action: str, hint: str):
         rank = f"rank {dist.get_rank()}, " if dist.is_available() and dist.is_initialized() else ""
-        super().__init__(f"{rank}stage {stage}, microbatch {microbatch}, {action}: {problem}. "
-                         f"{hint}")
+        super().__init__(f"{rank}stage {stage}, microbatch {microbatch}, {action}: "
+                         f"{problem.rstrip('.')}. {hint}")
         self.stage = stage
         self.microbatch = microbatch
         self.action = action
@@ -59,6 +59,10 @@ class _Microbatch:
     # The gradient that seeds a loss root (ones); None on stages that receive output grads.
     loss_grad: Tensor | None
     split: SplitBackward | None = None
+
+
+# What torch's reentrant checkpoint says when backward is limited to some inputs.
+_REENTRANT_CHECKPOINT_FAILURE = "use_reentrant=True"
 
 
 def _is_differentiable(value: Any) -> bool:
@@ -141,6 +145,13 @@ class Stage:
         """Forwards whose saved state (activations, graph) is still held."""
         return len(self._saved)
 
+    def reset(self) -> None:
+        """Forget every held microbatch (activations, graphs, split-backward state) and which
+        backwards ran, as after a failed step. Parameter ``.grad`` keeps what the backwards
+        that did run accumulated: zero it before training on."""
+        self._saved.clear()
+        self._finished.clear()
+
     def _error(self, problem: str, microbatch: int, action: str, hint: str) -> StageError:
         return StageError(problem, stage=self.index, microbatch=microbatch, action=action,
                           hint=hint)
@@ -152,7 +163,8 @@ class Stage:
         """Run the chunk on ``message``; returns the output message, or ``(output, loss)``.
 
         The last stage with a ``loss_fn`` returns the unscaled loss (detached) beside its
-        output. With ``keep_for_backward=False`` (forward-only) no graph is built or kept.
+        output. With ``keep_for_backward=False`` (forward-only) no graph is built or kept,
+        and a last stage given no ``target`` skips the loss and returns its output alone.
         """
         if keep_for_backward and microbatch in self._saved:
             raise self._error("a forward of this microbatch is still waiting for its backward",
@@ -167,7 +179,7 @@ class Stage:
         with torch.set_grad_enabled(keep_for_backward):
             output = self._call_module(args, microbatch)
             loss = root = None
-            if self.is_last and self.loss_fn is not None:
+            if self.computes_loss(target, keep_for_backward):
                 loss, root = self._loss(output, target, loss_scale, microbatch)
         if keep_for_backward:
             self._saved[microbatch] = self._record(leaves, spec, output, root)
@@ -175,6 +187,14 @@ class Stage:
         if loss is None:
             return output
         return output, loss.detach()
+
+    def computes_loss(self, target: Any, keep_for_backward: bool = True) -> bool:
+        """Whether ``forward`` with this ``target`` returns a loss: on the last stage with a
+        ``loss_fn``, always when training (a missing target is an error), and only when a
+        target is given in forward-only mode."""
+        if not self.is_last or self.loss_fn is None:
+            return False
+        return keep_for_backward or target is not None
 
     def _check_arity(self, args: tuple, microbatch: int) -> None:
         if self._signature is None:
@@ -252,8 +272,9 @@ class Stage:
             if roots:
                 torch.autograd.backward(roots, grads)
         except RuntimeError as exc:
-            raise self._error(f"autograd failed: {exc}", microbatch, "backward",
-                              "check the output gradients received from the next stage") from exc
+            raise self._autograd_error(exc, microbatch, "backward",
+                                       "check the output gradients received from the next "
+                                       "stage") from exc
         self._finish(microbatch, "backward")
         return self._input_grads(saved, [t.grad for t in float_inputs])
 
@@ -271,8 +292,9 @@ class Stage:
             input_grads = saved.split.input_grads()
         except RuntimeError as exc:
             del self._saved[microbatch]
-            raise self._error(f"autograd failed: {exc}", microbatch, "backward_input",
-                              "check the output gradients received from the next stage") from exc
+            raise self._autograd_error(exc, microbatch, "backward_input",
+                                       "check the output gradients received from the next "
+                                       "stage") from exc
         result = self._input_grads(saved, input_grads)
         saved.input_leaves, saved.outputs = [], []
         return result
@@ -284,10 +306,19 @@ class Stage:
         try:
             saved.split.accumulate_weight_grads()
         except RuntimeError as exc:
-            raise self._error(f"autograd failed: {exc}", microbatch, "backward_weight",
-                              "report this with the model: the weight pass should not fail "
-                              "after its input pass succeeded") from exc
+            raise self._autograd_error(exc, microbatch, "backward_weight",
+                                       "report this with the model: the weight pass should not "
+                                       "fail after its input pass succeeded") from exc
         self._finish(microbatch, "backward_weight")
+
+    def _autograd_error(self, exc: RuntimeError, microbatch: int, action: str,
+                        hint: str) -> StageError:
+        """A failed backward as a StageError; a split backward through a reentrant checkpoint
+        (which supports neither ``autograd.grad`` nor ``backward(inputs=...)``) gets its fix."""
+        if action != "backward" and _REENTRANT_CHECKPOINT_FAILURE in str(exc):
+            hint = ("use torch.utils.checkpoint(..., use_reentrant=False) with zero-bubble "
+                    "schedules, whose split backward (I then W) needs it")
+        return self._error(f"autograd failed: {exc}", microbatch, action, hint)
 
     def _held(self, microbatch: int, action: str) -> _Microbatch:
         """The state of ``microbatch`` if ``action`` may run on it now; a StageError otherwise."""
@@ -379,17 +410,21 @@ class Stage:
         """Free the storage of this microbatch's outputs once they are sent (seed 003).
 
         The next stage holds its own copy, and backward only needs the outputs' autograd
-        nodes, which stay. An output is kept when freeing it would break backward or free
-        nothing: it is a view; it shares its storage with a stage input (a value passed
-        through, which the caller may still use, e.g. the positions of every microbatch);
-        or something besides the stage holds the tensor or its storage (checked in O(1)
-        per output from their use counts): an op that saved it for backward (``tanh``,
-        ``sigmoid``, ``softmax`` save their result; an op consuming the output inside the
-        stage may save it, or a view of it, as input), any other live view of it. (A
-        saved-tensor hook that packs the very tensor object, neither a copy nor a
-        ``detach()``, hides its save from the counts.) Call it once the outputs' send is
-        posted (the transport sends from a copy). A microbatch with nothing held
-        (forward-only, or backward done) is left alone.
+        nodes, which stay. Only an output that a differentiable op produced (one with a
+        ``grad_fn``) is freed: parameters, buffers, constants, integer tensors and anything
+        computed without grad are the module's or the caller's, and stay. An output is also
+        kept when freeing it would break backward or free nothing: it is a view; it shares
+        its storage with a stage input (a value passed through, which the caller may still
+        use, e.g. the positions of every microbatch); or something besides the stage holds
+        the tensor or its storage (checked in O(1) per output from their use counts): an op
+        that saved it for backward (``tanh``, ``sigmoid``, ``softmax`` save their result; an
+        op consuming the output inside the stage may save it, or a view of it, as input),
+        any other live view of it. A plain Python reference is not counted: a forward hook
+        or module attribute that keeps a sent activation sees it emptied (keep a ``clone()``
+        instead), and so does a saved-tensor hook that packs the very tensor object (neither
+        a copy nor a ``detach()``). Call it once the outputs' send is posted (the transport
+        sends from a copy). A microbatch with nothing held (forward-only, or backward done)
+        is left alone.
         """
         saved = self._saved.get(microbatch)
         if saved is None or saved.split is not None:
@@ -397,7 +432,8 @@ class Stage:
         inputs = {leaf.untyped_storage().data_ptr() for leaf in saved.input_leaves
                   if isinstance(leaf, Tensor)}
         for value in saved.outputs:
-            if not isinstance(value, Tensor) or value._base is not None or value.numel() == 0:
+            if (not isinstance(value, Tensor) or value.grad_fn is None or value._base is not None
+                    or value.numel() == 0):
                 continue
             if value.untyped_storage().data_ptr() not in inputs and not _shared(value):
                 value.data = torch.empty(0, dtype=value.dtype, device=value.device)
