@@ -43,6 +43,12 @@ def reference_step(num_layers: int, num_sequences: int, tie: bool = False):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def stage_gradients(stages: dict[int, Stage]) -> dict[str, torch.Tensor]:
+    """A copy of every parameter gradient of this rank's stages, keyed ``"stage.name"``."""
+    return {f"{s}.{n}": p.grad.clone() for s, stage in stages.items()
+            for n, p in stage.module.named_parameters()}
+
+
 def pipeline_step(rank, world_size, name, pp, microbatches, *, stages_per_rank=1,
                   placement=None, dp=1, forward_only=False, tie=False):
     schedule = build(name, pp, microbatches, stages_per_rank=stages_per_rank,

@@ -17,6 +17,7 @@ from meshpipe.comm.p2p import P2PTransport
 from meshpipe.runtime import Executor, Stage
 from meshpipe.schedules import build
 from meshpipe.testing import run_distributed
+from pipeline_cases import stage_gradients
 
 DIM = 8
 VOCAB = 16
@@ -103,8 +104,7 @@ def run_schedules(rank, world_size):
         step = executor.step(inputs, targets)
         results[name] = {
             "loss": step.loss,
-            "grads": {f"{s}.{n}": p.grad.clone() for s, stage in stages.items()
-                      for n, p in stage.module.named_parameters()},
+            "grads": stage_gradients(stages),
         }
     return results
 

@@ -16,6 +16,7 @@ from meshpipe.comm.p2p import P2PTransport
 from meshpipe.runtime import Executor, Stage
 from meshpipe.schedules import build
 from meshpipe.testing import run_distributed
+from pipeline_cases import stage_gradients
 
 DIM = 8
 SEQ = 5
@@ -105,8 +106,7 @@ def run_schedules(rank, world_size):
                              list(targets.split(MICROBATCH_SIZE)))
         results[name] = {
             "loss": step.loss,
-            "grads": {f"{s}.{n}": p.grad.clone() for s, stage in stages.items()
-                      for n, p in stage.module.named_parameters()},
+            "grads": stage_gradients(stages),
         }
     return results
 

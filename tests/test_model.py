@@ -15,15 +15,7 @@ SMALL = TransformerConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_hea
                           max_seq_len=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread, as every meshpipe process runs: on a small shared machine more
-    threads only contend."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _tokens(batch=2, seq=12, vocab=64, seed=0):
     generator = torch.Generator().manual_seed(seed)
