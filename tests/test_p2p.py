@@ -49,23 +49,42 @@ def _label(src: int, dst: int, index: int) -> str:
     return f"rank {src} -> {dst}, microbatch {index}"
 
 
+class P2PCalls(list):
+    """The isend/irecv calls made, each as (name, peer, group, tag), and their counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def add(self, name, peer, group, tag):
+        self.append((name, peer, group, tag))
+        self.counts[name] += 1
+
+
 @contextmanager
-def counting_p2p_calls():
-    """Count the isend/irecv calls actually made (the transport calls them through dist)."""
-    counts = Counter()
+def recording_p2p_calls():
+    """Record the isend/irecv calls actually made (the transport calls them through dist)."""
+    calls = P2PCalls()
     originals = {"isend": dist.isend, "irecv": dist.irecv}
 
-    def counted(name):
+    def recorded(name, peer_key):
         def call(*args, **kwargs):
-            counts[name] += 1
+            calls.add(name, kwargs.get(peer_key), kwargs.get("group"), kwargs.get("tag"))
             return originals[name](*args, **kwargs)
         return call
 
-    dist.isend, dist.irecv = counted("isend"), counted("irecv")
+    dist.isend, dist.irecv = recorded("isend", "dst"), recorded("irecv", "src")
     try:
-        yield counts
+        yield calls
     finally:
         dist.isend, dist.irecv = originals["isend"], originals["irecv"]
+
+
+@contextmanager
+def counting_p2p_calls():
+    """Count the isend/irecv calls actually made, live."""
+    with recording_p2p_calls() as calls:
+        yield calls.counts
 
 
 # -- multi-tensor messages -------------------------------------------------------------
@@ -319,6 +338,54 @@ def test_random_traffic_on_several_channels_arrives_intact_in_any_wait_order():
 
 
 # -- several pipeline groups -----------------------------------------------------------
+
+def _directional_groups(rank, world_size):
+    up, down = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    transport = P2PTransport(up, reverse_group=down, timeout=TIMEOUT)
+    neighbours = [peer for peer in (rank - 1, rank + 1) if 0 <= peer < world_size]
+    with recording_p2p_calls() as calls:
+        recvs = {(peer, i): transport.post_recv(peer, label=_label(peer, rank, i))
+                 for i in range(3) for peer in neighbours}
+        sends = [transport.post_send(make_message(rank, i), peer, label=_label(rank, peer, i))
+                 for i in range(3) for peer in neighbours]
+        for (peer, i), handle in recvs.items():
+            assert_same_message(handle.wait(), make_message(peer, i))
+        for handle in sends:
+            handle.wait()
+    names = {id(up): "up", id(down): "down"}
+    return [(name, peer, names.get(id(group), "other")) for name, peer, group, tag in calls
+            if tag == 0]
+
+
+def test_each_direction_has_its_own_payload_group():
+    """Receives from a peer posted before the sends to it (as the executor does) never share
+    a payload group with those sends: on NCCL that keeps them off one stream."""
+    for rank, calls in enumerate(run_distributed(3, _directional_groups)):
+        assert calls, f"rank {rank} recorded no steady-tag payload operation"
+        for name, peer, group in calls:
+            sender, receiver = (rank, peer) if name == "isend" else (peer, rank)
+            assert group == ("up" if sender < receiver else "down"), (rank, name, peer, group)
+
+
+def _reverse_group_errors(rank, world_size):
+    fewer = dist.new_group([0, 1])
+    seen = {"members": _expect(ValueError, lambda: P2PTransport(reverse_group=fewer))}
+    real_backend = dist.get_backend
+    nccl_like = dist.new_group(backend="gloo")
+    meta = dist.new_group(backend="gloo")
+    dist.get_backend = lambda group=None: "nccl" if group is nccl_like else real_backend(group)
+    try:
+        seen["nccl"] = _expect(ValueError, lambda: P2PTransport(nccl_like, meta_group=meta))
+    finally:
+        dist.get_backend = real_backend
+    return seen
+
+
+def test_a_reverse_group_must_match_and_nccl_needs_one():
+    seen = run_distributed(3, _reverse_group_errors)[0]
+    assert "reverse_group has ranks [0, 1] but group has [0, 1, 2]" in seen["members"]
+    assert "payload group uses NCCL" in seen["nccl"] and "reverse_group=" in seen["nccl"]
+
 
 def _average_from_groups(rank, world_size):
     sources = list(range(world_size - 1))

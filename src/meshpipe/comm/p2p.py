@@ -35,7 +35,9 @@ that message is not resolved yet (read in a ``wait``), the receive is *deferred*
 is every later receive from that peer (point-to-point operations match in posting order;
 NCCL has no tags). ``wait`` resolves a peer's messages strictly in posting order, posting
 deferred receives as soon as they can be, so handles may be waited in any order. No
-thread is involved: everything happens in ``post_*`` and ``wait`` calls.
+thread is involved: everything happens in ``post_*`` and ``wait`` calls. Messages to a
+higher rank and messages to a lower rank may travel on two groups (``reverse_group``), as
+NCCL needs: there, a receive posted early must not sit on the stream in front of sends.
 
 Ranks are **global** ranks throughout (``dist.get_rank()`` numbering), also when a group
 is given. All posting is non-blocking (``isend``/``irecv``); only ``wait`` blocks. Waits
@@ -422,10 +424,15 @@ class P2PTransport:
     """Sends and receives pipeline messages between ranks with non-blocking point-to-point ops.
 
     ``group`` carries the steady messages, header and payload in one buffer (default: the
-    default group); ``meta_group`` carries the slow path (metadata and payloads of layout
-    changes) and must be able to carry CPU tensors (gloo). It defaults to ``group`` when
-    that one can; an NCCL payload group needs an explicit gloo ``meta_group`` over the same
-    ranks. Payload buffers live on ``device``. ``timeout`` (seconds) is the default of every
+    default group), from lower to higher ranks; ``reverse_group`` (default: ``group``) the
+    ones from higher to lower ranks. On NCCL the two must be different groups over the same
+    ranks: NCCL runs a pair of ranks' point-to-point operations in posting order on one
+    stream, where a receive posted early from a peer would hold up every later send to that
+    peer (both ranks doing so is a deadlock); with a group per direction a stream carries
+    one direction's messages, which both sides post in the same order. ``meta_group``
+    carries the slow path (metadata and payloads of layout changes) and must be able to
+    carry CPU tensors (gloo). It defaults to ``group`` when that one can; an NCCL payload
+    group needs an explicit gloo ``meta_group`` over the same ranks. Payload buffers live on ``device``. ``timeout`` (seconds) is the default of every
     ``wait``; None leaves it to the process group's own timeout. With ``check_labels``, a
     receive whose label differs from the label the peer sent with (both non-empty) raises
     :class:`MessageMismatchError`: give a send and its receive the same label.
@@ -435,6 +442,7 @@ class P2PTransport:
     """
 
     def __init__(self, group: ProcessGroup | None = None, *,
+                 reverse_group: ProcessGroup | None = None,
                  meta_group: ProcessGroup | None = None,
                  device: torch.device | str = "cpu", timeout: float | None = None,
                  check_labels: bool = True) -> None:
@@ -444,7 +452,9 @@ class P2PTransport:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive seconds or None, got {timeout}")
         self.rank = dist.get_rank()
+        self._groups: dict[Any, _GroupInfo] = {}
         self.group = group
+        self.reverse_group = self._checked_reverse_group(group, reverse_group)
         if meta_group is None:
             if not _carries_cpu_tensors(group):
                 raise ValueError(
@@ -465,7 +475,6 @@ class P2PTransport:
         # In-flight sends, oldest first: gloo cancels a send whose work object is destroyed,
         # so the transport, not the caller, keeps every send alive until it is waited.
         self._pending_sends: dict[SendHandle, None] = {}
-        self._groups: dict[Any, _GroupInfo] = {}
 
     # -- sending -----------------------------------------------------------------------
 
@@ -732,8 +741,10 @@ class P2PTransport:
         peer_list = [peers] if isinstance(peers, int) else list(peers)
         if not peer_list:
             raise ValueError(f"rank {self.rank}: {role} names no rank")
-        if group is None or isinstance(group, ProcessGroup):
-            groups = [group if group is not None else self.group] * len(peer_list)
+        if group is None:
+            groups = [self._default_group(peer, role) for peer in peer_list]
+        elif isinstance(group, ProcessGroup):
+            groups = [group] * len(peer_list)
         else:
             groups = list(group)
             if len(groups) != len(peer_list):
@@ -754,8 +765,33 @@ class P2PTransport:
                         f"with global ranks {sorted(members)}; ranks are global ranks")
         return peer_list, groups
 
+    def _checked_reverse_group(self, group: ProcessGroup | None,
+                               reverse_group: ProcessGroup | None) -> ProcessGroup | None:
+        forward = self._group_info(group)
+        if reverse_group is None:
+            if forward.uses_nccl:
+                raise ValueError(
+                    f"rank {self.rank}: the payload group uses NCCL, where messages in both "
+                    "directions between two ranks would share one stream and an early "
+                    "receive could block the sends behind it; pass reverse_group=<a second "
+                    "NCCL group over the same ranks> (dist.new_group(ranks, backend='nccl'))")
+            return group
+        reverse = self._group_info(reverse_group)
+        if reverse.members != forward.members:
+            raise ValueError(f"rank {self.rank}: reverse_group has ranks "
+                             f"{sorted(reverse.members)} but group has "
+                             f"{sorted(forward.members)}; give both the same ranks")
+        return reverse_group
+
+    def _default_group(self, peer: int, role: str) -> ProcessGroup | None:
+        """The payload group of the message's direction: ``group`` from lower to higher
+        ranks, ``reverse_group`` from higher to lower."""
+        sender, receiver = (self.rank, peer) if role == "dst" else (peer, self.rank)
+        return self.group if sender < receiver else self.reverse_group
+
     def _meta_group_for(self, payload_group: ProcessGroup | None) -> ProcessGroup | None:
-        if payload_group is self.group or not self._group_info(payload_group).carries_cpu:
+        if (payload_group is self.group or payload_group is self.reverse_group
+                or not self._group_info(payload_group).carries_cpu):
             return self.meta_group
         return payload_group
 
@@ -846,12 +882,14 @@ class VTPTransport:
 
     def __init__(self, stage_ranks: Sequence[Sequence[int]],
                  intra_group: ProcessGroup | None = None, *,
-                 group: ProcessGroup | None = None, meta_group: ProcessGroup | None = None,
+                 group: ProcessGroup | None = None,
+                 reverse_group: ProcessGroup | None = None,
+                 meta_group: ProcessGroup | None = None,
                  intra_meta_group: ProcessGroup | None = None,
                  device: torch.device | str = "cpu", timeout: float | None = None,
                  check_labels: bool = True) -> None:
-        self.p2p = P2PTransport(group, meta_group=meta_group, device=device, timeout=timeout,
-                                check_labels=check_labels)
+        self.p2p = P2PTransport(group, reverse_group=reverse_group, meta_group=meta_group,
+                                device=device, timeout=timeout, check_labels=check_labels)
         self.rank = self.p2p.rank
         self.stats = self.p2p.stats
         self.stage_ranks = _validate_stages(stage_ranks)

@@ -134,10 +134,13 @@ class Trainer:
         self._shared = self._shared_parameter_groups(chunks)
         self.optimizer = torch.optim.AdamW([p for _, p in self.parameters], lr=config.lr,
                                            weight_decay=config.weight_decay)
-        # Headers and metadata need a CPU (gloo) group when payloads go through NCCL.
-        meta_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
-        transport = P2PTransport(device=self.device, meta_group=meta_group,
-                                 timeout=RECV_TIMEOUT_S)
+        # Payloads through NCCL need a CPU (gloo) group for headers and metadata, and a second
+        # NCCL group for the messages to lower ranks (one stream per direction).
+        on_gpu = self.device.type == "cuda"
+        meta_group = dist.new_group(backend="gloo") if on_gpu else None
+        reverse_group = dist.new_group(backend="nccl") if on_gpu else None
+        transport = P2PTransport(reverse_group=reverse_group, device=self.device,
+                                 meta_group=meta_group, timeout=RECV_TIMEOUT_S)
         executor_args = dict(pp_rank=self.topology.pp_rank,
                              pipeline_ranks=self.topology.pipeline_ranks, transport=transport,
                              recv_timeout=RECV_TIMEOUT_S)
