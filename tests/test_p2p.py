@@ -376,6 +376,8 @@ def _reverse_group_errors(rank, world_size):
     dist.get_backend = lambda group=None: "nccl" if group is nccl_like else real_backend(group)
     try:
         seen["nccl"] = _expect(ValueError, lambda: P2PTransport(nccl_like, meta_group=meta))
+        seen["nccl same"] = _expect(ValueError, lambda: P2PTransport(
+            nccl_like, reverse_group=nccl_like, meta_group=meta))
     finally:
         dist.get_backend = real_backend
     return seen
@@ -384,7 +386,8 @@ def _reverse_group_errors(rank, world_size):
 def test_a_reverse_group_must_match_and_nccl_needs_one():
     seen = run_distributed(3, _reverse_group_errors)[0]
     assert "reverse_group has ranks [0, 1] but group has [0, 1, 2]" in seen["members"]
-    assert "payload group uses NCCL" in seen["nccl"] and "reverse_group=" in seen["nccl"]
+    for case in ("nccl", "nccl same"):
+        assert "payload group uses NCCL" in seen[case] and "reverse_group=" in seen[case]
 
 
 def _average_from_groups(rank, world_size):

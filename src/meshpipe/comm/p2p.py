@@ -432,10 +432,11 @@ class P2PTransport:
     one direction's messages, which both sides post in the same order. ``meta_group``
     carries the slow path (metadata and payloads of layout changes) and must be able to
     carry CPU tensors (gloo). It defaults to ``group`` when that one can; an NCCL payload
-    group needs an explicit gloo ``meta_group`` over the same ranks. Payload buffers live on ``device``. ``timeout`` (seconds) is the default of every
-    ``wait``; None leaves it to the process group's own timeout. With ``check_labels``, a
-    receive whose label differs from the label the peer sent with (both non-empty) raises
-    :class:`MessageMismatchError`: give a send and its receive the same label.
+    group needs an explicit gloo ``meta_group`` over the same ranks. Payload buffers live on
+    ``device``. ``timeout`` (seconds) is the default of every ``wait``; None leaves it to the
+    process group's own timeout. With ``check_labels``, a receive whose label differs from
+    the label the peer sent with (both non-empty) raises :class:`MessageMismatchError`: give
+    a send and its receive the same label.
 
     A wait that times out raises :class:`P2PTimeoutError`; gloo has then closed the group's
     connection to that peer, so later receives from it fail at once (see the module doc).
@@ -768,7 +769,7 @@ class P2PTransport:
     def _checked_reverse_group(self, group: ProcessGroup | None,
                                reverse_group: ProcessGroup | None) -> ProcessGroup | None:
         forward = self._group_info(group)
-        if reverse_group is None:
+        if reverse_group is None or reverse_group is group:
             if forward.uses_nccl:
                 raise ValueError(
                     f"rank {self.rank}: the payload group uses NCCL, where messages in both "
