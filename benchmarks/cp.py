@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from meshpipe.comm.collectives import all_to_all
-from meshpipe.comm.shards import ShardLayout, split_sizes
+from meshpipe.comm.shards import (contiguous_positions, hybrid_positions, split_sizes,
+                                   zigzag_positions)
 from meshpipe.context import (HybridAttention, LocalAttention, RingAttention,
                               UlyssesAttention)
 from meshpipe.topology import ParallelLayout, Topology
@@ -119,22 +120,20 @@ def _attention_cases(world: int) -> list[tuple[str, str, Callable[[int], tuple]]
     rank = dist.get_rank()
 
     def ring(layout_name: str) -> Callable[[int], tuple]:
+        positions_of = zigzag_positions if layout_name == "zigzag" else contiguous_positions
+
         def build(seq: int) -> tuple:
-            layout = (ShardLayout.zigzag(seq, world) if layout_name == "zigzag"
-                      else ShardLayout.contiguous(split_sizes(seq, world)))
-            return RingAttention(), layout.positions(rank)
+            return RingAttention(), positions_of(seq, world, rank)
         return build
 
     def ulysses(seq: int) -> tuple:
-        return UlyssesAttention(), ShardLayout.contiguous(split_sizes(seq, world)).positions(rank)
+        return UlyssesAttention(), contiguous_positions(seq, world, rank)
 
     def hybrid(seq: int) -> tuple:
         topology = Topology.build(ParallelLayout(cp_ring=2, cp_ulysses=world // 2))
         coords = topology.coords
-        ring_tokens = ShardLayout.zigzag(seq, 2).positions(coords["cp_ring"])
-        piece = ShardLayout.contiguous(split_sizes(len(ring_tokens), world // 2))
         return (HybridAttention(topology.cp_ring_group, topology.cp_ulysses_group),
-                ring_tokens[piece.positions(coords["cp_ulysses"])])
+                hybrid_positions(seq, 2, coords["cp_ring"], world // 2, coords["cp_ulysses"]))
 
     if world == 1:
         return [("local SDPA", "whole sequence", lambda seq: (LocalAttention(), None)),

@@ -133,7 +133,7 @@ class WorkerPool:
             try:
                 return self._results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
-                if not all(p.is_alive() for p in self._processes):
+                if not self.alive:
                     return None
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S,

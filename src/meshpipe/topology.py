@@ -18,6 +18,7 @@ command line) can use the layout arithmetic without loading torch.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -25,6 +26,12 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 AXES = ("pp", "dp", "cp_ring", "cp_ulysses", "tp")
+
+
+def _check_axes(axes) -> None:
+    unknown = set(axes) - set(AXES)
+    if unknown:
+        raise ValueError(f"unknown axes {sorted(unknown)}; axes are {AXES}")
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,7 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.cp_ring * self.cp_ulysses * self.tp
+        return math.prod(self.sizes)
 
     @property
     def cp(self) -> int:
@@ -76,9 +83,7 @@ class ParallelLayout:
 
     def rank_of(self, **coords: int) -> int:
         """The global rank at the given coordinates (missing axes count as 0)."""
-        unknown = set(coords) - set(AXES)
-        if unknown:
-            raise ValueError(f"unknown axes {sorted(unknown)}; axes are {AXES}")
+        _check_axes(coords)
         rank = 0
         for axis, size in zip(AXES, self.sizes):
             index = coords.get(axis, 0)
@@ -89,9 +94,7 @@ class ParallelLayout:
 
     def group_ranks(self, axes: Sequence[str]) -> list[list[int]]:
         """Every group that varies along ``axes`` with the other coordinates fixed, ranks sorted."""
-        unknown = set(axes) - set(AXES)
-        if unknown:
-            raise ValueError(f"unknown axes {sorted(unknown)}; axes are {AXES}")
+        _check_axes(axes)
         fixed_axes = [axis for axis in AXES if axis not in axes]
         groups = []
         for fixed in itertools.product(*(range(getattr(self, a)) for a in fixed_axes)):
@@ -151,21 +154,23 @@ class Topology:
             cp_ring_group=mesh.get_group("cp_ring"),
             cp_ulysses_group=mesh.get_group("cp_ulysses"),
             tp_group=mesh.get_group("tp"),
-            cp_group=_my_group(layout, rank, ["cp_ring", "cp_ulysses"]),
-            dp_cp_group=_my_group(layout, rank, ["dp", "cp_ring", "cp_ulysses"]),
+            cp_group=new_groups(layout.group_ranks(["cp_ring", "cp_ulysses"]), rank),
+            dp_cp_group=new_groups(layout.group_ranks(["dp", "cp_ring", "cp_ulysses"]), rank),
         )
 
 
-def _my_group(layout: ParallelLayout, rank: int, axes: Sequence[str]) -> dist.ProcessGroup:
-    """Create the groups along ``axes`` (collectively, all of them) and return this rank's."""
+def new_groups(rank_lists: Sequence[Sequence[int]], rank: int) -> dist.ProcessGroup | None:
+    """Create one group per list of ranks and return ``rank``'s (None if it is in none).
+
+    A collective call: every process must create every group, in the same order.
+    """
     import torch.distributed as dist
 
     mine = None
-    for ranks in layout.group_ranks(axes):
-        group = dist.new_group(ranks)
+    for ranks in rank_lists:
+        group = dist.new_group(list(ranks))
         if rank in ranks:
             mine = group
-    assert mine is not None
     return mine
 
 
@@ -210,9 +215,4 @@ class StageGroups:
                              f"but {world} processes were launched")
         rank = dist.get_rank()
         stage = next(i for i, ranks in enumerate(stage_ranks) if rank in ranks)
-        intra = None
-        for i, ranks in enumerate(stage_ranks):
-            group = dist.new_group(ranks)
-            if i == stage:
-                intra = group
-        return StageGroups(stage_ranks, stage, rank, intra)
+        return StageGroups(stage_ranks, stage, rank, new_groups(stage_ranks, rank))

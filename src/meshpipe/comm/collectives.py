@@ -272,18 +272,18 @@ def _gather_layout(x: Tensor, group: dist.ProcessGroup | None, dim: int,
                    layout: ShardLayout, what: str) -> Tensor:
     """The full tensor along ``dim`` from every rank's shard of ``layout``."""
     rank = _group_rank(group)
+    sizes = layout.local_sizes()
     if _checks_enabled():
         shapes = _exchange_shapes(x, group, what)
         _require_same_except(shapes, dim, what)
-        _require_sizes_along(shapes, dim, layout.local_sizes(), what)
-    if x.size(dim) != layout.local_size(rank):
+        _require_sizes_along(shapes, dim, sizes, what)
+    if x.size(dim) != sizes[rank]:
         raise ValueError(
             f"{what}: rank {rank} holds {x.size(dim)} elements along dim {dim} but its shard "
-            f"has {layout.local_size(rank)} (shards {layout.local_sizes()}); pass the "
-            f"sizes every rank actually holds")
+            f"has {sizes[rank]} (shards {sizes}); pass the sizes every rank actually holds")
     if layout.world_size == 1:
         return x
-    rank_major = _gather_rank_major(x.movedim(dim, 0), group, layout.local_sizes())
+    rank_major = _gather_rank_major(x.movedim(dim, 0), group, sizes)
     return layout.assemble(rank_major, 0).movedim(0, dim).contiguous()
 
 
@@ -329,13 +329,13 @@ class _GatherByLayout(torch.autograd.Function):
 
 def _split_by_layout(x: Tensor, group: dist.ProcessGroup | None, dim: int,
                      layout: ShardLayout, grad_scale: GradScale, what: str) -> Tensor:
-    dim = _normalize_dim(dim, x.dim(), what)
+    """``dim`` is already normalised by the public caller."""
     return _SplitByLayout.apply(x, group, dim, layout, _check_grad_scale(grad_scale), what)
 
 
 def _gather_by_layout(x: Tensor, group: dist.ProcessGroup | None, dim: int,
                       layout: ShardLayout, grad_scale: GradScale, what: str) -> Tensor:
-    dim = _normalize_dim(dim, x.dim(), what)
+    """``dim`` is already normalised by the public caller."""
     return _GatherByLayout.apply(x, group, dim, layout, _check_grad_scale(grad_scale), what)
 
 

@@ -457,13 +457,13 @@ class P2PTransport:
         self.group = group
         self.reverse_group = self._checked_reverse_group(group, reverse_group)
         if meta_group is None:
-            if not _carries_cpu_tensors(group):
+            if not self._group_info(group).carries_cpu:
                 raise ValueError(
                     f"rank {self.rank}: the payload group uses {dist.get_backend(group)}, "
                     "which cannot carry the CPU metadata; pass meta_group=<a gloo group over "
                     "the same ranks> (dist.new_group(ranks, backend='gloo'))")
             meta_group = group
-        elif not _carries_cpu_tensors(meta_group):
+        elif not self._group_info(meta_group).carries_cpu:
             raise ValueError(f"rank {self.rank}: meta_group must be a CPU (gloo) group, got "
                              f"backend {dist.get_backend(meta_group)}")
         self.meta_group = meta_group
@@ -556,7 +556,7 @@ class P2PTransport:
         """Wait for every send posted so far that has not been waited (e.g. at step end)."""
         deadline = self._deadline(timeout)
         for handle in list(self._pending_sends):
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            remaining = _remaining(deadline)
             handle.wait(remaining)
 
     # -- receiving ---------------------------------------------------------------------
@@ -826,7 +826,7 @@ class P2PTransport:
             if deadline is None or stream_ordered:
                 work.wait()
             else:
-                remaining = max(deadline - time.monotonic(), 0.001)
+                remaining = _remaining(deadline)
                 work.wait(timedelta(seconds=remaining))
         except RuntimeError as cause:
             timed_out = (deadline is not None and time.monotonic() >= deadline) or (
@@ -913,7 +913,7 @@ class VTPTransport:
                 raise ValueError(f"rank {self.rank}: intra_group has ranks {actual} but stage "
                                  f"{self.stage_index} is {list(members)}")
             if intra_meta_group is None:
-                if not _carries_cpu_tensors(intra_group):
+                if not self.p2p._group_info(intra_group).carries_cpu:
                     raise ValueError(f"rank {self.rank}: intra_group cannot carry CPU "
                                      "headers; pass intra_meta_group (a gloo stage group)")
                 self.intra_meta_group = intra_group
@@ -972,7 +972,7 @@ class VTPTransport:
                            f"{self.stage_index}: an earlier broadcast failed "
                            f"({self._broadcast_failure})") from self._broadcast_failure
         if self.is_stage_root:
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            remaining = _remaining(deadline)
             try:
                 message = inner.wait(remaining)
             except P2PError:
@@ -1110,8 +1110,9 @@ def _mean(column: Sequence[torch.Tensor]) -> torch.Tensor:
     return total.div_(len(column)).to(column[0].dtype)
 
 
-def _carries_cpu_tensors(group: ProcessGroup | None) -> bool:
-    return _GroupInfo.of(group).carries_cpu
+def _remaining(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (at least a millisecond); None without a deadline."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:

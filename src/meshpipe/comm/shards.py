@@ -90,8 +90,8 @@ class ShardLayout:
             raise ValueError(f"a group needs at least one rank, got {parts}")
         per_rank: list[list[Segment]] = [[] for _ in range(parts)]
         for doc_start, length in zip(accumulate(seq_lens, initial=0), seq_lens):
-            piece_starts = accumulate(split_sizes(length, parts), initial=doc_start)
-            for rank, (start, size) in enumerate(zip(piece_starts, split_sizes(length, parts))):
+            sizes = split_sizes(length, parts)
+            for rank, (start, size) in enumerate(zip(accumulate(sizes, initial=doc_start), sizes)):
                 per_rank[rank].append((start, size))
         return cls(sum(seq_lens), tuple(tuple(segments) for segments in per_rank))
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .interface import AttentionError
+from .interface import AttentionError, check_attention_inputs
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,19 @@ def gather_layout(positions: Tensor | None, doc_ids: Tensor | None, seq_local: i
     all_doc_ids = None if doc_ids is None else _all_gather_ragged(doc_ids.to(torch.int64), sizes,
                                                                   group)
     return GroupLayout(sizes=sizes, positions=all_positions, doc_ids=all_doc_ids)
+
+
+def attention_layout(name: str, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None,
+                     doc_ids: Tensor | None, causal: bool, group: dist.ProcessGroup | None
+                     ) -> tuple[GroupLayout, str]:
+    """Check a context-parallel attention call and gather the group's token layout.
+
+    Returns the layout and the ``where`` prefix (``name`` and this rank) for error messages.
+    """
+    where = f"{name} (rank {dist.get_rank()})"
+    check_attention_inputs(q, k, v, positions, doc_ids, where)
+    batch, seq_local, heads_q, head_dim = q.shape
+    signature = {"batch": batch, "query heads": heads_q, "key/value heads": k.shape[2],
+                 "head_dim": head_dim, "causal": causal}
+    return gather_layout(positions, doc_ids, seq_local, signature, group, where,
+                         q.device), where

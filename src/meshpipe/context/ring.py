@@ -29,8 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .blockwise import BlockKernel, heads_first, kernel_for, merge_block
-from .interface import check_attention_inputs
-from .layout import GroupLayout, gather_layout
+from .layout import GroupLayout, attention_layout
 from .masks import BlockPlan, plan_block
 
 # Key/value blocks and their gradient accumulators use different tags so the two streams
@@ -191,17 +190,12 @@ class RingAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None, causal: bool = True) -> Tensor:
-        where = f"RingAttention (rank {dist.get_rank()})"
-        check_attention_inputs(q, k, v, positions, doc_ids, where)
-        batch, seq_local, heads_q, head_dim = q.shape
-        signature = {"batch": batch, "query heads": heads_q, "key/value heads": k.shape[2],
-                     "head_dim": head_dim, "causal": causal}
-        layout = gather_layout(positions, doc_ids, seq_local, signature, self.group, where,
-                               q.device)
+        layout, _ = attention_layout("RingAttention", q, k, v, positions, doc_ids, causal,
+                                     self.group)
         ring = _Ring(group=self.group, rank=dist.get_rank(self.group),
                      size=dist.get_world_size(self.group), block_sizes=layout.sizes)
         plans = _plan_ring(ring, layout, causal)
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         return _RingAttentionFunction.apply(q, k, v, ring, plans, scale)
 
 

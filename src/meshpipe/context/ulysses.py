@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from ..comm.collectives import all_to_all
 from ..comm.shards import split_sizes
 from .heads import HeadPlan, plan_heads
-from .interface import Attention, AttentionError, check_attention_inputs
-from .layout import gather_layout
+from .interface import Attention, AttentionError
+from .layout import attention_layout
 from .local import LocalAttention
 
 _SEQ_DIM = 1
@@ -56,14 +56,10 @@ class UlyssesAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None, causal: bool = True) -> Tensor:
-        where = f"UlyssesAttention (rank {dist.get_rank()})"
-        check_attention_inputs(q, k, v, positions, doc_ids, where)
-        batch, seq_local, heads_q, head_dim = q.shape
+        layout, where = attention_layout("UlyssesAttention", q, k, v, positions, doc_ids,
+                                         causal, self.group)
+        heads_q = q.shape[_HEAD_DIM]
         ranks, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        signature = {"batch": batch, "query heads": heads_q, "key/value heads": k.shape[2],
-                     "head_dim": head_dim, "causal": causal}
-        layout = gather_layout(positions, doc_ids, seq_local, signature, self.group, where,
-                               q.device)
         expected = split_sizes(layout.total, ranks)
         if layout.sizes != expected:
             raise AttentionError(
@@ -71,7 +67,8 @@ class UlyssesAttention(nn.Module):
                 f"sequence of {layout.total} tokens must be split as {expected} (the first "
                 f"ranks one more); shard the sequence with comm.collectives.split")
         plan = plan_heads(heads_q, k.shape[2], ranks, where)
-        q_heads = all_to_all(_take_heads(q, plan.query_order(), _HEAD_DIM), self.group,
+        query_order = plan.query_order()
+        q_heads = all_to_all(_take_heads(q, query_order, _HEAD_DIM), self.group,
                              scatter_dim=_HEAD_DIM, gather_dim=_SEQ_DIM, gather_size=layout.total)
         k_heads, v_heads = self._gather_kv(k, v, plan, rank, layout.total)
         out_heads = self.inner(
@@ -80,7 +77,7 @@ class UlyssesAttention(nn.Module):
             doc_ids=layout.gathered_doc_ids(), causal=causal)
         out = all_to_all(out_heads, self.group, scatter_dim=_SEQ_DIM, gather_dim=_HEAD_DIM,
                          gather_size=heads_q)
-        return _take_heads(out, _inverse(plan.query_order()), _HEAD_DIM)
+        return _take_heads(out, _inverse(query_order), _HEAD_DIM)
 
     def _gather_kv(self, k: Tensor, v: Tensor, plan: HeadPlan, rank: int,
                    total: int) -> tuple[Tensor, Tensor]:

@@ -39,7 +39,7 @@ class TransformerChunk(nn.Module):
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None) -> Tensor | PipelineMessage:
         hidden = self.embedding(x) if self.is_first else x
-        layer_positions = default_positions(hidden, positions)
+        layer_positions = default_positions(hidden, positions, check_values=self.is_first)
         for layer in self.layers.values():
             hidden = layer(hidden, layer_positions, doc_ids)
         if self.is_last:

@@ -178,15 +178,20 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def default_positions(tokens_or_hidden: Tensor, positions: Tensor | None) -> Tensor:
-    """``positions`` as given, or ``0..seq-1`` for an unpacked sequence; checked against ``seq``."""
+def default_positions(tokens_or_hidden: Tensor, positions: Tensor | None, *,
+                      check_values: bool = True) -> Tensor:
+    """``positions`` as given, or ``0..seq-1`` for an unpacked sequence; checked against ``seq``.
+
+    ``check_values`` also checks that no position is negative, which reads a value back from
+    the device (a sync on GPUs): the first stage checks, later stages receive checked ones.
+    """
     seq = tokens_or_hidden.shape[1]
     if positions is None:
         return torch.arange(seq, device=tokens_or_hidden.device)
     if positions.dim() != 1 or positions.shape[0] != seq:
         raise ValueError(f"positions must have shape [{seq}] (one per token of the local "
                          f"sequence); got {tuple(positions.shape)}")
-    if seq and int(positions.min()) < 0:
+    if check_values and seq and int(positions.min()) < 0:
         raise ValueError(f"positions must be >= 0 (a token's position inside its document); "
                          f"got {int(positions.min())}")
     return positions

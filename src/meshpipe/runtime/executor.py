@@ -103,14 +103,12 @@ class _Message(NamedTuple):
 
 def _message_of(action: Action) -> _Message:
     """The message a SEND or RECV action moves."""
-    s, m = action.stage, action.microbatch
-    forward = action.kind in (Kind.SEND_F, Kind.RECV_F)
-    step = 1 if forward else -1
-    sender = s if action.kind in (Kind.SEND_F, Kind.SEND_B) else s - step
-    receiver = sender + step
-    direction = "forward" if forward else "backward"
-    return _Message(sender, receiver, f"stage {sender} -> {receiver}, microbatch {m}, {direction}",
-                    (direction, sender))
+    is_send = action.kind in (Kind.SEND_F, Kind.SEND_B)
+    sender, receiver = ((action.stage, action.peer) if is_send
+                        else (action.peer, action.stage))
+    direction = "forward" if action.kind in (Kind.SEND_F, Kind.RECV_F) else "backward"
+    return _Message(sender, receiver, f"stage {sender} -> {receiver}, microbatch "
+                    f"{action.microbatch}, {direction}", (direction, sender))
 
 
 @dataclass
@@ -171,7 +169,7 @@ class Executor:
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
             Kind.B: self._backward,
-            Kind.I: self._backward_input,
+            Kind.I: self._backward,
             Kind.W: self._backward_weight,
             Kind.OVERLAP: self._overlap,
             Kind.SEND_F: self._send_forward,
@@ -213,10 +211,6 @@ class Executor:
     @property
     def holds_first_stage(self) -> bool:
         return 0 in self.stages
-
-    @property
-    def holds_last_stage(self) -> bool:
-        return self.schedule.num_stages - 1 in self.stages
 
     def step(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None,
              *, loss_scales: Sequence[float] | None = None) -> StepResult:
@@ -305,9 +299,8 @@ class Executor:
             first_notices = self._post_stop_notices(notice)
             self._await_stop_notices(first_notices, skip={error.peer, error.failed_rank})
         else:
-            reason = f"{type(error).__name__}: {error}"[:_STOP_REASON_CHARS]
-            failed_rank = self.pipeline_ranks[self.pp_rank]
-            self._post_stop_notices({_STOP_KEY: {"rank": failed_rank, "reason": reason}})
+            self._post_stop_notices({_STOP_KEY: {"rank": self.pipeline_ranks[self.pp_rank],
+                                                 "reason": self._failure}})
 
     def _post_stop_notices(self, notice: dict) -> dict[int, Any]:
         """Post ``notice`` for every owed send; the handle of the first one to each peer."""
@@ -361,8 +354,8 @@ class Executor:
                                 "microbatch], ...) on this rank")
         forward_only = self.schedule.forward_only
         last = self.stages.get(self.schedule.num_stages - 1)
-        wants_loss = (last is not None and last.loss_fn is not None
-                      and (not forward_only or targets is not None))
+        wants_loss = last is not None and last.computes_loss(
+            targets, keep_for_backward=not forward_only)
         if wants_loss and (targets is None or len(targets) != m):
             got = "none" if targets is None else len(targets)
             raise ExecutorError(f"{self._where()} holds the last stage "
@@ -447,15 +440,12 @@ class Executor:
             self._outbox_backward[(s, m)] = grads
 
     def _backward(self, action: Action) -> None:
+        """A full backward (B) or its input-gradient half (I): both pass gradients on."""
         s, m = action.stage, action.microbatch
+        stage = self.stages[s]
+        run = stage.backward if action.kind is Kind.B else stage.backward_input
         grads = self._output_grads(s, m)
-        input_grads = self._timed(action, lambda: self.stages[s].backward(m, grads))
-        self._deliver_input_grads(s, m, input_grads)
-
-    def _backward_input(self, action: Action) -> None:
-        s, m = action.stage, action.microbatch
-        grads = self._output_grads(s, m)
-        input_grads = self._timed(action, lambda: self.stages[s].backward_input(m, grads))
+        input_grads = self._timed(action, lambda: run(m, grads))
         self._deliver_input_grads(s, m, input_grads)
 
     def _backward_weight(self, action: Action) -> None:

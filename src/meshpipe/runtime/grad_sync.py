@@ -56,7 +56,6 @@ def _all_reduce_buckets(params: list[torch.nn.Parameter], had_grad: torch.Tensor
     for p in params:
         by_dtype.setdefault(p.grad.dtype, []).append(p)
     counting = next((dtype for dtype in by_dtype if dtype in _COUNTING_DTYPES), None)
-    ranks_with_grad = had_grad
     for dtype, bucket in by_dtype.items():
         parts = [p.grad.reshape(-1) for p in bucket]
         if dtype == counting:

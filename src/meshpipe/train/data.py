@@ -8,6 +8,7 @@ context-parallel group sees identical data without communicating.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from importlib import resources
 
 import torch
@@ -16,6 +17,7 @@ VOCAB_SIZE = 256
 CORPORA = ("shakespeare",)
 
 
+@lru_cache(maxsize=None)
 def load_corpus(name: str = "shakespeare") -> bytes:
     """The raw bytes of a corpus shipped in ``meshpipe/train/data``."""
     if name not in CORPORA:

@@ -37,7 +37,7 @@ from meshpipe.runtime import Executor, Stage, all_reduce_gradients
 from meshpipe.schedules import Schedule, build
 from meshpipe.schedules.render import to_png, write_chrome_trace
 from meshpipe.schedules.simulate import Timeline
-from meshpipe.topology import Topology
+from meshpipe.topology import Topology, new_groups
 from meshpipe.train import checkpoint
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, encode, load_corpus
@@ -132,6 +132,8 @@ class Trainer:
                        for s in my_stages}
         self.parameters = self._unique_parameters()
         self._shared = self._shared_parameter_groups(chunks)
+        # Tied weights held on several ranks: only the group's first rank counts in the norm.
+        self._tied_copies = {id(p) for p, group in self._shared if dist.get_rank(group) != 0}
         self.optimizer = torch.optim.AdamW([p for _, p in self.parameters], lr=config.lr,
                                            weight_decay=config.weight_decay)
         # Payloads through NCCL need a CPU (gloo) group for headers and metadata, and a second
@@ -151,6 +153,7 @@ class Trainer:
         self.val_data = train_sampler(config, self.dp_rank, "val")
         self.positions = hybrid_positions(config.seq_len, config.cp_ring, coords["cp_ring"],
                                           config.cp_ulysses, coords["cp_ulysses"])
+        self._device_positions = self.positions.to(self.device)
         self._tokens_per_microbatch = config.microbatch_size * config.seq_len
 
     @property
@@ -180,12 +183,12 @@ class Trainer:
             positions = sorted({placement[stage] for stage in shared.stages})
             if len(positions) < 2:
                 continue
-            for pipeline in self.config.layout.group_ranks(["pp"]):
-                members = [pipeline[p] for p in positions]
-                group = dist.new_group(members)
-                if self.rank in members:
-                    stage, name = next((s, n) for s, n in shared.locations if s in self.stages)
-                    mine.append((self.stages[stage].module.get_parameter(name), group))
+            holders = [[pipeline[p] for p in positions]
+                       for pipeline in self.config.layout.group_ranks(["pp"])]
+            group = new_groups(holders, self.rank)
+            if group is not None:
+                stage, name = next((s, n) for s, n in shared.locations if s in self.stages)
+                mine.append((self.stages[stage].module.get_parameter(name), group))
         return mine
 
     def microbatches(self, sampler: CorpusSampler, step: int):
@@ -193,9 +196,8 @@ class Trainer:
         batch = sampler.batch(step)
         tokens = batch.tokens[:, self.positions].to(self.device)
         targets = batch.targets[:, self.positions].to(self.device)
-        positions = self.positions.to(self.device)
         size = self.config.microbatch_size
-        inputs = [(t, positions, None) for t in tokens.split(size)]
+        inputs = [(t, self._device_positions, None) for t in tokens.split(size)]
         return inputs, list(targets.split(size))
 
     def _global_loss(self, local_mean: float | None) -> float:
@@ -226,10 +228,8 @@ class Trainer:
 
     def _clip_gradients(self) -> float:
         """Global gradient norm over the whole model (each tied weight counted once)."""
-        duplicates = {id(p) for p, group in self._shared
-                      if dist.get_rank(group) != 0}
         squares = [p.grad.detach().double().pow(2).sum() for _, p in self.parameters
-                   if p.grad is not None and id(p) not in duplicates]
+                   if p.grad is not None and id(p) not in self._tied_copies]
         total = (torch.stack(squares).sum() if squares
                  else torch.zeros((), dtype=torch.float64, device=self.device)).reshape(1)
         dist.all_reduce(total, group=self.topology.pp_group)
