@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn, TextIO
 
 from meshpipe.schedules.builders import SCHEDULES, build
-from meshpipe.schedules.compare import VIRTUAL_STAGE_SCHEDULES, compare
+from meshpipe.schedules.compare import VIRTUAL_STAGE_SCHEDULES, Comparison, compare
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.placement import PLACEMENTS
 from meshpipe.schedules.render import comparison_table, to_png, to_text, write_chrome_trace
@@ -177,15 +177,13 @@ def _show(args: argparse.Namespace, out: TextIO) -> None:
 
 
 def _compare(args: argparse.Namespace, out: TextIO) -> None:
-    rows = compare(args.pp, args.microbatches, stages_per_rank=args.vpp, costs=_costs(args),
-                   forward_only=args.forward_only)
-    out.write(_comparison_heading(args.pp, args.microbatches, args.vpp, _costs(args)))
-    out.write(comparison_table(rows))
-    out.write(_COMPARISON_NOTE)
+    costs = _costs(args)
+    rows = _print_comparison(out, args.pp, args.microbatches, args.vpp, costs,
+                             forward_only=args.forward_only)
     if args.json:
         document = {"num_ranks": args.pp, "num_microbatches": args.microbatches,
                     "stages_per_rank": args.vpp, "forward_only": args.forward_only,
-                    "costs": asdict(_costs(args)), "schedules": [r.as_dict() for r in rows]}
+                    "costs": asdict(costs), "schedules": [r.as_dict() for r in rows]}
         _write(args.json, lambda: json.dumps(document, indent=2) + "\n")
         out.write(f"wrote {args.json}\n")
 
@@ -196,21 +194,22 @@ _COMPARISON_NOTE = ("\nCosts are per rank's share of the model (1/pp of it); a s
                     "microbatch's activations on one rank's share.\n")
 
 
-def _comparison_heading(pp: int, microbatches: int, vpp: int, costs: CostModel) -> str:
-    return (f"pp={pp}, microbatches={microbatches}, vpp={vpp}; costs F={costs.forward:g} "
-            f"B={costs.backward:g} I={costs.backward_input:g} W={costs.backward_weight:g} "
-            f"comm={costs.comm:g}\n\n")
+def _print_comparison(out: TextIO, pp: int, microbatches: int, vpp: int, costs: CostModel,
+                      forward_only: bool = False) -> list[Comparison]:
+    """Compare every schedule, write the heading, table and note; return the rows."""
+    rows = compare(pp, microbatches, stages_per_rank=vpp, costs=costs, forward_only=forward_only)
+    out.write(f"pp={pp}, microbatches={microbatches}, vpp={vpp}; costs F={costs.forward:g} "
+              f"B={costs.backward:g} I={costs.backward_input:g} W={costs.backward_weight:g} "
+              f"comm={costs.comm:g}\n\n")
+    out.write(comparison_table(rows))
+    out.write(_COMPARISON_NOTE)
+    return rows
 
 
 def run_demo(out_dir: Path, out: TextIO) -> None:
     """The showcase: compare every schedule at pp=4, m=8 and draw the one with the
     smallest bubble into ``out_dir/schedule.png``."""
-    pp, microbatches, vpp = 4, 8, 2
-    costs = CostModel()
-    rows = compare(pp, microbatches, stages_per_rank=vpp, costs=costs)
-    out.write(_comparison_heading(pp, microbatches, vpp, costs))
-    out.write(comparison_table(rows))
-    out.write(_COMPARISON_NOTE)
+    rows = _print_comparison(out, 4, 8, 2, CostModel())
     best = min((r for r in rows if r.simulation is not None),
                key=lambda r: r.simulation.bubble_ratio)
     path = out_dir / "schedule.png"
@@ -221,10 +220,10 @@ def run_demo(out_dir: Path, out: TextIO) -> None:
 
 
 def _train(args: argparse.Namespace, out: TextIO) -> int:
-    return _train_and_report(train_config_from_arguments(args), out)
+    return _train_and_report(train_config_from_arguments(args))
 
 
-def _train_and_report(config: TrainConfig, out: TextIO) -> int:
+def _train_and_report(config: TrainConfig) -> int:
     """Train; exit status 1 if a rank failed or the --check parity comparison failed."""
     # Imported here: torch loads in seconds, and the schedule commands do not need it.
     from meshpipe.train.launch import LaunchError
@@ -252,7 +251,7 @@ def _demo(args: argparse.Namespace, out: TextIO) -> int:
               f"{config.pp} x cp ring {config.cp_ring} = {config.world_size} CPU processes, "
               f"schedule {config.schedule}, {config.steps} steps.\n")
     out.flush()
-    status = _train_and_report(config, out)
+    status = _train_and_report(config)
     if status:
         return status
     out.write(f"measured timeline of step {config.timeline_step}: "

@@ -42,7 +42,6 @@ def _one_stage_per_rank(placement: Sequence[int]) -> bool:
 
 
 def _placement_for(num_ranks: int, placement: Sequence[int] | None) -> tuple[int, ...]:
-    check_count("num_ranks", num_ranks)
     return loop_placement(num_ranks) if placement is None else check_placement(placement,
                                                                                num_ranks)
 

@@ -134,16 +134,8 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int
     The forward-only variant runs the forwards in the same table order (Megatron's
     all-warmup mode).
     """
-    group = _group_size("interleaved", num_ranks, num_microbatches, stages_per_rank,
-                        microbatch_group_size)
-    table = virtual_microbatch_table(num_microbatches, stages_per_rank, group)
-    ranks = [_rank_order(rank, num_ranks, stages_per_rank, table,
-                         min(len(table), _interleaved_warmup(rank, num_ranks, stages_per_rank,
-                                                             group)),
-                         combined=False)
-             for rank in range(num_ranks)]
-    return make_schedule("interleaved", num_ranks, num_microbatches,
-                         loop_placement(num_ranks, stages_per_rank), ranks, forward_only)
+    return _build_interleaved("interleaved", num_ranks, num_microbatches, stages_per_rank,
+                              microbatch_group_size, forward_only, combined=False)
 
 
 def combined_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1, *,
@@ -173,13 +165,22 @@ def combined_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 
     overlap cost below F + B, which a cost model can express with ``overlap``. The
     forward-only variant is plain forwards in table order (nothing to pair).
     """
-    group = _group_size("combined-1f1b", num_ranks, num_microbatches, stages_per_rank,
+    return _build_interleaved("combined-1f1b", num_ranks, num_microbatches, stages_per_rank,
+                              microbatch_group_size, forward_only, combined=True)
+
+
+def _build_interleaved(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int,
+                       microbatch_group_size: int | None, forward_only: bool, *,
+                       combined: bool) -> Schedule:
+    """The interleaved table order on every rank; ``combined`` pairs the steady state into
+    OVERLAP actions after one extra warmup forward."""
+    group = _group_size(name, num_ranks, num_microbatches, stages_per_rank,
                         microbatch_group_size)
     table = virtual_microbatch_table(num_microbatches, stages_per_rank, group)
     ranks = [_rank_order(rank, num_ranks, stages_per_rank, table,
                          min(len(table), _interleaved_warmup(rank, num_ranks, stages_per_rank,
-                                                             group) + 1),
-                         combined=True)
+                                                             group) + int(combined)),
+                         combined=combined)
              for rank in range(num_ranks)]
-    return make_schedule("combined-1f1b", num_ranks, num_microbatches,
+    return make_schedule(name, num_ranks, num_microbatches,
                          loop_placement(num_ranks, stages_per_rank), ranks, forward_only)

@@ -615,7 +615,7 @@ class _Simulator:
                 start = clock
                 clock += backward_weight[stage]
             elif kind is kind_overlap:
-                ready = self._overlap_ready(rank, position, action)
+                ready = self._overlap_ready(rank, action)
                 if ready is None:
                     break
                 start = max(clock, ready)
@@ -633,7 +633,7 @@ class _Simulator:
         self.clock[rank] = clock
         return woken
 
-    def _overlap_ready(self, rank: int, position: int, action: Action) -> float | None:
+    def _overlap_ready(self, rank: int, action: Action) -> float | None:
         """When both halves' inputs are ready, or None after parking on a missing one."""
         forward_part, backward_part = action.parts
         num_microbatches = self.schedule.num_microbatches
