@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from meshpipe.models.transformer import Transformer, default_positions
+from meshpipe.models.transformer import Transformer, default_positions, logits_of
 
 PipelineMessage = tuple[Tensor, Tensor | None, Tensor | None]
 
@@ -29,6 +29,7 @@ class TransformerChunk(nn.Module):
         self.is_first = first
         self.is_last = last
         self.layer_range = (start, stop)
+        self.tp = model.tp
         if first:
             self.embedding = model.embedding
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, stop)})
@@ -39,11 +40,13 @@ class TransformerChunk(nn.Module):
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None) -> Tensor | PipelineMessage:
         hidden = self.embedding(x) if self.is_first else x
-        layer_positions = default_positions(hidden, positions, check_values=self.is_first)
+        layer_positions = default_positions(
+            x if self.is_first else hidden, positions, check_values=self.is_first,
+            sequence_shards=1 if self.is_first else self.tp.sequence_shards)
         for layer in self.layers.values():
             hidden = layer(hidden, layer_positions, doc_ids)
         if self.is_last:
-            return self.head(self.norm(hidden))
+            return logits_of(self, hidden)
         return hidden, positions, doc_ids
 
     def extra_repr(self) -> str:

@@ -5,8 +5,21 @@ so the same model runs with local attention or with a context-parallel one. Toke
 ``positions`` drive both RoPE and the attention mask, which is how a context-parallel rank
 holding a zigzag or packed slice of a sequence still gets the right rotary angles.
 
+Tensor parallelism (``tp_group``) splits attention heads and key/value heads, the SwiGLU
+width, the vocabulary of the embedding and the output head over the group (Megatron's
+column/row split: one all-reduce after attention and one after the MLP, or with
+``sequence_parallel`` an all-gather before and a reduce-scatter after, the activations
+between them split along the sequence). The head's logits stay split over the vocabulary:
+``meshpipe.parallel.vocab_parallel_cross_entropy`` takes them as they are.
+
+``recompute`` trades compute for memory: ``"full"`` keeps only each block's input and
+recomputes the block in backward, ``"selective"`` recomputes only the attention core (its
+saved state grows with the square of the sequence). Both use non-reentrant checkpointing,
+which the split backward of zero-bubble schedules supports.
+
 Initialisation is a pure function of ``TransformerConfig.init_seed``: every rank builds the
-same full model and keeps only its pipeline chunk (see ``meshpipe.models.split``).
+same full model, cuts out its tensor-parallel shards, and keeps only its pipeline chunk
+(see ``meshpipe.models.split``).
 """
 
 from __future__ import annotations
@@ -15,11 +28,18 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
+from meshpipe.parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sequence,
+                               mark_sequence_parallel, reduce_from_tp,
+                               reduce_scatter_to_sequence, shard_linear, tp_rank_and_size)
+
+RECOMPUTE = ("none", "full", "selective")
 
 
 @dataclass(frozen=True)
@@ -127,6 +147,50 @@ class RotaryEmbedding(nn.Module):
         return rotated.type_as(x)
 
 
+class TensorParallelRegion:
+    """Where a tensor-parallel region starts and ends (the identity without tensor parallelism).
+
+    ``enter`` hands the replicated activations to column-split weights (backward: sum of the
+    ranks' input gradients) or, with sequence parallelism, gathers the sequence shards;
+    ``leave`` sums the partial outputs of row-split weights, or reduce-scatters them back to
+    sequence shards.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False):
+        self.rank, self.size = tp_rank_and_size(group)
+        self.group = group
+        self.sequence_parallel = sequence_parallel and self.size > 1
+
+    def enter(self, x: Tensor) -> Tensor:
+        if self.size == 1:
+            return x
+        if self.sequence_parallel:
+            return gather_from_sequence(x, self.group)
+        return copy_to_tp(x, self.group)
+
+    def leave(self, x: Tensor) -> Tensor:
+        if self.size == 1:
+            return x
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(x, self.group)
+        return reduce_from_tp(x, self.group)
+
+    @property
+    def sequence_shards(self) -> int:
+        """How many ranks share the sequence of the activations between regions."""
+        return self.size if self.sequence_parallel else 1
+
+
+_NO_TENSOR_PARALLELISM = TensorParallelRegion()
+
+
+def _maybe_checkpoint(enabled: bool, fn, *args):
+    """``fn(*args)``, recomputed in backward instead of saving its activations if enabled."""
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
 class SelfAttention(nn.Module):
     """Grouped-query self-attention whose core is a pluggable ``Attention`` callable."""
 
@@ -141,15 +205,31 @@ class SelfAttention(nn.Module):
         self.wo = _linear(config.n_heads * config.head_dim, config.dim)
         self.rope = rope
         self.core_attention = attention
+        self.tp = _NO_TENSOR_PARALLELISM
+        self.recompute_core = False
+
+    def shard(self, tp: TensorParallelRegion) -> None:
+        """Keep this rank's heads: q/k/v split by output (column), wo by input (row)."""
+        self.tp = tp
+        self.n_heads //= tp.size
+        self.n_kv_heads //= tp.size
+        for name in ("wq", "wk", "wv"):
+            setattr(self, name, shard_linear(getattr(self, name), 0, tp.group))
+        self.wo = shard_linear(self.wo, 1, tp.group)
 
     def forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+        x = self.tp.enter(x)
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        out = self.core_attention(q, k, v, positions=positions, doc_ids=doc_ids, causal=True)
-        return self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim))
+        out = _maybe_checkpoint(self.recompute_core, self._core, q, k, v, positions, doc_ids)
+        return self.tp.leave(self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim)))
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
+              doc_ids: Tensor | None) -> Tensor:
+        return self.core_attention(q, k, v, positions=positions, doc_ids=doc_ids, causal=True)
 
 
 class SwiGLU(nn.Module):
@@ -158,9 +238,18 @@ class SwiGLU(nn.Module):
         self.w_gate = _linear(dim, hidden)
         self.w_up = _linear(dim, hidden)
         self.w_down = _linear(hidden, dim)
+        self.tp = _NO_TENSOR_PARALLELISM
+
+    def shard(self, tp: TensorParallelRegion) -> None:
+        """Keep this rank's slice of the hidden width: gate/up by output, down by input."""
+        self.tp = tp
+        self.w_gate = shard_linear(self.w_gate, 0, tp.group)
+        self.w_up = shard_linear(self.w_up, 0, tp.group)
+        self.w_down = shard_linear(self.w_down, 1, tp.group)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        x = self.tp.enter(x)
+        return self.tp.leave(self.w_down(F.silu(self.w_gate(x)) * self.w_up(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -172,20 +261,26 @@ class TransformerBlock(nn.Module):
         self.attention = SelfAttention(config, rope, attention)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = SwiGLU(config.dim, config.ffn_width)
+        self.recompute = False
 
     def forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+        return _maybe_checkpoint(self.recompute, self._forward, x, positions, doc_ids)
+
+    def _forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
         x = x + self.attention(self.attention_norm(x), positions, doc_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
 def default_positions(tokens_or_hidden: Tensor, positions: Tensor | None, *,
-                      check_values: bool = True) -> Tensor:
+                      check_values: bool = True, sequence_shards: int = 1) -> Tensor:
     """``positions`` as given, or ``0..seq-1`` for an unpacked sequence; checked against ``seq``.
 
     ``check_values`` also checks that no position is negative, which reads a value back from
     the device (a sync on GPUs): the first stage checks, later stages receive checked ones.
+    ``sequence_shards`` > 1 says the activations hold one of that many sequence-parallel
+    shards of the sequence the positions describe.
     """
-    seq = tokens_or_hidden.shape[1]
+    seq = tokens_or_hidden.shape[1] * sequence_shards
     if positions is None:
         return torch.arange(seq, device=tokens_or_hidden.device)
     if positions.dim() != 1 or positions.shape[0] != seq:
@@ -197,6 +292,18 @@ def default_positions(tokens_or_hidden: Tensor, positions: Tensor | None, *,
     return positions
 
 
+def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
+    """Fail unless ``tp`` divides every size tensor parallelism splits; the message names
+    the size and the flag that changes it."""
+    splits = {"query heads (--heads)": config.n_heads,
+              "key/value heads (--kv-heads)": config.kv_heads,
+              "SwiGLU width": config.ffn_width, "vocabulary": config.vocab_size}
+    for what, size in splits.items():
+        if size % tp:
+            raise ValueError(f"tensor parallelism {tp} must divide the {what}, {size}; use a "
+                             f"tp that divides {size} or change the size")
+
+
 class Transformer(nn.Module):
     """Decoder-only transformer: ``model(tokens, positions=None, doc_ids=None) -> logits``.
 
@@ -204,10 +311,19 @@ class Transformer(nn.Module):
     position inside its document, ``doc_ids`` (int64 ``[seq]``) its document for packed
     sequences. ``attention`` defaults to ``LocalAttention``; pass a context-parallel attention
     to shard the sequence. The attention object is shared by every layer.
+
+    With a ``tp_group`` of several ranks the logits are this rank's vocabulary slice, and
+    with ``sequence_parallel`` the layers between the embedding and the head hold this
+    rank's contiguous share of the sequence (the tokens and positions stay whole).
+    ``recompute`` is one of ``RECOMPUTE``.
     """
 
-    def __init__(self, config: TransformerConfig, attention: Attention | None = None):
+    def __init__(self, config: TransformerConfig, attention: Attention | None = None, *,
+                 tp_group: dist.ProcessGroup | None = None, sequence_parallel: bool = False,
+                 recompute: str = "none"):
         super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
         self.config = config
         self.attention = LocalAttention() if attention is None else attention
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_seq_len)
@@ -220,6 +336,30 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.head.weight = self.embedding.weight
         self._init_weights()
+        self.tp = TensorParallelRegion(tp_group, sequence_parallel)
+        if self.tp.size > 1:
+            self._shard_for_tensor_parallelism()
+        for layer in self.layers:
+            layer.recompute = recompute == "full"
+            layer.attention.recompute_core = recompute == "selective"
+
+    def _shard_for_tensor_parallelism(self) -> None:
+        """Replace every split weight by this rank's shard of the initialised full weight."""
+        check_tensor_parallel_sizes(self.config, self.tp.size)
+        self.embedding = VocabParallelEmbedding.from_embedding(
+            self.embedding, self.tp.group, sequence_parallel=self.tp.sequence_parallel)
+        if self.config.tie_embeddings:
+            self.head = _linear(self.config.dim, self.config.vocab_size // self.tp.size)
+            self.head.weight = self.embedding.weight
+        else:
+            self.head = shard_linear(self.head, 0, self.tp.group)
+        for layer in self.layers:
+            layer.attention.shard(self.tp)
+            layer.mlp.shard(self.tp)
+        if self.tp.sequence_parallel:
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    mark_sequence_parallel(param)
 
     def _init_weights(self) -> None:
         """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 L)."""
@@ -244,4 +384,10 @@ class Transformer(nn.Module):
         hidden = self.embedding(tokens)
         for layer in self.layers:
             hidden = layer(hidden, positions, doc_ids)
-        return self.head(self.norm(hidden))
+        return logits_of(self, hidden)
+
+
+def logits_of(owner: nn.Module, hidden: Tensor) -> Tensor:
+    """The output head on the last hidden states: ``owner.head(owner.norm(hidden))`` inside
+    the tensor-parallel region of ``owner.tp`` (a model or its last chunk)."""
+    return owner.head(owner.tp.enter(owner.norm(hidden)))

@@ -1,0 +1,213 @@
+"""Autograd collectives over a tensor-parallel (TP) group, Megatron style.
+
+Each function is a pair of conjugate collectives: what the forward does to activations,
+the backward does the transpose of to gradients, so gradients stay exact. Activations are
+``[batch, seq, ...]``; the sequence dim is 1. ``group=None`` (or a group of one rank)
+means no TP: every function returns its input unchanged.
+
+Reductions of bfloat16/float16 tensors run in float32 and are cast back (upcast, reduce,
+downcast): gloo cannot sum half types well and a low-precision sum over ranks loses bits.
+
+A rank passing a shape its peers do not expect makes gloo abort the process. Setting
+``MESHPIPE_CHECK_COLLECTIVES=1`` makes the gathers exchange shapes first and raise a
+``ValueError`` naming every rank's shape instead (one extra small collective per call).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import FunctionCtx
+
+__all__ = [
+    "copy_to_tp", "gather_from_sequence", "reduce_from_tp", "reduce_scatter_to_sequence",
+    "scatter_to_sequence", "tp_rank_and_size",
+]
+
+SEQ_DIM = 1
+CHECK_ENV = "MESHPIPE_CHECK_COLLECTIVES"
+_HALF_TYPES = (torch.bfloat16, torch.float16)
+
+
+def tp_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This rank's index in the TP group and the group's size; ``(0, 1)`` for ``None``."""
+    if group is None:
+        return 0, 1
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError(f"global rank {dist.get_rank()} is not a member of the TP group "
+                         f"it was given; pass the TP group that contains this rank")
+    return rank, size
+
+
+def _tp_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _reduce_dtype(x: Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype in _HALF_TYPES else x.dtype
+
+
+def _all_reduce_sum(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Sum over the group into a new tensor (float32 for half types), cast back."""
+    buffer = x.to(_reduce_dtype(x), copy=True).contiguous()
+    dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+    return buffer.to(x.dtype)
+
+
+def _check_seq_divisible(x: Tensor, size: int, what: str) -> None:
+    """``x`` has a sequence dim (dim 1) whose length ``size`` divides."""
+    if x.dim() < 2:
+        raise ValueError(f"{what}: expected activations [batch, seq, ...] with the sequence "
+                         f"in dim 1, got a tensor of shape {tuple(x.shape)}")
+    if x.shape[SEQ_DIM] % size:
+        raise ValueError(f"{what}: sequence length {x.shape[SEQ_DIM]} (dim 1 of shape "
+                         f"{tuple(x.shape)}) is not divisible by the TP size {size}; pad or "
+                         f"cut the sequence to a multiple of {size}")
+
+
+def _check_same_shapes(x: Tensor, group: dist.ProcessGroup, what: str) -> None:
+    """With MESHPIPE_CHECK_COLLECTIVES set: raise on every rank if the shapes differ."""
+    if os.environ.get(CHECK_ENV, "0") in ("", "0"):
+        return
+    size = dist.get_world_size(group)
+    mine = torch.full((9,), -1, dtype=torch.int64, device=x.device)
+    if x.dim() > 8:
+        raise ValueError(f"{what}: cannot check shapes with more than 8 dims")
+    mine[0] = x.dim()
+    mine[1:x.dim() + 1] = torch.tensor(list(x.shape), dtype=torch.int64)
+    table = torch.empty(size * 9, dtype=torch.int64, device=x.device)
+    dist.all_gather_single(table, mine, group=group)
+    shapes = [tuple(row[1:row[0] + 1]) for row in table.view(size, 9).tolist()]
+    if len(set(shapes)) > 1:
+        listing = ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
+        raise ValueError(f"{what}: every TP rank must pass the same shape, got {listing}")
+
+
+def _gather_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Concatenate every rank's ``x`` along dim 1, in group-rank order."""
+    size = dist.get_world_size(group)
+    local = x.movedim(SEQ_DIM, 0).contiguous()
+    out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    dist.all_gather_single(out, local, group=group)
+    return out.movedim(0, SEQ_DIM).contiguous()
+
+
+def _reduce_scatter_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Sum over ranks, keep this rank's contiguous chunk of dim 1 (float32 for half types)."""
+    size = dist.get_world_size(group)
+    full = x.movedim(SEQ_DIM, 0).to(_reduce_dtype(x)).contiguous()
+    out = torch.empty((full.shape[0] // size, *full.shape[1:]), dtype=full.dtype,
+                      device=x.device)
+    dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
+    return out.to(x.dtype).movedim(0, SEQ_DIM).contiguous()
+
+
+def _seq_chunk(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    rank, size = tp_rank_and_size(group)
+    return x.chunk(size, SEQ_DIM)[rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return _all_reduce_sum(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        return _all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _seq_chunk(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return _gather_seq(grad, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return _gather_seq(grad, ctx.group), None
+
+
+def copy_to_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Identity forward, all-reduce (sum) of the gradient backward: the entry of a
+    column-parallel region, where every rank's slice contributes to the input gradient."""
+    if _tp_size(group) == 1:
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """All-reduce (sum) forward, identity backward: the exit of a row-parallel region,
+    whose partial outputs add up to the full one."""
+    if _tp_size(group) == 1:
+        return x
+    return _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_sequence(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Keep this rank's contiguous chunk of dim 1 forward, all-gather along dim 1 backward:
+    enters a sequence-parallel region from replicated activations."""
+    size = _tp_size(group)
+    if size == 1:
+        return x
+    _check_seq_divisible(x, size, "scatter_to_sequence")
+    return _ScatterToSequence.apply(x, group)
+
+
+def gather_from_sequence(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """All-gather along dim 1 forward, reduce-scatter (sum) along dim 1 backward: the
+    sequence-parallel rule, since every rank's use of the full sequence adds to its grad."""
+    if _tp_size(group) == 1:
+        return x
+    _check_seq_divisible(x, 1, "gather_from_sequence")  # only needs a dim 1
+    _check_same_shapes(x, group, "gather_from_sequence")
+    return _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Reduce-scatter (sum) along dim 1 forward, all-gather along dim 1 backward: the exit
+    of a row-parallel region into a sequence-parallel one."""
+    size = _tp_size(group)
+    if size == 1:
+        return x
+    _check_seq_divisible(x, size, "reduce_scatter_to_sequence")
+    _check_same_shapes(x, group, "reduce_scatter_to_sequence")
+    return _ReduceScatterToSequence.apply(x, group)
