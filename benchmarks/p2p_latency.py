@@ -2,24 +2,34 @@
 
     .venv/bin/python benchmarks/p2p_latency.py                 # 16 KB, 256 KB, 6 MB
     .venv/bin/python benchmarks/p2p_latency.py --sizes 16384 --iters 500
+    .venv/bin/python benchmarks/p2p_latency.py --modes batched
 
 Two gloo CPU processes (``torch.set_num_threads(1)``) bounce one float32 tensor back and
 forth. A round trip is: rank 0 sends, rank 1 receives and sends it back, rank 0 receives;
 each one is timed on rank 0, back to back, after warm-up round trips (meshpipe's first
-message on a link carries its layout; the timed ones reuse it). Three ways:
+message on a link carries its layout; the timed ones reuse it). The ways, each in the
+modes of ``--modes``:
 
 - ``meshpipe``: ``P2PTransport.post_recv``, ``post_send`` and ``wait`` with labels, the
-  way the executor uses them (rank 0 posts its receive before it sends);
+  way the executor uses them (rank 0 posts its receive before it sends). Mode ``async``
+  posts each operation at once; mode ``batched`` (``P2PTransport(mode="batched")``) queues
+  them and issues rank 0's receive and send in one ``batch_isend_irecv`` at ``flush``, as
+  the executor does after a run of SEND/RECV actions;
 - ``gloo 1 op``: a plain ``isend`` / ``irecv`` of the tensor into a buffer allocated
   beforehand: the floor for any transport that knows the shape in advance (what
-  ``torch.distributed.pipelining`` does with static shapes);
-- ``gloo header+payload``: a 48-byte header receive, then the payload receive posted
-  once the header is in: the floor for a transport that learns the size from a header.
+  ``torch.distributed.pipelining`` does with static shapes); in mode ``batched`` rank 0's
+  receive and send go through one ``batch_isend_irecv``;
+- ``gloo header+payload`` (async only): a 48-byte header receive, then the payload receive
+  posted once the header is in: the floor for a transport that learns the size from a
+  header.
+
+On gloo ``batch_isend_irecv`` posts its operations one by one (gloo does not coalesce), so
+batched mode can only add Python overhead here; the grouped launch it exists for is NCCL's.
 
 Prints a table of the median and 10th percentile (ms) per size and way, and writes
-``<out>/p2p_latency.json`` (default ``benchmarks/results``). A benchmark prints and records
-times; it never asserts them. On a shared machine read the medians with the recorded load
-average in mind.
+``<out>/p2p_latency.json`` and ``<out>/p2p_latency.md`` (default ``benchmarks/results``).
+A benchmark prints and records times; it never asserts them. On a shared machine read the
+medians with the recorded load average in mind.
 """
 
 from __future__ import annotations
@@ -39,11 +49,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from meshpipe.comm.p2p import P2PTransport
+from meshpipe.comm.p2p import MODES, P2PTransport
 
 DEFAULT_SIZES = (16 << 10, 256 << 10, 6 << 20)
 HEADER_NBYTES = 48
 WAYS = ("meshpipe", "gloo 1 op", "gloo header+payload")
+# The modes each way runs in (header+payload is a floor with no batched counterpart).
+WAY_MODES = {"meshpipe": MODES, "gloo 1 op": MODES, "gloo header+payload": ("async",)}
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=5)
 
 
@@ -55,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="timed round trips per size and way (a tenth of it for sizes "
                              "of 1 MB and more, at least 20)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed round trips first")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="transport modes to measure (default: all)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     if any(size <= 0 or size % 4 for size in args.sizes):
@@ -72,29 +86,41 @@ def iterations(size: int, iters: int) -> int:
 RoundTrip = Callable[[], None]
 
 
-def meshpipe_round_trip(rank: int, tensor: torch.Tensor, group: dist.ProcessGroup
-                        ) -> RoundTrip:
-    transport = P2PTransport(group)
+def meshpipe_round_trip(rank: int, tensor: torch.Tensor, group: dist.ProcessGroup,
+                        mode: str) -> RoundTrip:
+    transport = P2PTransport(group, mode=mode)
     peer = 1 - rank
 
     def round_trip() -> None:
         incoming = transport.post_recv(peer, label="bounce")
         if rank == 0:
             transport.post_send(tensor, peer, label="bounce")
+            transport.flush()  # batched: receive and send in one call; async: nothing
             incoming.wait()
         else:
             transport.post_send(incoming.wait(), peer, label="bounce")
+            transport.flush()
         transport.wait_sends()
 
     return round_trip
 
 
-def gloo_round_trip(rank: int, tensor: torch.Tensor, group: dist.ProcessGroup) -> RoundTrip:
+def gloo_round_trip(rank: int, tensor: torch.Tensor, group: dist.ProcessGroup,
+                    mode: str) -> RoundTrip:
     peer = 1 - rank
     buffer = torch.empty_like(tensor)
 
+    def batched_exchange() -> None:
+        ops = [dist.P2POp(dist.irecv, buffer, peer, group=group),
+               dist.P2POp(dist.isend, tensor, peer, group=group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
     def round_trip() -> None:
         if rank == 0:
+            if mode == "batched":
+                batched_exchange()
+                return
             send = dist.isend(tensor, peer, group=group)
             dist.irecv(buffer, peer, group=group).wait()
         else:
@@ -106,7 +132,7 @@ def gloo_round_trip(rank: int, tensor: torch.Tensor, group: dist.ProcessGroup) -
 
 
 def header_then_payload_round_trip(rank: int, tensor: torch.Tensor,
-                                   group: dist.ProcessGroup) -> RoundTrip:
+                                   group: dist.ProcessGroup, mode: str) -> RoundTrip:
     peer = 1 - rank
     header = torch.zeros(HEADER_NBYTES, dtype=torch.uint8)
 
@@ -132,21 +158,27 @@ def header_then_payload_round_trip(rank: int, tensor: torch.Tensor,
     return round_trip
 
 
-FACTORIES: dict[str, Callable[[int, torch.Tensor, dist.ProcessGroup], RoundTrip]] = {
+FACTORIES: dict[str, Callable[[int, torch.Tensor, dist.ProcessGroup, str], RoundTrip]] = {
     "meshpipe": meshpipe_round_trip,
     "gloo 1 op": gloo_round_trip,
     "gloo header+payload": header_then_payload_round_trip,
 }
 
 
-def measure(rank: int, way: str, size: int, args: argparse.Namespace) -> list[float]:
+def ways_and_modes(modes: list[str]) -> list[tuple[str, str]]:
+    """Every (way, mode) pair to measure, in table order."""
+    return [(way, mode) for way in WAYS for mode in WAY_MODES[way] if mode in modes]
+
+
+def measure(rank: int, way: str, mode: str, size: int, args: argparse.Namespace
+            ) -> list[float]:
     """Round-trip times in ms on rank 0 (rank 1 returns an empty list).
 
     Each measurement has a group of its own, so no way can take another's messages.
     """
     tensor = torch.randn(size // 4)
     group = dist.new_group([0, 1], timeout=PROCESS_GROUP_TIMEOUT)
-    round_trip = FACTORIES[way](rank, tensor, group)
+    round_trip = FACTORIES[way](rank, tensor, group, mode)
     for _ in range(args.warmup):
         round_trip()
     dist.barrier()
@@ -166,34 +198,39 @@ def _worker(rank: int, init_file: str, result_file: str, args: argparse.Namespac
     try:
         rows = []
         for size in args.sizes:
-            for way in WAYS:
-                times = measure(rank, way, size, args)
+            for way, mode in ways_and_modes(args.modes):
+                times = measure(rank, way, mode, size, args)
                 if rank == 0:
-                    row = summarise(size, way, times)
+                    row = summarise(size, way, mode, times)
                     rows.append(row)
-                    print(f"{size:>9} B  {way:<20} median {row['median_ms']:.3f} ms  "
-                          f"p10 {row['p10_ms']:.3f} ms", flush=True)
+                    print(f"{size:>9} B  {way:<20} {mode:<8} median {row['median_ms']:.3f} "
+                          f"ms  p10 {row['p10_ms']:.3f} ms", flush=True)
         if rank == 0:
             Path(result_file).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
 
 
-def summarise(size: int, way: str, times: list[float]) -> dict:
+def summarise(size: int, way: str, mode: str, times: list[float]) -> dict:
     ordered = sorted(times)
-    return {"bytes": size, "way": way, "iters": len(times),
+    return {"bytes": size, "way": way, "mode": mode, "iters": len(times),
             "median_ms": round(statistics.median(ordered), 4),
             "p10_ms": round(ordered[len(ordered) // 10], 4),
             "min_ms": round(ordered[0], 4)}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| bytes | " + " | ".join(f"{way} median / p10 ms" for way in WAYS) + " |",
-             "| ---: |" + " ---: |" * len(WAYS)]
+    """Markdown table: one row per size, one column per (way, mode), median / p10 in ms."""
+    columns = [(way, mode) for way in WAYS for mode in WAY_MODES[way]
+               if any(r["way"] == way and r["mode"] == mode for r in rows)]
+    lines = ["| bytes | " + " | ".join(f"{way} {mode} median / p10 ms"
+                                       for way, mode in columns) + " |",
+             "| ---: |" + " ---: |" * len(columns)]
     for size in sorted({row["bytes"] for row in rows}):
         cells = [str(size)]
-        for way in WAYS:
-            row = next(r for r in rows if r["bytes"] == size and r["way"] == way)
+        for way, mode in columns:
+            row = next(r for r in rows
+                       if r["bytes"] == size and r["way"] == way and r["mode"] == mode)
             cells.append(f"{row['median_ms']:.3f} / {row['p10_ms']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -209,6 +246,7 @@ def load_average() -> list[float] | None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     config = {"sizes": args.sizes, "iters": args.iters, "warmup": args.warmup,
+              "modes": args.modes,
               "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "python": platform.python_version(), "load_average_before": load_average()}
     with tempfile.TemporaryDirectory(prefix="meshpipe-p2p-bench-") as scratch:
@@ -219,9 +257,16 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "p2p_latency.json"
     path.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
-    print(table(rows))
+    markdown = table(rows)
+    note = (f"2 gloo CPU processes, {config['cpu_count']} CPUs, torch {config['torch']}; "
+            f"load average before {config['load_average_before']}, after "
+            f"{config['load_average_after']}. Round-trip times; batched mode issues rank 0's "
+            "receive and send in one batch_isend_irecv (gloo posts them one by one).")
+    (args.out / "p2p_latency.md").write_text(
+        "# P2P round-trip latency\n\n" + markdown + "\n\n" + note + "\n")
+    print(markdown)
     print(f"load average before {config['load_average_before']}, after "
-          f"{config['load_average_after']}; wrote {path}")
+          f"{config['load_average_after']}; wrote {path} and p2p_latency.md")
 
 
 if __name__ == "__main__":

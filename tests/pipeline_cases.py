@@ -50,7 +50,7 @@ def stage_gradients(stages: dict[int, Stage]) -> dict[str, torch.Tensor]:
 
 
 def pipeline_step(rank, world_size, name, pp, microbatches, *, stages_per_rank=1,
-                  placement=None, dp=1, forward_only=False, tie=False):
+                  placement=None, dp=1, forward_only=False, tie=False, p2p_mode="async"):
     schedule = build(name, pp, microbatches, stages_per_rank=stages_per_rank,
                      placement=placement, forward_only=forward_only)
     topo = Topology.build(ParallelLayout(pp=pp, dp=dp))
@@ -61,7 +61,8 @@ def pipeline_step(rank, world_size, name, pp, microbatches, *, stages_per_rank=1
                        loss_fn=causal_lm_loss if s == last else None)
               for s in schedule.stages_of(topo.pp_rank)}
     executor = Executor(schedule, stages, pp_rank=topo.pp_rank,
-                        pipeline_ranks=topo.pipeline_ranks, transport=P2PTransport())
+                        pipeline_ranks=topo.pipeline_ranks,
+                        transport=P2PTransport(mode=p2p_mode))
     tokens, targets = batch(dp * microbatches * MICROBATCH_SIZE)
     mine = slice(topo.coords["dp"] * microbatches * MICROBATCH_SIZE,
                  (topo.coords["dp"] + 1) * microbatches * MICROBATCH_SIZE)

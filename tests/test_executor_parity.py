@@ -47,6 +47,21 @@ def test_schedule_matches_single_process(name, pp, microbatches, vpp):
     _assert_matches_reference(results, pp * vpp, microbatches * MICROBATCH_SIZE)
 
 
+# Batched transport: each run of SEND/RECV actions goes out in one batch_isend_irecv.
+BATCHED_CASES = [("gpipe", 2, 3, 1), ("1f1b", 2, 5, 1), ("1f1b", 4, 7, 1),
+                 ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("zb-h1", 4, 6, 1),
+                 ("zb-v", 2, 3, 2), ("zb-v", 4, 6, 2), ("dualpipe-v", 2, 5, 2),
+                 ("combined-1f1b", 2, 4, 2)]
+
+
+@pytest.mark.parametrize("name,pp,microbatches,vpp", BATCHED_CASES,
+                         ids=[f"{c[0]}-pp{c[1]}-m{c[2]}-v{c[3]}" for c in BATCHED_CASES])
+def test_batched_transport_matches_single_process(name, pp, microbatches, vpp):
+    results = run_distributed(pp, pipeline_step, name, pp, microbatches, stages_per_rank=vpp,
+                              p2p_mode="batched")
+    _assert_matches_reference(results, pp * vpp, microbatches * MICROBATCH_SIZE)
+
+
 @pytest.mark.parametrize("name,pp,microbatches,vpp", [("1f1b", 2, 3, 1), ("interleaved", 2, 4, 2),
                                                       ("zb-v", 2, 4, 2)])
 def test_data_parallel_averages_gradients(name, pp, microbatches, vpp):
@@ -87,7 +102,7 @@ def test_live_activations_never_exceed_the_simulated_peak(name, pp, microbatches
         assert 0 < r["peak"] <= r["simulated_peak"], (rank, r["peak"], r["simulated_peak"])
 
 
-def _two_steps_transport_stats(rank, world_size, name, microbatches, vpp):
+def _two_steps_transport_stats(rank, world_size, name, microbatches, vpp, mode="async"):
     from meshpipe.comm.p2p import P2PTransport
     from meshpipe.models import Transformer, causal_lm_loss, split
     from meshpipe.runtime import Executor, Stage
@@ -100,9 +115,11 @@ def _two_steps_transport_stats(rank, world_size, name, microbatches, vpp):
     stages = {s: Stage(chunks[s], s, schedule.num_stages,
                        loss_fn=causal_lm_loss if s == last else None)
               for s in schedule.stages_of(rank)}
-    transport = P2PTransport()
+    transport = P2PTransport(mode=mode)
     executor = Executor(schedule, stages, pp_rank=rank, pipeline_ranks=list(range(world_size)),
                         transport=transport)
+    comm_runs = sum(1 for i, action in enumerate(executor.actions) if action.kind.is_comm
+                    and (i == 0 or not executor.actions[i - 1].kind.is_comm))
     tokens, targets = batch(microbatches * MICROBATCH_SIZE)
     positions = torch.arange(tokens.shape[1])  # forward messages carry it, gradients do not
     inputs = [(t, positions, None) for t in tokens.split(MICROBATCH_SIZE)]
@@ -111,7 +128,8 @@ def _two_steps_transport_stats(rank, world_size, name, microbatches, vpp):
     executor.step(inputs, list(targets.split(MICROBATCH_SIZE)))
     stats = transport.stats
     return (stats.messages_sent, stats.sends_posted, stats.recvs_posted,
-            stats.layout_changes_sent, stats.metadata_sent)
+            stats.layout_changes_sent, stats.metadata_sent, stats.recvs_deferred,
+            stats.batches_posted, stats.ops_batched, comm_runs)
 
 
 @pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("interleaved", 2)])
@@ -119,8 +137,25 @@ def test_a_steady_step_moves_each_message_in_one_operation(name, vpp):
     """Each (direction, stage) stream keeps its layout, so after the first step no metadata
     or layout notice travels and every message is one send and one receive. Interleaved
     sends activations and gradients (different layouts) between the same pair of ranks."""
-    for messages, sends, receives, changes, metadata in run_distributed(
+    for messages, sends, receives, changes, metadata, _, batches, _, _ in run_distributed(
             2, _two_steps_transport_stats, name, 4, vpp):
         assert messages > 0
         assert sends == receives == messages
         assert changes == metadata == 0
+        assert batches == 0  # async mode posts every operation by itself
+
+
+@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("interleaved", 2), ("zb-v", 2)])
+def test_a_batched_step_posts_each_run_of_comm_actions_in_one_batch(name, vpp):
+    """In batched mode the executor flushes once per run of SEND/RECV actions: at most one
+    batch_isend_irecv per run (one group here), carrying every steady operation except the
+    receives deferred behind an unresolved one of their channel (posted when it resolves)."""
+    results = run_distributed(2, _two_steps_transport_stats, name, 4, vpp, "batched")
+    for (messages, sends, receives, changes, metadata, deferred, batches, batched,
+         comm_runs) in results:
+        assert sends == receives == messages > 0
+        assert changes == metadata == 0
+        assert batched == sends + receives - deferred
+        assert 0 < batches <= comm_runs
+    # lowering puts most comm actions next to their compute, but some runs hold several
+    assert any(batches < batched for *_, batches, batched, _ in results)

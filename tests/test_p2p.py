@@ -10,15 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshpipe.comm.message import UnsupportedMessageError, flatten
 from meshpipe.comm.p2p import (
-    HEADER_NBYTES,
     MessageMismatchError,
     P2PError,
     P2PTimeoutError,
     P2PTransport,
-    VTPTransport,
 )
+from meshpipe.comm.vtp import VTPTransport
+from meshpipe.comm.wire import HEADER_NBYTES, UnsupportedMessageError, flatten
 from meshpipe.testing import run_distributed
 from test_p2p_message import assert_same_message
 
@@ -89,11 +88,11 @@ def counting_p2p_calls():
 
 # -- multi-tensor messages -------------------------------------------------------------
 
-def _ring(rank, world_size, members, messages):
+def _ring(rank, world_size, members, messages, mode="async"):
     group = dist.new_group(members) if len(members) < world_size else None
     if rank not in members:
         return None
-    transport = P2PTransport(group, timeout=TIMEOUT)
+    transport = P2PTransport(group, timeout=TIMEOUT, mode=mode)
     position = members.index(rank)
     nxt, prev = members[(position + 1) % len(members)], members[position - 1]
     sends = [transport.post_send(make_message(rank, i, requires_grad=True), nxt,
@@ -109,20 +108,23 @@ def _ring(rank, world_size, members, messages):
     return order
 
 
-@pytest.mark.parametrize("world_size, members", [
-    (2, [0, 1]),
-    (3, [0, 1, 2]),
-    (4, [0, 1, 2, 3]),
-    (4, [1, 3, 2]),  # a subgroup: peers are still named by global rank
+@pytest.mark.parametrize("world_size, members, mode", [
+    (2, [0, 1], "async"),
+    (3, [0, 1, 2], "async"),
+    (4, [0, 1, 2, 3], "async"),
+    (4, [1, 3, 2], "async"),  # a subgroup: peers are still named by global rank
+    (3, [0, 1, 2], "batched"),  # never flushed: the waits flush
+    (4, [1, 3, 2], "batched"),
 ])
-def test_a_ring_exchanges_multi_tensor_messages_with_changing_shapes(world_size, members):
-    orders = [order for order in run_distributed(world_size, _ring, members, 6) if order]
+def test_a_ring_exchanges_multi_tensor_messages_with_changing_shapes(world_size, members, mode):
+    orders = [order for order in run_distributed(world_size, _ring, members, 6, mode)
+              if order]
     assert len(orders) == len(members)
     assert any(order != sorted(order) for order in orders)  # waited out of order
 
 
-def _reverse_waits(rank, world_size):
-    transport = P2PTransport(timeout=TIMEOUT)
+def _reverse_waits(rank, world_size, mode="async"):
+    transport = P2PTransport(timeout=TIMEOUT, mode=mode)
     peer = 1 - rank
     messages = [torch.ones(3), torch.ones(3), (torch.ones(5), 1), torch.ones(3), None,
                 {"x": torch.arange(4)}]
@@ -136,9 +138,10 @@ def _reverse_waits(rank, world_size):
     return transport.stats.metadata_received
 
 
-def test_receives_waited_in_reverse_order_resolve_in_posting_order():
+@pytest.mark.parametrize("mode", ["async", "batched"])
+def test_receives_waited_in_reverse_order_resolve_in_posting_order(mode):
     # four layouts among six messages: metadata travelled four times each way
-    assert run_distributed(2, _reverse_waits) == [4, 4]
+    assert run_distributed(2, _reverse_waits, mode) == [4, 4]
 
 
 # -- the steady path, layout changes and operation counts ----------------------------
@@ -245,9 +248,9 @@ def test_receives_posted_ahead_are_deferred_until_the_previous_layout_is_known()
     assert calls == {"irecv": 8 + 2 + 1}
 
 
-def _scripted_traffic(rank, world_size, scripts, plans):
+def _scripted_traffic(rank, world_size, scripts, plans, mode="async"):
     """Each rank sends its script to the other, then receives the other's by its plan."""
-    transport = P2PTransport(timeout=TIMEOUT)
+    transport = P2PTransport(timeout=TIMEOUT, mode=mode)
     peer = 1 - rank
     for index, (channel, kind) in enumerate(scripts[rank]):
         transport.post_send(_scripted_message(rank, index, kind), peer,
@@ -322,11 +325,12 @@ def _expected_traffic(script):
     return changes, slow_payloads
 
 
-def test_random_traffic_on_several_channels_arrives_intact_in_any_wait_order():
+@pytest.mark.parametrize("mode", ["async", "batched"])
+def test_random_traffic_on_several_channels_arrives_intact_in_any_wait_order(mode):
     rng = random.Random(2024)
     scripts = [_script(rng, 40), _script(rng, 40)]
     plans = [_plan(rng, 40), _plan(rng, 40)]
-    stats = run_distributed(2, _scripted_traffic, scripts, plans)
+    stats = run_distributed(2, _scripted_traffic, scripts, plans, mode)
     for rank in (0, 1):
         sent, received = stats[rank], stats[1 - rank]
         changes, slow_payloads = _expected_traffic(scripts[rank])
@@ -390,7 +394,7 @@ def test_a_reverse_group_must_match_and_nccl_needs_one():
         assert "payload group uses NCCL" in seen[case] and "reverse_group=" in seen[case]
 
 
-def _average_from_groups(rank, world_size):
+def _average_from_groups(rank, world_size, mode="async"):
     sources = list(range(world_size - 1))
     receiver = world_size - 1
     groups = [dist.new_group([src, receiver]) for src in sources]
@@ -398,7 +402,7 @@ def _average_from_groups(rank, world_size):
     shared_ids = torch.randint(0, 50, (4,), generator=gen)
     per_source = [(torch.randn(3, 4, generator=gen), torch.randn(64, generator=gen).bfloat16())
                   for _ in sources]
-    transport = P2PTransport(timeout=TIMEOUT)
+    transport = P2PTransport(timeout=TIMEOUT, mode=mode)
     result = None
     if rank == receiver:
         averaged = transport.post_recv(sources, group=groups, average=True, label="avg").wait()
@@ -414,10 +418,10 @@ def _average_from_groups(rank, world_size):
     return result, per_source, shared_ids
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
-def test_receiving_from_several_pipeline_groups_averages_in_float32(world_size):
+@pytest.mark.parametrize("world_size, mode", [(3, "async"), (4, "async"), (4, "batched")])
+def test_receiving_from_several_pipeline_groups_averages_in_float32(world_size, mode):
     (averaged, listed), per_source, shared_ids = run_distributed(
-        world_size, _average_from_groups)[-1]
+        world_size, _average_from_groups, mode)[-1]
     hidden = torch.stack([h for h, _ in per_source]).mean(0)
     lowp = torch.stack([lowp.float() for _, lowp in per_source]).mean(0).bfloat16()
     expected = {"h": hidden, "lowp": lowp, "ids": shared_ids, "none": None, "step": 3}

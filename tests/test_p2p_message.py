@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshpipe.comm.message import (
+from meshpipe.comm.wire import (
     PAYLOAD_ALIGNMENT,
     MessageLayout,
     UnsupportedMessageError,

@@ -165,6 +165,13 @@ class Executor:
         self.transport = transport
         self.recv_timeout = recv_timeout
         self.actions = self.schedule.ranks[pp_rank]
+        # A transport that queues posted operations (P2PTransport(mode="batched")) issues
+        # them in flush(): once after each run of consecutive SEND/RECV actions.
+        self._flush = getattr(transport, "flush", None)
+        self._flush_after = frozenset(
+            i for i, action in enumerate(self.actions)
+            if action.kind.is_comm and (i + 1 == len(self.actions)
+                                        or not self.actions[i + 1].kind.is_comm))
         self._failure: str | None = None
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
@@ -272,6 +279,8 @@ class Executor:
         """Dispatch one action; any failure becomes an error naming where it happened."""
         try:
             self._handlers[action.kind](action)
+            if self._flush is not None and index in self._flush_after:
+                self._flush()
         except _PeerStopped as stop:
             raise PeerFailedError(self._describe(index, action) + f": {stop}", peer=stop.peer,
                                   failed_rank=stop.failed_rank, reason=stop.reason) from None
@@ -317,6 +326,11 @@ class Executor:
                 unreachable.add(peer)
                 continue
             first_notices.setdefault(peer, handle)
+        if self._flush is not None:
+            try:
+                self._flush()
+            except Exception:  # noqa: BLE001 - best effort, as above
+                pass
         return first_notices
 
     def _await_stop_notices(self, first_notices: dict[int, Any], skip: set[int]) -> None:

@@ -1,4 +1,4 @@
-"""Pipeline messages: pytrees of tensors and small values, their wire layout and payload.
+"""How a pipeline message travels: its packed layout and payload, and the header in front.
 
 A message is a nested ``tuple`` / ``list`` / ``dict`` whose leaves are tensors or small
 non-tensor values (``None``, ``bool``, ``int``, ``float``, ``str``). On the wire it is two
@@ -12,14 +12,24 @@ things:
   operation per message whatever the number and dtypes of its tensors.
 
 On arrival the tensors are contiguous views into the received buffer.
+
+In front of the payload travels a 48-byte :class:`Header` (sequence number, metadata slot,
+metadata size, payload size, label digest, layout digest). Layouts are cached per link in
+:data:`METADATA_SLOTS` slots (:class:`SenderSlots` / :class:`ReceiverSlots`), so a stream
+that alternates between layouts sends each one's metadata once; :func:`layout_for` turns a
+received header into its layout. The transports (:mod:`meshpipe.comm.p2p`,
+:mod:`meshpipe.comm.vtp`) decide when each part is sent; this module only says what is on
+the wire.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Any, Iterator
+from functools import cached_property, lru_cache
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -280,3 +290,162 @@ def tensor_paths(layout: MessageLayout) -> list[str]:
 
     walk(layout.spec, "message")
     return paths
+
+
+# -- the header and the metadata caches ---------------------------------------------------
+
+# Six little-endian int64; 48 bytes, a multiple of 16: the payload behind it stays aligned.
+_HEADER_FORMAT = struct.Struct("<6q")
+HEADER_NUMEL = 6
+HEADER_NBYTES = _HEADER_FORMAT.size
+METADATA_SLOTS = 8
+# Slot value of a header whose message has the layout the receiver expects.
+STEADY_SLOT = -1
+# Slot value of a VTP broadcast header that says the stage root failed to receive.
+ROOT_FAILED_SLOT = -2
+# Tags of the steady stream and of the slow path (they share a group when the payload
+# group is gloo); NCCL ignores tags, so the two never share an NCCL group.
+STEADY_TAG = 0
+SLOW_TAG = 1
+_DIGEST_CACHE = 4096
+
+
+class Header(NamedTuple):
+    """The 48 bytes in front of every message (and of every VTP broadcast)."""
+
+    seq: int
+    slot: int
+    metadata_nbytes: int
+    payload_nbytes: int
+    label_digest: int
+    layout_digest: int
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor(self, dtype=torch.int64)
+
+    def write_into(self, buffer: torch.Tensor) -> None:
+        """Write the header into the first bytes of a ``uint8`` buffer (on any device)."""
+        if buffer.device.type == "cpu":
+            _HEADER_FORMAT.pack_into(buffer.numpy(), 0, *self)
+        else:
+            packed = torch.frombuffer(bytearray(_HEADER_FORMAT.pack(*self)), dtype=torch.uint8)
+            buffer[:HEADER_NBYTES].copy_(packed)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> "Header":
+        return cls(*tensor.tolist())
+
+    @classmethod
+    def read_from(cls, buffer: torch.Tensor) -> "Header":
+        """The header in the first bytes of a ``uint8`` buffer (a device buffer is copied
+        to the host, which waits for the stream that received it)."""
+        host = buffer[:HEADER_NBYTES] if buffer.device.type == "cpu" else (
+            buffer[:HEADER_NBYTES].cpu())
+        return cls(*_HEADER_FORMAT.unpack_from(host.numpy()))
+
+
+def _digest(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+@lru_cache(maxsize=_DIGEST_CACHE)
+def label_digest(label: str) -> int:
+    """64-bit digest of a label (0 for no label): lets the receiver check it cheaply."""
+    return _digest(label.encode()) if label else 0
+
+
+@lru_cache(maxsize=_DIGEST_CACHE)
+def layout_digest(encoded: bytes) -> int:
+    """64-bit digest of an encoded layout: a header names its layout by it."""
+    return _digest(encoded)
+
+
+def describe_label(label: str) -> str:
+    """A label as error messages quote it."""
+    return repr(label) if label else "an unlabelled message"
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The layout a receive on a channel is sized for, with its digest."""
+
+    layout: MessageLayout
+    digest: int
+
+    @classmethod
+    def of(cls, layout: MessageLayout) -> "Expected":
+        return cls(layout, layout_digest(layout.encoded))
+
+
+def capacity(expected: Expected | None) -> int:
+    """Payload bytes that a message sized for ``expected`` has room for."""
+    return 0 if expected is None else expected.layout.payload_nbytes
+
+
+class SenderSlots:
+    """The sender's side of the metadata cache: which layout sits in which slot."""
+
+    def __init__(self) -> None:
+        self._slot_of: dict[bytes, int] = {}
+        self._owner: list[bytes | None] = [None] * METADATA_SLOTS
+        self._last_use = [0] * METADATA_SLOTS
+        self._clock = 0
+
+    def assign(self, encoded: bytes) -> tuple[int, bool]:
+        """The slot for this layout, and whether it is new (its metadata must travel)."""
+        self._clock += 1
+        slot = self._slot_of.get(encoded)
+        is_new = slot is None
+        if slot is None:
+            slot = min(range(METADATA_SLOTS), key=self._last_use.__getitem__)
+            evicted = self._owner[slot]
+            if evicted is not None:
+                del self._slot_of[evicted]
+            self._owner[slot] = encoded
+            self._slot_of[encoded] = slot
+        self._last_use[slot] = self._clock
+        return slot, is_new
+
+
+class ReceiverSlots:
+    """The receiver's side of the metadata cache: filled as the sender instructs."""
+
+    def __init__(self) -> None:
+        self._layouts: list[MessageLayout | None] = [None] * METADATA_SLOTS
+
+    def store(self, slot: int, layout: MessageLayout) -> None:
+        self._layouts[slot] = layout
+
+    def lookup(self, slot: int) -> MessageLayout | None:
+        return self._layouts[slot]
+
+
+def layout_for(header: Header, slots: ReceiverSlots,
+               fetch_metadata: Callable[[int], torch.Tensor],
+               corrupt: Callable[[str], Exception]) -> MessageLayout:
+    """The layout a header announces: fetched and cached if it travels, else looked up.
+
+    ``fetch_metadata(nbytes)`` receives the metadata bytes; ``corrupt(reason)`` builds the
+    error raised when the header and what this rank holds disagree.
+    """
+    if not 0 <= header.slot < METADATA_SLOTS:
+        raise corrupt(f"the header names metadata slot {header.slot}")
+    if header.metadata_nbytes:
+        data = fetch_metadata(header.metadata_nbytes)
+        try:
+            layout = MessageLayout.decode(data.numpy().tobytes())
+        except ValueError as error:
+            raise corrupt(str(error)) from None
+        slots.store(header.slot, layout)
+    else:
+        layout = slots.lookup(header.slot)
+        if layout is None:
+            raise corrupt(f"the header refers to cached metadata slot {header.slot}, which "
+                          "this rank never received")
+    if layout.payload_nbytes != header.payload_nbytes:
+        raise corrupt(f"the header announces {header.payload_nbytes} payload bytes but the "
+                      f"metadata describes {layout.payload_nbytes}")
+    if layout_digest(layout.encoded) != header.layout_digest:
+        raise corrupt(f"metadata slot {header.slot} holds another layout than the one the "
+                      "header announces")
+    return layout
