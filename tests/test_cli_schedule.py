@@ -71,6 +71,10 @@ def test_show_takes_costs_placement_and_forward_only(capsys):
     (["schedule", "show", "zb-h1", "--pp", "2", "-m", "2", "--placement", "v"],
      "runs on the loop placement"),
     (["schedule"], "required: SUBCOMMAND"),
+    (["schedule", "compare", "--pp", "2", "-m", "2", "--recompute", "half"],
+     "argument --recompute: invalid choice: 'half'"),
+    (["schedule", "show", "1f1b", "--pp", "2", "-m", "2", "--heads", "0"],
+     "argument --heads: expected a number >= 1, got 0"),
     (["schedule", "compare", "--pp", "4", "-m", "8", "--b", "4", "--i", "1", "--w", "1"],
      "meshpipe: error: a full backward must cost what its split halves cost: --b 4 but --i 1 "
      "+ --w 1 = 2; give --b alone"),
@@ -130,6 +134,56 @@ def test_compare_with_only_b_gives_split_backward_schedules_the_same_work(capsys
     # No schedule finishes before one rank's own work, m (F + B) = 40.
     assert min(makespans.values()) >= 40
     assert makespans["zb-h1"] < makespans["1f1b"]
+
+
+def _table(out):
+    rows = [line for line in out.splitlines() if line.startswith("| ")][2:]
+    return {cells[0]: cells[1:] for cells in
+            ([cell.strip() for cell in line.split("|")[1:-1]] for line in rows)}
+
+
+def test_compare_recompute_changes_the_makespan_and_memory_columns(capsys, tmp_path):
+    path = tmp_path / "compare.json"
+    _, plain, _ = run(capsys, "schedule", "compare", "--pp", "4", "-m", "8")
+    status, out, err = run(capsys, "schedule", "compare", "--pp", "4", "-m", "8",
+                           "--recompute", "full", "--seq-len", "128", "--dim", "64",
+                           "--heads", "8", "--json", str(path))
+    assert (status, err) == (0, "")
+    # 5 a s / h = 80: 2/114 of the activations kept; B and I re-run the forward
+    assert ("costs F=1 B=2 I=1 W=1 comm=0; recompute full (seq-len 128, dim 64, heads 8): "
+            "B and I re-run 100% of F, 1.75% of activations kept") in out
+    before, after = _table(plain), _table(out)
+    assert before["1f1b"][2:5] == ["33", "4", "4"]
+    assert after["1f1b"][2:5] == ["44", "4", f"{4 * 2 / 114:g}"]  # makespan, peaks, memory
+    rows = compare(4, 8, costs=CostModel(activation_bytes=1).with_recompute(
+        "full", seq_len=128, dim=64, heads=8))
+    for row in rows:
+        if row.simulation is not None:
+            assert after[row.name][2] == f"{row.simulation.makespan:g}"
+            assert after[row.name][4] == f"{row.peak_activation_memory:g}"
+    document = json.loads(path.read_text())
+    assert document["costs"]["backward"] == 2  # the costs given, before recomputation
+    assert document["recompute"] == {"mode": "full", "seq_len": 128, "dim": 64, "heads": 8,
+                                     "compute_fraction": 1.0,
+                                     "memory_fraction": pytest.approx(2 / 114)}
+    one_f_one_b = next(r for r in document["schedules"] if r["schedule"] == "1f1b")
+    assert one_f_one_b["makespan"] == 44
+
+
+def test_show_recompute_changes_the_makespan_and_memory(capsys):
+    _, plain, _ = run(capsys, "schedule", "show", "1f1b", "--pp", "4", "-m", "8")
+    assert "peak activation memory per rank: 4 3 2 1 (1 = one microbatch's" in plain
+    assert "recompute" not in plain
+    status, out, _ = run(capsys, "schedule", "show", "1f1b", "--pp", "4", "-m", "8",
+                         "--recompute", "selective")
+    assert status == 0
+    simulation = simulate(build("1f1b", 4, 8),
+                          CostModel(activation_bytes=1).with_recompute("selective"))
+    assert f"makespan {simulation.makespan:g}," in out and "makespan 33," in plain
+    assert ("peak activation memory per rank: "
+            + " ".join(f"{m:.3g}" for m in simulation.peak_activation_bytes)) in out
+    assert "recompute selective (seq-len 64, dim 64, heads 4): B and I re-run 14.3% of F, " \
+           "63% of activations kept" in out
 
 
 def test_demo_trains_then_compares_and_draws_the_best_schedule(capsys, tmp_path):

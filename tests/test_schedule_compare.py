@@ -46,6 +46,20 @@ def test_every_schedule_does_the_same_work_whatever_backward_cost_is_given(costs
         assert row.simulation.makespan >= m * (model.forward + model.backward) - 1e-9
 
 
+def test_recompute_adds_a_forward_to_every_schedules_work_and_shrinks_its_memory():
+    p, m = 4, 8
+    base = {row.name: row for row in compare(p, m) if row.simulation is not None}
+    recomputed = CostModel().with_recompute("full", memory_fraction=0.25)
+    rows = {row.name: row for row in compare(p, m, costs=recomputed)
+            if row.simulation is not None}
+    assert rows.keys() == base.keys() >= {"1f1b", "zb-h1", "zb-v", "dualpipe-v"}
+    for name, row in rows.items():
+        assert sum(row.simulation.busy) == pytest.approx(p * m * (1 + 2 + 1)), name
+        assert row.simulation.makespan > base[name].simulation.makespan, name
+        assert row.peak_activation_memory == pytest.approx(
+            base[name].peak_activation_memory * 0.25), name
+
+
 def test_compare_reports_costs_that_do_not_fit_a_schedule_as_its_reason():
     rows = {row.name: row for row in compare(2, 4, costs=CostModel(forward=(1, 1)),
                                              names=["1f1b", "zb-v"])}

@@ -15,6 +15,8 @@ from meshpipe.schedules.simulate import (
     SimulationDeadlock,
     TimedAction,
     Timeline,
+    recompute_compute_fraction,
+    recompute_memory_fraction,
     simulate,
 )
 from meshpipe.schedules.validation import ScheduleError
@@ -294,3 +296,83 @@ def test_a_backward_that_differs_from_its_halves_is_rejected(given, message):
 def test_per_stage_backward_costs_must_agree_in_length():
     with pytest.raises(ValueError, match="have 2 and 3 per-stage values"):
         CostModel(backward=(1, 2, 3), backward_input=(1, 1))
+
+
+@pytest.mark.parametrize("sizes, selective, full", [
+    ((64, 64, 4), 34 / 54, 2 / 54),              # the trainer's defaults: 5as/h = 20
+    ((2048, 12288, 96), 34 / 114, 2 / 114),      # GPT-3 175B: 5as/h = 80
+])
+def test_recompute_memory_fraction_is_korthikantis_per_layer_estimate(sizes, selective, full):
+    assert recompute_memory_fraction("none", *sizes) == 1.0
+    assert recompute_memory_fraction("selective", *sizes) == pytest.approx(selective)
+    assert recompute_memory_fraction("full", *sizes) == pytest.approx(full)
+
+
+def test_recompute_compute_fraction_is_the_share_of_the_forward_rerun():
+    assert recompute_compute_fraction("none", 64, 64) == 0.0
+    assert recompute_compute_fraction("full", 64, 64) == 1.0
+    # attention core 4bs^2h of 24bsh^2 + 4bs^2h: s / (6h + s)
+    assert recompute_compute_fraction("selective", 64, 64) == pytest.approx(1 / 7)
+    assert recompute_compute_fraction("selective", 2048, 12288) == pytest.approx(1 / 37)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: recompute_memory_fraction("some", 64, 64, 4),
+     "unknown recompute mode 'some': choose from none, selective, full"),
+    (lambda: recompute_memory_fraction("full", 64, 0, 4), "dim must be a whole number >= 1"),
+    (lambda: CostModel().with_recompute("none", memory_fraction=0.5),
+     "recompute 'none' keeps every activation"),
+    (lambda: CostModel().with_recompute("full", memory_fraction=1.5),
+     "give a number in \\[0, 1\\], got 1.5"),
+    (lambda: CostModel().with_recompute("full", compute_fraction=-1),
+     "give a finite number >= 0, got -1"),
+])
+def test_recompute_arguments_are_checked(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_full_recompute_lowers_peak_activation_memory_and_raises_the_1f1b_makespan():
+    p, m = 4, 8
+    costs = CostModel(activation_bytes=1.0)
+    recomputed = costs.with_recompute("full")
+    assert (recomputed.backward, recomputed.backward_input, recomputed.backward_weight) == (
+        3.0, 2.0, 1.0)  # B = I + W with the recomputed forward in I
+    assert recomputed.activation_bytes == pytest.approx(2 / 54)
+    for split in (False, True):
+        base = simulate(one_f_one_b(p, m, split), costs)
+        full = simulate(one_f_one_b(p, m, split), recomputed)
+        if not split:
+            assert (base.makespan, full.makespan) == ((m + p - 1) * 3, (m + p - 1) * 4)
+        assert full.makespan > base.makespan
+        assert sum(full.busy) == sum(base.busy) + p * m  # one more F per (stage, microbatch)
+        assert full.peak_activations == base.peak_activations == (4, 3, 2, 1)
+        assert full.peak_activation_bytes == pytest.approx(
+            tuple(peak * 2 / 54 for peak in base.peak_activation_bytes))
+    assert max(full.peak_activation_bytes) < max(base.peak_activation_bytes)
+
+
+def test_selective_recompute_sits_between_none_and_full():
+    schedule = one_f_one_b(4, 8)
+    runs = {mode: simulate(schedule, CostModel(activation_bytes=1.0).with_recompute(mode))
+            for mode in ("none", "selective", "full")}
+    makespans = [runs[mode].makespan for mode in ("none", "selective", "full")]
+    memory = [max(runs[mode].peak_activation_bytes) for mode in ("none", "selective", "full")]
+    assert makespans == sorted(makespans) and len(set(makespans)) == 3
+    assert memory == sorted(memory, reverse=True) and len(set(memory)) == 3
+
+
+def test_with_recompute_follows_per_stage_costs_and_keeps_the_split_invariant():
+    costs = CostModel(forward=(1, 2), backward=4, backward_weight=(1, 3), overlap=5)
+    recomputed = costs.with_recompute("selective", compute_fraction=0.5, memory_fraction=0.25)
+    assert recomputed.backward == (4.5, 5.0)
+    assert recomputed.backward_input == (3.5, 2.0)
+    assert recomputed.backward_weight == (1.0, 3.0)
+    assert recomputed.overlap == (5.5, 6.0)
+    assert recomputed.activation_bytes == 0.25  # None read as 1: memory is now reported
+    assert CostModel(activation_bytes=(2, 4)).with_recompute(
+        "full", memory_fraction=0.5).activation_bytes == (1.0, 2.0)
+    assert costs.with_recompute("none") is costs
+    # recompute then split into stages == split into stages then recompute
+    assert CostModel(forward=2, activation_bytes=1).with_recompute("full").scaled(0.5) == \
+        CostModel(forward=2, activation_bytes=1).scaled(0.5).with_recompute("full")

@@ -23,7 +23,9 @@ from meshpipe.schedules.compare import VIRTUAL_STAGE_SCHEDULES, Comparison, comp
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.placement import PLACEMENTS
 from meshpipe.schedules.render import comparison_table, to_png, to_text, write_chrome_trace
-from meshpipe.schedules.simulate import BackwardCostMismatch, CostModel, simulate
+from meshpipe.schedules.simulate import (RECOMPUTE_MODES, BackwardCostMismatch, CostModel,
+                                         recompute_compute_fraction, recompute_memory_fraction,
+                                         simulate)
 from meshpipe.schedules.validation import validate
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.config import add_arguments as add_train_arguments
@@ -90,15 +92,59 @@ def _add_costs(parser: argparse.ArgumentParser) -> None:
                        "given, half of --b if only --b is, else 1)")
     group.add_argument("--comm", type=_cost, default=0.0,
                        help="latency of one message between ranks (default 0)")
+    recompute = parser.add_argument_group(
+        "activation recomputation", "What the costs above become when backward recomputes "
+        "activations: B and I pay for the recomputed forward, and fewer activations are "
+        "kept (Korthikanti et al. 2022's per-layer estimate at these sizes).")
+    recompute.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+                           help="none; selective (the attention core only); full (each "
+                           "transformer block) (default none)")
+    recompute.add_argument("--seq-len", type=_positive_int, default=64,
+                           help="tokens per sequence, sizing --recompute (default 64)")
+    recompute.add_argument("--dim", type=_positive_int, default=64,
+                           help="model width, sizing --recompute (default 64)")
+    recompute.add_argument("--heads", type=_positive_int, default=4,
+                           help="attention heads, sizing --recompute (default 4)")
 
 
 def _costs(args: argparse.Namespace) -> CostModel:
+    """The costs given by --f/--b/--i/--w/--comm, before recomputation."""
     try:
         return CostModel(forward=args.f, backward=args.b, backward_input=args.i,
                          backward_weight=args.w, comm=args.comm)
     except BackwardCostMismatch as error:
         raise CommandLineError(f"meshpipe: error: {error.describe('--b', '--i', '--w')}"
                                ) from None
+
+
+def _recomputed(costs: CostModel, args: argparse.Namespace) -> CostModel:
+    """``costs`` under --recompute, with activation memory reported (1 = one microbatch's
+    activations without recomputation)."""
+    if costs.activation_bytes is None:
+        costs = replace(costs, activation_bytes=1.0)
+    return costs.with_recompute(args.recompute, seq_len=args.seq_len, dim=args.dim,
+                                heads=args.heads)
+
+
+def _recompute_description(args: argparse.Namespace) -> str:
+    """What --recompute does at these sizes, in a few words ('' for none)."""
+    if args.recompute == "none":
+        return ""
+    compute = recompute_compute_fraction(args.recompute, args.seq_len, args.dim)
+    memory = recompute_memory_fraction(args.recompute, args.seq_len, args.dim, args.heads)
+    return (f"recompute {args.recompute} (seq-len {args.seq_len}, dim {args.dim}, heads "
+            f"{args.heads}): B and I re-run {100 * compute:.3g}% of F, "
+            f"{100 * memory:.3g}% of activations kept")
+
+
+def _recompute_document(args: argparse.Namespace) -> dict[str, object]:
+    """--recompute and what it means at these sizes, for the JSON comparison."""
+    return {"mode": args.recompute, "seq_len": args.seq_len, "dim": args.dim,
+            "heads": args.heads,
+            "compute_fraction": recompute_compute_fraction(args.recompute, args.seq_len,
+                                                           args.dim),
+            "memory_fraction": recompute_memory_fraction(args.recompute, args.seq_len,
+                                                         args.dim, args.heads)}
 
 
 def _parser() -> _Parser:
@@ -158,12 +204,17 @@ def _show(args: argparse.Namespace, out: TextIO) -> None:
     if args.lowered:
         schedule = lower(schedule)
     validate(schedule)
-    simulation = simulate(schedule, _costs(args).for_stages_of(schedule))
+    simulation = simulate(schedule, _recomputed(_costs(args), args).for_stages_of(schedule))
     out.write(to_text(simulation))
     out.write(f"bubble per rank: "
               f"{' '.join(f'{100 * r:.1f}%' for r in simulation.bubble_ratios)}\n")
     out.write(f"peak live activations per rank: "
               f"{' '.join(str(p) for p in simulation.peak_activations)}\n")
+    out.write(f"peak activation memory per rank: "
+              f"{' '.join(f'{m:.3g}' for m in simulation.peak_activation_bytes)} (1 = one "
+              f"microbatch's activations on one rank's share without recomputation)\n")
+    if args.recompute != "none":
+        out.write(_recompute_description(args) + "\n")
     if args.csv:
         _write(args.csv, schedule.to_csv)
         out.write(f"wrote {args.csv}\n")
@@ -179,11 +230,14 @@ def _show(args: argparse.Namespace, out: TextIO) -> None:
 def _compare(args: argparse.Namespace, out: TextIO) -> None:
     costs = _costs(args)
     rows = _print_comparison(out, args.pp, args.microbatches, args.vpp, costs,
-                             forward_only=args.forward_only)
+                             forward_only=args.forward_only,
+                             simulated=_recomputed(costs, args),
+                             recompute=_recompute_description(args))
     if args.json:
         document = {"num_ranks": args.pp, "num_microbatches": args.microbatches,
                     "stages_per_rank": args.vpp, "forward_only": args.forward_only,
-                    "costs": asdict(costs), "schedules": [r.as_dict() for r in rows]}
+                    "costs": asdict(costs), "recompute": _recompute_document(args),
+                    "schedules": [r.as_dict() for r in rows]}
         _write(args.json, lambda: json.dumps(document, indent=2) + "\n")
         out.write(f"wrote {args.json}\n")
 
@@ -191,16 +245,21 @@ def _compare(args: argparse.Namespace, out: TextIO) -> None:
 _COMPARISON_NOTE = ("\nCosts are per rank's share of the model (1/pp of it); a schedule with v "
                     "stages per rank runs each stage at 1/v of them. Peak live activations counts "
                     "(stage, microbatch) pairs; peak activation memory is in units of one "
-                    "microbatch's activations on one rank's share.\n")
+                    "microbatch's activations on one rank's share without recomputation.\n")
 
 
 def _print_comparison(out: TextIO, pp: int, microbatches: int, vpp: int, costs: CostModel,
-                      forward_only: bool = False) -> list[Comparison]:
-    """Compare every schedule, write the heading, table and note; return the rows."""
-    rows = compare(pp, microbatches, stages_per_rank=vpp, costs=costs, forward_only=forward_only)
+                      forward_only: bool = False, simulated: CostModel | None = None,
+                      recompute: str = "") -> list[Comparison]:
+    """Compare every schedule, write the heading, table and note; return the rows.
+
+    The heading shows ``costs``; the schedules run ``simulated`` (default: ``costs``), which
+    ``recompute`` describes when they differ."""
+    rows = compare(pp, microbatches, stages_per_rank=vpp,
+                   costs=costs if simulated is None else simulated, forward_only=forward_only)
     out.write(f"pp={pp}, microbatches={microbatches}, vpp={vpp}; costs F={costs.forward:g} "
               f"B={costs.backward:g} I={costs.backward_input:g} W={costs.backward_weight:g} "
-              f"comm={costs.comm:g}\n\n")
+              f"comm={costs.comm:g}{'; ' + recompute if recompute else ''}\n\n")
     out.write(comparison_table(rows))
     out.write(_COMPARISON_NOTE)
     return rows

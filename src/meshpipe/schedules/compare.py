@@ -74,10 +74,12 @@ def compare(num_ranks: int, num_microbatches: int, *, stages_per_rank: int = 2,
 
     ``costs`` describe one rank's share of the model (one stage of a ``num_ranks``-stage
     split); ``activation_bytes`` defaults to 1, one microbatch's activations on that
-    share. Each schedule runs ``costs.for_stages_of(schedule)`` (a schedule with v stages
-    per rank: 1/v of them per stage), so makespans and activation memory compare like for
-    like. Each schedule runs with ``native_stages_per_rank(name, stages_per_rank)`` stages
-    per rank, the figure every row reports. A schedule whose builder (or the cost model)
+    share; ``costs.with_recompute(mode)`` compares under activation recomputation (its
+    memory is then in units of activations without recomputation). Each schedule runs
+    ``costs.for_stages_of(schedule)`` (a schedule with v stages per rank: 1/v of them per
+    stage), so makespans and activation memory compare like for like. Each schedule runs
+    with ``native_stages_per_rank(name, stages_per_rank)`` stages per rank, the figure every
+    row reports. A schedule whose builder (or the cost model)
     rejects the sizes is kept with the error message as its ``reason``, so one unsupported
     size never hides the others; a ``ScheduleError`` (a built schedule that cannot run) is
     raised with a note naming the schedule, and an unknown name is a ValueError.

@@ -47,7 +47,8 @@ class CostModel:
     ``comm`` is the latency of one message sent by a stage to a neighbour stage on another
     rank (stages on the same rank hand over for free). ``activation_bytes`` is the size of
     one microbatch's saved activations on a stage; with it the simulation reports peak
-    live activation memory.
+    live activation memory. ``with_recompute`` turns these costs into those of the same
+    model with activation recomputation (checkpointing).
     """
 
     forward: Cost = 1.0
@@ -85,6 +86,64 @@ class CostModel:
         schedules with different numbers of stages per rank compare like for like."""
         return self.scaled(schedule.num_ranks / schedule.num_stages)
 
+    def with_recompute(self, mode: str, *, memory_fraction: float | None = None,
+                       compute_fraction: float | None = None, seq_len: int = 64,
+                       dim: int = 64, heads: int = 4) -> CostModel:
+        """These costs (a model run without recomputation) with activation recomputation
+        ``mode``: "none" (unchanged), "full" (each transformer block re-runs its forward in
+        backward, keeping only its input) or "selective" (only the attention core re-runs).
+
+        Backward pays for the recomputed forward: ``compute_fraction`` x ``forward`` is added
+        to B and to I, and W stays, so B = I + W still holds. With non-reentrant
+        checkpointing the forward is recomputed by the first backward pass that needs its
+        saved tensors, which in a split backward is I; W reuses what I recomputed. An
+        explicit ``overlap`` cost grows by the same amount (per stage of its forward half).
+        ``activation_bytes`` is multiplied by ``memory_fraction``, the share of activations
+        still saved per microbatch; None is read as 1, one microbatch's activations without
+        recomputation, so the result always reports memory, in those units.
+
+        The fractions default to ``recompute_compute_fraction(mode, seq_len, dim)`` and
+        ``recompute_memory_fraction(mode, seq_len, dim, heads)`` (Korthikanti et al. 2022)
+        for layers of that size. Not modelled: the one layer's activations a recomputation
+        briefly rebuilds (a per-rank constant, not per microbatch), and, in split-backward
+        schedules, the recomputed tensors that W needs, which stay live from I until W.
+        Apply it once, to costs without recomputation (it adds on every call).
+        """
+        _check_recompute_mode(mode)
+        if mode == "none":
+            if memory_fraction is not None or compute_fraction is not None:
+                raise ValueError("recompute 'none' keeps every activation and recomputes "
+                                 "nothing: give memory_fraction / compute_fraction only with "
+                                 "'full' or 'selective'")
+            return self
+        if memory_fraction is None:
+            memory_fraction = recompute_memory_fraction(mode, seq_len, dim, heads)
+        if compute_fraction is None:
+            compute_fraction = recompute_compute_fraction(mode, seq_len, dim)
+        if not 0 <= memory_fraction <= 1:
+            raise ValueError(f"memory_fraction is the share of activations kept: give a "
+                             f"number in [0, 1], got {memory_fraction}")
+        if not (math.isfinite(compute_fraction) and compute_fraction >= 0):
+            raise ValueError(f"compute_fraction is the share of the forward recomputed: give "
+                             f"a finite number >= 0, got {compute_fraction}")
+
+        def plus_recompute(value: float | tuple[float, ...] | None
+                           ) -> float | tuple[float, ...] | None:
+            if value is None:
+                return None
+            extra = _times(self.forward, compute_fraction)
+            if isinstance(value, float) and isinstance(extra, float):
+                return value + extra
+            count = len(value) if isinstance(value, tuple) else len(extra)
+            return tuple(v + e for v, e in zip(_expand(value, count), _expand(extra, count),
+                                               strict=True))
+
+        activations = 1.0 if self.activation_bytes is None else self.activation_bytes
+        return replace(self, backward=plus_recompute(self.backward),
+                       backward_input=plus_recompute(self.backward_input),
+                       overlap=plus_recompute(self.overlap),
+                       activation_bytes=_times(activations, memory_fraction))
+
     def per_stage(self, name: str, num_stages: int) -> tuple[float, ...] | None:
         """Field ``name`` expanded to one value per stage (None stays None)."""
         value = getattr(self, name)
@@ -99,6 +158,77 @@ class CostModel:
 
 _SCALED_COSTS = ("forward", "backward", "backward_input", "backward_weight", "overlap",
                  "activation_bytes")
+
+
+def _times(value: float | tuple[float, ...], factor: float) -> float | tuple[float, ...]:
+    return value * factor if isinstance(value, float) else tuple(v * factor for v in value)
+
+
+def _expand(value: float | tuple[float, ...], count: int) -> tuple[float, ...]:
+    if isinstance(value, float):
+        return (value,) * count
+    if len(value) != count:
+        raise ValueError(f"CostModel has {len(value)} and {count} per-stage values in the "
+                         f"forward and backward costs: give each one value per stage")
+    return value
+
+
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+"""Activation recomputation modes: none, the attention core only, each whole block."""
+
+
+def _check_recompute_mode(mode: str) -> None:
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"unknown recompute mode {mode!r}: choose from "
+                         f"{', '.join(RECOMPUTE_MODES)}")
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def recompute_memory_fraction(mode: str, seq_len: int, dim: int, heads: int) -> float:
+    """The share of a transformer layer's activation memory still saved for backward under
+    recompute ``mode`` ("none", "selective", "full").
+
+    From the per-layer estimate of Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models" (section 4.1, 16-bit activations, no tensor
+    parallelism): a layer saves ``s b h (34 + 5 a s / h)`` bytes for sequence length ``s``,
+    microbatch size ``b``, width ``h`` and ``a`` attention heads; ``34 s b h`` with selective
+    recomputation (the attention core's ``5 a s^2 b`` bytes of scores, softmax and dropout
+    are recomputed); ``2 s b h`` with full recomputation (only the layer's input). The
+    fraction is the ratio to the first, so ``b`` cancels::
+
+        none: 1    selective: 34 / (34 + 5 a s / h)    full: 2 / (34 + 5 a s / h)
+
+    e.g. s = h = 64, a = 4 (the trainer's defaults): 5 a s / h = 20, selective 34/54 = 0.63,
+    full 2/54 = 0.037. The estimate is for a GPT layer (multi-head attention, 4h GELU MLP);
+    the reference model's GQA and SwiGLU change the constant 34 a little.
+    """
+    _check_recompute_mode(mode)
+    _check_sizes(seq_len=seq_len, dim=dim, heads=heads)
+    if mode == "none":
+        return 1.0
+    per_layer = 34 + 5 * heads * seq_len / dim
+    return (34 if mode == "selective" else 2) / per_layer
+
+
+def recompute_compute_fraction(mode: str, seq_len: int, dim: int) -> float:
+    """The share of a layer's forward that backward re-runs under recompute ``mode``.
+
+    Full recomputation re-runs the whole forward (1). Selective recomputation re-runs the
+    attention core: of a layer's forward matmul FLOPs ``24 b s h^2 + 4 b s^2 h``
+    (Korthikanti et al. 2022, section 6), ``Q K^T`` and ``scores V`` are ``4 b s^2 h``, so
+    the share is ``s / (6 h + s)`` (softmax and dropout, memory-bound, are not counted):
+    s = h = 64 gives 1/7.
+    """
+    _check_recompute_mode(mode)
+    _check_sizes(seq_len=seq_len, dim=dim)
+    if mode == "none":
+        return 0.0
+    return 1.0 if mode == "full" else seq_len / (6 * dim + seq_len)
 
 
 class BackwardCostMismatch(ValueError):
