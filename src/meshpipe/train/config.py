@@ -15,6 +15,11 @@ from meshpipe.schedules import SCHEDULES
 from meshpipe.schedules.placement import PLACEMENTS
 from meshpipe.topology import ParallelLayout
 
+DTYPES = ("fp32", "bf16", "fp16")
+P2P_MODES = ("async", "batched")
+STAGE_LINKS = ("root", "fanout")
+RECOMPUTE_MODES = ("none", "full", "selective")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -24,8 +29,13 @@ class TrainConfig:
     dp: int = 1
     cp_ulysses: int = 1
     cp_ring: int = 1
+    tp: int = 1
+    stage_tp: str = ""
+    stage_link: str = ""
+    sequence_parallel: bool = False
     schedule: str = "1f1b"
     placement: str = "auto"
+    p2p: str = "async"
     # batch
     microbatches: int = 4
     microbatch_size: int = 2
@@ -36,6 +46,9 @@ class TrainConfig:
     heads: int = 4
     kv_heads: int = 2
     tie_embeddings: bool = False
+    # precision and memory
+    dtype: str = "fp32"
+    recompute: str = "none"
     # optimisation
     steps: int = 30
     lr: float = 3e-3
@@ -60,8 +73,13 @@ class TrainConfig:
         if self.placement not in ("auto", *PLACEMENTS):
             raise ValueError(f"unknown placement {self.placement!r}; choose auto or one of "
                              f"{', '.join(PLACEMENTS)}")
+        for name, choices in (("dtype", DTYPES), ("p2p", P2P_MODES),
+                              ("recompute", RECOMPUTE_MODES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"unknown --{_flag(name)} {getattr(self, name)!r}; choose one "
+                                 f"of {', '.join(choices)}")
         positive = ("vpp", "microbatches", "microbatch_size", "seq_len", "dim", "layers",
-                    "heads", "kv_heads", "steps")
+                    "heads", "kv_heads", "steps", "tp")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -86,12 +104,59 @@ class TrainConfig:
             raise ValueError(f"ring attention splits the sequence into 2 x cp_ring = "
                              f"{2 * self.cp_ring} zigzag chunks: --seq-len {self.seq_len} is not "
                              f"divisible; use a multiple of {2 * self.cp_ring}")
+        self._check_tensor_parallelism()
         self.layout  # noqa: B018 - raises on invalid sizes
+
+    def _check_tensor_parallelism(self) -> None:
+        if self.stage_link and self.stage_link not in STAGE_LINKS:
+            raise ValueError(f"unknown --stage-link {self.stage_link!r}; choose one of "
+                             f"{', '.join(STAGE_LINKS)}")
+        if self.stage_link and not self.stage_tp:
+            raise ValueError("--stage-link says how stages of different tensor-parallel sizes "
+                             "talk; give the sizes with --stage-tp (e.g. --stage-tp 2,1)")
+        if self.stage_tp and self.tp > 1:
+            raise ValueError(f"give either --tp {self.tp} (every stage) or --stage-tp "
+                             f"{self.stage_tp} (one size per pipeline rank), not both")
+        sizes = self.stage_tp_sizes
+        if sizes is not None and len(sizes) != self.pp:
+            raise ValueError(f"--stage-tp {self.stage_tp} gives {len(sizes)} sizes for --pp "
+                             f"{self.pp}; give one tensor-parallel size per pipeline rank")
+        if self.sequence_parallel:
+            if self.stage_tp:
+                raise ValueError("--sequence-parallel needs the same tensor-parallel size on "
+                                 "every stage (the sequence shards must line up between "
+                                 "stages): use --tp instead of --stage-tp")
+            if self.tp == 1:
+                raise ValueError("--sequence-parallel splits the sequence over the tensor-"
+                                 "parallel ranks: it needs --tp 2 or more")
+            shards = self.cp_ring * self.cp_ulysses * self.tp
+            if self.seq_len % shards:
+                raise ValueError(f"--sequence-parallel splits each rank's share of --seq-len "
+                                 f"{self.seq_len} over --tp {self.tp} after context "
+                                 f"parallelism {self.cp_ring * self.cp_ulysses}: use a "
+                                 f"multiple of {shards}")
+
+    @property
+    def stage_tp_sizes(self) -> tuple[int, ...] | None:
+        """``--stage-tp`` as integers (None when not given)."""
+        if not self.stage_tp:
+            return None
+        try:
+            return tuple(int(size) for size in self.stage_tp.split(","))
+        except ValueError:
+            raise ValueError(f"--stage-tp must be comma-separated integers such as 2,1; got "
+                             f"{self.stage_tp!r}") from None
+
+    @property
+    def link(self) -> str | None:
+        """How stages of different tensor-parallel sizes talk (None without --stage-tp)."""
+        return (self.stage_link or "root") if self.stage_tp else None
 
     @property
     def layout(self) -> ParallelLayout:
         return ParallelLayout(pp=self.pp, dp=self.dp, cp_ring=self.cp_ring,
-                              cp_ulysses=self.cp_ulysses)
+                              cp_ulysses=self.cp_ulysses, tp=self.tp,
+                              stage_tp=self.stage_tp_sizes)
 
     @property
     def world_size(self) -> int:
@@ -120,8 +185,16 @@ FIELD_HELP = {
     "dp": "data-parallel replicas",
     "cp_ulysses": "context-parallel Ulysses degree (heads <-> sequence all-to-all)",
     "cp_ring": "context-parallel ring degree (zigzag ring attention)",
+    "tp": "tensor-parallel ranks per stage (heads, SwiGLU width and vocabulary split)",
+    "stage_tp": "one tensor-parallel size per pipeline rank, e.g. 2,1 (VTP)",
+    "stage_link": "how stages of different --stage-tp sizes talk: root (tp rank 0 exchanges, "
+                  "then broadcasts in its stage; the default) or fanout (every rank linked, "
+                  "averaged fan-in)",
+    "sequence_parallel": "split norms and residuals along the sequence over the tp ranks",
     "schedule": f"pipeline schedule: {', '.join(SCHEDULES)}",
     "placement": "stage placement: auto (the schedule's own), " + ", ".join(PLACEMENTS),
+    "p2p": "pipeline transport: async (isend/irecv as posted) or batched (one "
+           "batch_isend_irecv per exchange)",
     "microbatches": "microbatches per step (per data-parallel replica)",
     "microbatch_size": "sequences per microbatch",
     "seq_len": "tokens per sequence",
@@ -130,6 +203,9 @@ FIELD_HELP = {
     "heads": "query heads",
     "kv_heads": "key/value heads (grouped-query attention)",
     "tie_embeddings": "share the embedding and output head weights",
+    "dtype": "compute precision: fp32, bf16 (autocast, fp32 master weights) or fp16 (autocast "
+             "with dynamic loss scaling)",
+    "recompute": "activation recompute: none, full (each block) or selective (attention core)",
     "steps": "optimizer steps",
     "lr": "peak learning rate (AdamW)",
     "min_lr": "final learning rate of the cosine decay",

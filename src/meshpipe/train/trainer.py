@@ -3,13 +3,18 @@
 ``run(config)`` starts the processes (locally, or joins torchrun's) and every rank runs
 ``Trainer(config).fit()``:
 
-1. the topology (pp x dp x cp ring x cp Ulysses) and this rank's process groups;
+1. the topology (pp x dp x cp ring x cp Ulysses x tp, or a tp size per pipeline rank) and
+   this rank's process groups;
 2. the schedule from the builders, and the stages it places on this pipeline rank, cut from
-   one model that every rank initialises identically;
+   one model that every rank initialises identically and then shards over tensor
+   parallelism; the pipeline transport for the layout (stages of different tensor-parallel
+   sizes talk through their roots, or fan out to every rank);
 3. per step: the same batch on every rank of a context-parallel group, each rank keeping its
-   slice of the sequence (zigzag for ring attention), one Executor step, gradients summed over
-   context parallelism and averaged over data parallelism, tied weights summed across the
-   stages that hold them, global-norm clipping, AdamW;
+   slice of the sequence (zigzag for ring attention), one Executor step in the run's
+   precision, gradients summed over context parallelism and averaged over data parallelism,
+   sequence-parallel ones summed over tensor parallelism, tied weights summed across the
+   stages that hold them, (fp16: unscaled, and the step skipped on inf/NaN), global-norm
+   clipping, AdamW;
 4. rank 0 shows progress, writes metrics, draws the measured timeline of one step, and
    with ``--check`` compares the first step with a single-process run of the same model.
 """
@@ -30,11 +35,17 @@ from tqdm import tqdm
 
 from meshpipe.comm.p2p import P2PTransport
 from meshpipe.comm.shards import hybrid_positions
+from meshpipe.comm.vtp import FanoutTransport, VTPTransport
 from meshpipe.context import make_attention
-from meshpipe.models import (Transformer, TransformerConfig, causal_lm_loss, shared_parameters,
-                             split)
-from meshpipe.runtime import Executor, Stage, all_reduce_gradients
+from meshpipe.models import (Transformer, TransformerConfig, balanced_layers, causal_lm_loss,
+                             shared_parameters, split)
+from meshpipe.models.transformer import check_tensor_parallel_sizes
+from meshpipe.parallel import (is_sequence_parallel_param, shard_dim, unshard,
+                               vocab_parallel_cross_entropy)
+from meshpipe.runtime import (DynamicLossScaler, Executor, Stage, all_reduce_gradients,
+                              autocast, low_precision_tolerance)
 from meshpipe.schedules import Schedule, build
+from meshpipe.schedules.placement import wraparound_placement
 from meshpipe.schedules.render import to_png, write_chrome_trace
 from meshpipe.schedules.simulate import Timeline
 from meshpipe.topology import Topology, new_groups
@@ -55,7 +66,7 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
     The layout is checked here, before any process starts. Returns rank 0's metrics (None
     on the other ranks of a torchrun job).
     """
-    build_schedule(config)
+    check_model_layout(config, build_schedule(config))
     timeout = CHECK_TIMEOUT_S if config.check else PROCESS_GROUP_TIMEOUT_S
     launch(_fit_on_this_rank, config.world_size, config, timeout_s=timeout)
     if under_torchrun() and int(os.environ["RANK"]) != 0:
@@ -69,15 +80,42 @@ def _fit_on_this_rank(config: TrainConfig) -> None:
 
 
 def build_schedule(config: TrainConfig, forward_only: bool = False) -> Schedule:
-    """The run's schedule; fails if the model has fewer layers than the schedule has stages."""
+    """The run's schedule; fails if the model has too few layers for its stages."""
     schedule = build(config.schedule, config.pp, config.microbatches,
                      stages_per_rank=config.vpp, placement=config.placement_arg,
                      forward_only=forward_only)
-    if config.layers < schedule.num_stages:
-        raise ValueError(f"--layers {config.layers} cannot fill the {schedule.num_stages} "
-                         f"stages of {config.schedule} at pp {config.pp} x vpp {config.vpp}; "
-                         f"use at least {schedule.num_stages} layers")
+    layers_per_stage(config, schedule)
     return schedule
+
+
+def layers_per_stage(config: TrainConfig, schedule: Schedule) -> list[int]:
+    """Balanced layer counts, one or more per stage. A wrap-around end stage (the first rank
+    again) may hold only the final norm and the head, as in layerwise disaggregated
+    training: with fewer layers than stages, the layers go to the other stages."""
+    stages = schedule.num_stages
+    wraps_around = schedule.placement == wraparound_placement(schedule.num_ranks)
+    if config.layers >= stages:
+        return balanced_layers(config.layers, stages)
+    if wraps_around and config.layers >= stages - 1:
+        return balanced_layers(config.layers, stages - 1) + [0]
+    needed = stages - 1 if wraps_around else stages
+    raise ValueError(f"--layers {config.layers} cannot fill the {stages} stages of "
+                     f"{config.schedule} at pp {config.pp} x vpp {config.vpp}; use at least "
+                     f"{needed} layers")
+
+
+def check_model_layout(config: TrainConfig, schedule: Schedule) -> None:
+    """Fail before any process starts when the model cannot be split as the layout asks."""
+    layout = config.layout
+    for tp in sorted({layout.tp_of(p) for p in range(config.pp)}):
+        check_tensor_parallel_sizes(model_config(config), tp)
+    if config.tie_embeddings and config.stage_tp:
+        first, last = schedule.placement[0], schedule.placement[-1]
+        if layout.tp_of(first) != layout.tp_of(last):
+            raise ValueError(
+                f"--tie-embeddings shares the embedding (pipeline rank {first}, --stage-tp "
+                f"{layout.tp_of(first)}) with the head (pipeline rank {last}, --stage-tp "
+                f"{layout.tp_of(last)}): give both the same tensor-parallel size")
 
 
 def model_config(config: TrainConfig) -> TransformerConfig:
@@ -105,8 +143,9 @@ def lr_at(config: TrainConfig, step: int) -> float:
 @dataclass
 class StepStats:
     loss: float
-    grad_norm: float
+    grad_norm: float | None  # None for a step skipped on inf/NaN gradients
     seconds: float
+    skipped: bool = False
 
 
 class Trainer:
@@ -119,16 +158,22 @@ class Trainer:
         self.rank = self.topology.rank
         coords = self.topology.coords
         self.dp_rank = coords["dp"]
+        self.tp_group = self.topology.tp_group if self.topology.tp_size > 1 else None
         self.schedule = build_schedule(config)
         num_stages = self.schedule.num_stages
         attention = make_attention(self.topology.cp_ulysses_group, self.topology.cp_ring_group)
-        model = Transformer(model_config(config), attention=attention)
+        model = Transformer(model_config(config), attention=attention, tp_group=self.tp_group,
+                            sequence_parallel=config.sequence_parallel,
+                            recompute=config.recompute)
         # Full-model names (a tied head is the embedding) key checkpoints and --check.
         self._names = {id(param): name for name, param in model.named_parameters()}
-        chunks = split(model, num_stages)
+        chunks = split(model, num_stages, layers_per_stage(config, self.schedule))
+        self.scaler = DynamicLossScaler() if config.dtype == "fp16" else None
+        grad_scale_fn = self.scaler.scale_loss if self.scaler is not None else None
         my_stages = self.schedule.stages_of(self.topology.pp_rank)
         self.stages = {s: Stage(chunks[s].to(self.device), s, num_stages,
-                                loss_fn=self._loss if s == num_stages - 1 else None)
+                                loss_fn=self._loss if s == num_stages - 1 else None,
+                                grad_scale_fn=grad_scale_fn if s == num_stages - 1 else None)
                        for s in my_stages}
         self.parameters = self._unique_parameters()
         self._shared = self._shared_parameter_groups(chunks)
@@ -136,13 +181,7 @@ class Trainer:
         self._tied_copies = {id(p) for p, group in self._shared if dist.get_rank(group) != 0}
         self.optimizer = torch.optim.AdamW([p for _, p in self.parameters], lr=config.lr,
                                            weight_decay=config.weight_decay)
-        # Payloads through NCCL need a CPU (gloo) group for headers and metadata, and a second
-        # NCCL group for the messages to lower ranks (one stream per direction).
-        on_gpu = self.device.type == "cuda"
-        meta_group = dist.new_group(backend="gloo") if on_gpu else None
-        reverse_group = dist.new_group(backend="nccl") if on_gpu else None
-        transport = P2PTransport(reverse_group=reverse_group, device=self.device,
-                                 meta_group=meta_group, timeout=RECV_TIMEOUT_S)
+        transport = self._transport()
         executor_args = dict(pp_rank=self.topology.pp_rank,
                              pipeline_ranks=self.topology.pipeline_ranks, transport=transport,
                              recv_timeout=RECV_TIMEOUT_S)
@@ -156,14 +195,47 @@ class Trainer:
         self._device_positions = self.positions.to(self.device)
         self._tokens_per_microbatch = config.microbatch_size * config.seq_len
 
+    def _transport(self) -> P2PTransport | VTPTransport | FanoutTransport:
+        """The pipeline transport of the layout: each tp rank's own pipeline (uniform tp), or
+        stages of different sizes linked through their roots or fanned out to every rank.
+
+        Payloads through NCCL need a CPU (gloo) group for headers and metadata, and a second
+        NCCL group for the messages to lower ranks (one stream per direction).
+        """
+        on_gpu = self.device.type == "cuda"
+        meta_group = dist.new_group(backend="gloo") if on_gpu else None
+        reverse_group = dist.new_group(backend="nccl") if on_gpu else None
+        options = dict(reverse_group=reverse_group, meta_group=meta_group, device=self.device,
+                       timeout=RECV_TIMEOUT_S, mode=self.config.p2p)
+        layout = self.config.layout
+        if self.config.link is None:
+            return P2PTransport(**options)
+        stage_ranks = layout.stage_ranks(self.rank)
+        if self.config.link == "fanout":
+            return FanoutTransport(stage_ranks, **options)
+        intra_meta_group = (new_groups(layout.group_ranks(["tp"]), self.rank, backend="gloo")
+                            if on_gpu else None)
+        return VTPTransport(stage_ranks, self.topology.tp_group,
+                            intra_meta_group=intra_meta_group, **options)
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def counts_loss(self) -> bool:
+        """Whether this rank's losses count in the step's loss: tensor-parallel ranks all
+        compute the same loss, so only tp rank 0 reports it."""
+        return self.topology.tp_rank == 0
+
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This rank's share of the microbatch's mean loss (normalised over all its tokens,
-        including those other context-parallel ranks hold), so CP shares add up."""
-        loss_sum, _ = causal_lm_loss(logits, targets, reduction="sum")
+        including those other context-parallel ranks hold), so CP shares add up. Under
+        tensor parallelism the logits are this rank's vocabulary slice."""
+        if self.tp_group is not None:
+            loss_sum = vocab_parallel_cross_entropy(logits, targets, self.tp_group).sum()
+        else:
+            loss_sum, _ = causal_lm_loss(logits, targets, reduction="sum")
         return loss_sum / self._tokens_per_microbatch
 
     def _unique_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -179,12 +251,16 @@ class Trainer:
         the ranks holding a copy (created collectively, for every pipeline)."""
         mine = []
         placement = self.schedule.placement
+        layout = self.config.layout
         for shared in shared_parameters(chunks):
             positions = sorted({placement[stage] for stage in shared.stages})
             if len(positions) < 2:
                 continue
-            holders = [[pipeline[p] for p in positions]
-                       for pipeline in self.config.layout.group_ranks(["pp"])]
+            holders = []
+            for pipeline in layout.group_ranks(["pp"]):
+                at = {layout.coords(rank)["pp"]: rank for rank in pipeline}
+                if all(p in at for p in positions):
+                    holders.append([at[p] for p in positions])
             group = new_groups(holders, self.rank)
             if group is not None:
                 stage, name = next((s, n) for s, n in shared.locations if s in self.stages)
@@ -202,37 +278,57 @@ class Trainer:
 
     def _global_loss(self, local_mean: float | None) -> float:
         """Mean loss over the whole step: CP shares add up, DP replicas average."""
-        value = torch.tensor([local_mean or 0.0], dtype=torch.float64, device=self.device)
+        counted = local_mean if self.counts_loss else None
+        value = torch.tensor([counted or 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(value)
         return value.item() / self.config.dp
+
+    def _run_step(self, executor: Executor, inputs, targets):
+        with autocast(self.config.dtype, self.device.type):
+            return executor.step(inputs, targets)
 
     def train_step(self, step: int) -> StepStats:
         start = time.perf_counter()
         inputs, targets = self.microbatches(self.train_data, step)
-        self.last_result = self.executor.step(inputs, targets)
+        self.last_result = self._run_step(self.executor, inputs, targets)
         self._reduce_gradients()
-        grad_norm = self._clip_gradients()
+        skipped = self.scaler is not None and self.scaler.unscale_(
+            [p for _, p in self.parameters])
+        if self.scaler is not None:
+            self.scaler.update(skipped)
+        grad_norm = None if skipped else self._clip_gradients()
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.config, step)
-        self.optimizer.step()
+        if not skipped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._global_loss(self.last_result.loss)
-        return StepStats(loss, grad_norm, time.perf_counter() - start)
+        return StepStats(loss, grad_norm, time.perf_counter() - start, skipped)
 
     def _reduce_gradients(self) -> None:
         params = [p for _, p in self.parameters]
         if self.config.dp * self.config.layout.cp > 1:
             all_reduce_gradients(params, self.topology.dp_cp_group, scale=1.0 / self.config.dp)
+        if self.tp_group is not None and self.config.sequence_parallel:
+            all_reduce_gradients([p for p in params if is_sequence_parallel_param(p)],
+                                 self.tp_group)
         for param, group in self._shared:
             all_reduce_gradients([param], group)
 
+    def _counts_in_norm(self, param: torch.nn.Parameter) -> bool:
+        """Whether this rank adds ``param``'s gradient to the global norm: a shard always, a
+        replicated parameter on tp rank 0 only, a tied weight on its first holder only."""
+        if id(param) in self._tied_copies:
+            return False
+        return shard_dim(param) is not None or self.topology.tp_rank == 0
+
     def _clip_gradients(self) -> float:
-        """Global gradient norm over the whole model (each tied weight counted once)."""
+        """Global gradient norm over the whole model (each weight counted once)."""
         squares = [p.grad.detach().double().pow(2).sum() for _, p in self.parameters
-                   if p.grad is not None and id(p) not in self._tied_copies]
+                   if p.grad is not None and self._counts_in_norm(p)]
         total = (torch.stack(squares).sum() if squares
                  else torch.zeros((), dtype=torch.float64, device=self.device)).reshape(1)
-        dist.all_reduce(total, group=self.topology.pp_group)
+        dist.all_reduce(total, group=self.topology.model_group)
         norm = math.sqrt(total.item())
         if self.config.grad_clip > 0 and norm > self.config.grad_clip:
             for _, p in self.parameters:
@@ -242,7 +338,7 @@ class Trainer:
 
     def evaluate(self, step: int) -> float:
         inputs, targets = self.microbatches(self.val_data, step)
-        result = self.eval_executor.step(inputs, targets)
+        result = self._run_step(self.eval_executor, inputs, targets)
         return self._global_loss(result.loss)
 
     def fit(self) -> dict[str, Any]:
@@ -250,7 +346,8 @@ class Trainer:
         out = Path(config.out_dir)
         start_step = 0
         if config.resume:
-            start_step = checkpoint.load(out / "checkpoint", self.parameters, self.optimizer) + 1
+            start_step = checkpoint.load(out / "checkpoint", self.parameters, self.optimizer,
+                                         self.tp_group, self.scaler) + 1
         metrics: dict[str, Any] = {"config": config.to_dict(), "world_size": config.world_size,
                                    "schedule": str(self.schedule.name), "history": [],
                                    "eval": [], "resumed_from": start_step or None}
@@ -262,10 +359,12 @@ class Trainer:
             dist.barrier()
             stats = self.train_step(step)
             tokens_per_s = config.tokens_per_step / stats.seconds
-            metrics["history"].append({"step": step, "loss": stats.loss,
-                                       "lr": lr_at(config, step), "grad_norm": stats.grad_norm,
-                                       "step_seconds": stats.seconds,
-                                       "tokens_per_s": tokens_per_s})
+            record = {"step": step, "loss": stats.loss, "lr": lr_at(config, step),
+                      "grad_norm": stats.grad_norm, "step_seconds": stats.seconds,
+                      "tokens_per_s": tokens_per_s}
+            if self.scaler is not None:
+                record.update(skipped=stats.skipped, loss_scale=self.scaler.scale)
+            metrics["history"].append(record)
             bar.set_postfix_str(f"loss {stats.loss:.3f} | {tokens_per_s:,.0f} tok/s")
             bar.update()
             if step + 1 == config.timeline_step:
@@ -274,7 +373,8 @@ class Trainer:
                 metrics["eval"].append({"step": step, "val_loss": self.evaluate(step)})
             is_last = step == config.steps - 1
             if is_last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0):
-                checkpoint.save(out / "checkpoint", self.parameters, self.optimizer, step)
+                checkpoint.save(out / "checkpoint", self.parameters, self.optimizer, step,
+                                self.tp_group, self.scaler)
         bar.close()
         if self.is_main:
             self._write_metrics(out, metrics)
@@ -286,7 +386,8 @@ class Trainer:
         if history:
             steady = [h["tokens_per_s"] for h in history[1:]] or [history[0]["tokens_per_s"]]
             metrics["summary"] = {"first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
-                                  "median_tokens_per_s": sorted(steady)[len(steady) // 2]}
+                                  "median_tokens_per_s": sorted(steady)[len(steady) // 2],
+                                  "skipped_steps": sum(bool(h.get("skipped")) for h in history)}
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         summary = metrics.get("summary")
         if summary:
@@ -315,36 +416,82 @@ class Trainer:
     def _parity_check(self) -> dict[str, Any] | None:
         """Run step 0 here and in one process on rank 0; compare loss and every gradient.
 
-        The optimizer is not stepped: this step is repeated by the training loop.
+        Tensor-parallel shards are put back together on rank 0 before the comparison. The
+        optimizer is not stepped: this step is repeated by the training loop.
         """
         inputs, targets = self.microbatches(self.train_data, 0)
-        result = self.executor.step(inputs, targets)
+        result = self._run_step(self.executor, inputs, targets)
         self._reduce_gradients()
+        if self.scaler is not None:
+            self.scaler.unscale_([p for _, p in self.parameters])
         loss = self._global_loss(result.loss)
-        grads = {name: p.grad.detach().cpu() for name, p in self.parameters if p.grad is not None}
+        grads = {name: GradientPiece(p.grad.detach().cpu(), shard_dim(p), self.topology.tp_rank)
+                 for name, p in self.parameters if p.grad is not None}
         gathered: list[Any] = [None] * dist.get_world_size() if self.is_main else None
         dist.gather_object(grads, gathered, dst=0)
         self.optimizer.zero_grad(set_to_none=True)
         if not self.is_main:
             return None
-        return compare_with_single_process(self.config, loss, gathered)
+        return compare_with_single_process(self.config, loss, whole_gradients(
+            self.config.layout, gathered))
+
+
+@dataclass
+class GradientPiece:
+    """One rank's gradient of a parameter: whole, or its tensor-parallel shard."""
+
+    grad: torch.Tensor
+    shard_dim: int | None
+    tp_rank: int
+
+
+def whole_gradients(layout, gathered: list[dict[str, GradientPiece]]
+                    ) -> list[dict[str, torch.Tensor]]:
+    """Every model replica's gradients (one dict per data x context coordinate and per
+    pipeline copy), tensor-parallel shards concatenated in tp order."""
+    replicas: dict[tuple, dict[str, dict[int, GradientPiece]]] = {}
+    for rank, pieces in enumerate(gathered):
+        coords = layout.coords(rank)
+        replica = (coords["dp"], coords["cp_ring"], coords["cp_ulysses"])
+        for name, piece in pieces.items():
+            key = replica if piece.shard_dim is not None else (*replica, rank)
+            replicas.setdefault(key, {}).setdefault(name, {})[piece.tp_rank] = piece
+    whole: list[dict[str, torch.Tensor]] = []
+    for by_name in replicas.values():
+        grads = {}
+        for name, shards in by_name.items():
+            pieces = [shards[t] for t in sorted(shards)]
+            dim = pieces[0].shard_dim
+            grads[name] = pieces[0].grad if dim is None else unshard([p.grad for p in pieces],
+                                                                      dim)
+        whole.append(grads)
+    return whole
 
 
 def reference_gradients(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and gradients of step 0 computed by one process on the whole global batch."""
+    """Loss and gradients of step 0 computed by one process on the whole global batch, in
+    the run's precision (fp16 with the loss scale the run starts with)."""
     model = Transformer(model_config(config))
+    scale = DynamicLossScaler().scale if config.dtype == "fp16" else 1.0
     losses = []
-    for dp_rank in range(config.dp):
-        batch = train_sampler(config, dp_rank).batch(0)
-        losses.append(causal_lm_loss(model(batch.tokens), batch.targets))
+    with autocast(config.dtype, "cpu"):
+        for dp_rank in range(config.dp):
+            batch = train_sampler(config, dp_rank).batch(0)
+            losses.append(causal_lm_loss(model(batch.tokens), batch.targets))
     loss = torch.stack(losses).mean()
-    loss.backward()
-    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+    (loss * scale).backward()
+    return loss.item(), {name: p.grad / scale for name, p in model.named_parameters()}
 
 
 def compare_with_single_process(config: TrainConfig, loss: float,
                                 gathered: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Compare a run's step-0 loss and gradients with one process in the same precision.
+
+    fp32 uses torch's default tolerances; bf16/fp16 scale the absolute tolerance with each
+    gradient's largest magnitude (``low_precision_tolerance``), reported as ``atol_factor``.
+    """
     reference_loss, reference = reference_gradients(config)
+    tolerance = low_precision_tolerance(config.dtype, 1.0)
     worst_grad, worst_name = 0.0, ""
     reported = {name for grads in gathered for name in grads}
     mismatched = sorted(set(reference) ^ reported)  # a gradient missing on every rank fails
@@ -352,21 +499,34 @@ def compare_with_single_process(config: TrainConfig, loss: float,
         for name, grad in grads.items():
             if name not in reference:
                 continue
+            if grad.shape != reference[name].shape:
+                mismatched.append(name)
+                continue
             difference = (grad - reference[name]).abs().max().item()
             if difference > worst_grad:
                 worst_grad, worst_name = difference, name
             try:
-                torch.testing.assert_close(grad, reference[name])
+                torch.testing.assert_close(
+                    grad, reference[name], **low_precision_tolerance(config.dtype, reference[name])
+                    if config.dtype != "fp32" else {})
             except AssertionError:
                 mismatched.append(name)
     loss_difference = abs(loss - reference_loss)
-    passed = not mismatched and math.isclose(loss, reference_loss, rel_tol=1.3e-6, abs_tol=1e-5)
+    loss_tolerance = low_precision_tolerance("fp32")
+    passed = not mismatched and math.isclose(loss, reference_loss, rel_tol=tolerance["rtol"],
+                                             abs_tol=loss_tolerance["atol"])
+    rtol = tolerance["rtol"]
+    atol = (f"atol {tolerance['atol']:.1e}" if config.dtype == "fp32"
+            else f"atol {tolerance['atol']:.0e} x max|grad|")
     report = {"loss": loss, "reference_loss": reference_loss,
               "loss_difference": loss_difference, "max_grad_difference": worst_grad,
               "worst_parameter": worst_name, "mismatched": sorted(set(mismatched)),
+              "dtype": config.dtype,
+              "tolerance": {"rtol": rtol, ("atol" if config.dtype == "fp32" else "atol_factor"):
+                            tolerance["atol"]},
               "passed": passed}
     verdict = "PASS" if passed else f"FAIL ({len(set(mismatched))} gradients differ)"
-    print(f"--check step 0 vs one process: loss {loss:.6f} vs {reference_loss:.6f} "
-          f"(|diff| {loss_difference:.2e}), largest gradient |diff| {worst_grad:.2e} "
-          f"({worst_name}): {verdict}")
+    print(f"--check step 0 vs one process ({config.dtype}, rtol {rtol:.1e}, {atol}): loss "
+          f"{loss:.6f} vs {reference_loss:.6f} (|diff| {loss_difference:.2e}), largest "
+          f"gradient |diff| {worst_grad:.2e} ({worst_name}): {verdict}")
     return report
