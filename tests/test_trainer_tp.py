@@ -46,8 +46,9 @@ def test_tensor_parallel_step_matches_single_process(layout):
     assert report["max_grad_difference"] < 1e-5
 
 
-@pytest.mark.parametrize("layout", [dict(pp=2, tp=2), dict(pp=2, stage_tp="1,2")],
-                         ids=["tp2", "stage-tp-1-2"])
+@pytest.mark.parametrize("layout", [dict(pp=2, tp=2), dict(pp=2, stage_tp="1,2"),
+                                    dict(pp=1, schedule="none", tp=2, cp_ring=2)],
+                         ids=["tp2", "stage-tp-1-2", "tp2-ring2"])
 def test_bf16_step_matches_single_process_in_bf16(layout):
     config = TrainConfig(**{**SMALL, **layout, "dtype": "bf16"})
     report = run_distributed(config.world_size, _check_first_step, config)[0]
@@ -111,7 +112,7 @@ def test_fp16_resume_continues_the_loss_scale(tmp_path):
 
 def _losses_and_grads(rank, world_size, config):
     trainer = Trainer(config)
-    result = trainer._run_step(trainer.executor, *trainer.microbatches(trainer.train_data, 0))
+    result = trainer.executor.step(*trainer.microbatches(trainer.train_data, 0))
     return result.losses, {name: p.grad.clone() for name, p in trainer.parameters}
 
 

@@ -90,13 +90,29 @@ def _copy_slice(param: nn.Parameter, source: Tensor, dim: int, group: Group) -> 
 # ------------------------------------------------------------------------------ linears
 
 
+def _require_bias_free(linear: nn.Linear, what: str) -> None:
+    if linear.bias is not None:
+        raise ValueError(f"{what} is bias-free; build it from an nn.Linear(..., bias=False)")
+
+
+def _parallel_from_linear(cls, linear: nn.Linear, group: Group, sequence_parallel: bool,
+                          dim: int) -> nn.Module:
+    """A column (dim 0) or row (dim 1) parallel layer holding this rank's slice of
+    ``linear``."""
+    _require_bias_free(linear, cls.__name__)
+    layer = cls(linear.in_features, linear.out_features, group,
+                sequence_parallel=sequence_parallel, device=linear.weight.device,
+                dtype=linear.weight.dtype)
+    _copy_slice(layer.weight, linear.weight, dim, group)
+    return layer
+
+
 def shard_linear(linear: nn.Linear, dim: int, group: Group) -> nn.Linear:
     """A bias-free ``nn.Linear`` holding this rank's slice of ``linear.weight`` along ``dim``
     (0: output features, a column split; 1: input features, a row split), tagged with
     ``shard_dim``. It does not communicate: for a model that opens and closes its tensor-
     parallel regions itself, e.g. one all-gather for three projections of the same input."""
-    if linear.bias is not None:
-        raise ValueError("shard_linear takes a bias-free nn.Linear(..., bias=False)")
+    _require_bias_free(linear, "shard_linear")
     _, size = tp_rank_and_size(group)
     features = [linear.out_features, linear.in_features]
     what = ("out_features", "in_features")[dim]
@@ -134,14 +150,7 @@ class ColumnParallelLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, group: Group, *,
                     sequence_parallel: bool = False) -> "ColumnParallelLinear":
         """This rank's rows ``[r*n/tp, (r+1)*n/tp)`` of ``linear.weight`` (copied)."""
-        if linear.bias is not None:
-            raise ValueError("ColumnParallelLinear is bias-free; build it from an "
-                             "nn.Linear(..., bias=False)")
-        layer = cls(linear.in_features, linear.out_features, group,
-                    sequence_parallel=sequence_parallel, device=linear.weight.device,
-                    dtype=linear.weight.dtype)
-        _copy_slice(layer.weight, linear.weight, 0, group)
-        return layer
+        return _parallel_from_linear(cls, linear, group, sequence_parallel, dim=0)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sequence_parallel:
@@ -178,14 +187,7 @@ class RowParallelLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, group: Group, *,
                     sequence_parallel: bool = False) -> "RowParallelLinear":
         """This rank's columns ``[r*n/tp, (r+1)*n/tp)`` of ``linear.weight`` (copied)."""
-        if linear.bias is not None:
-            raise ValueError("RowParallelLinear is bias-free; build it from an "
-                             "nn.Linear(..., bias=False)")
-        layer = cls(linear.in_features, linear.out_features, group,
-                    sequence_parallel=sequence_parallel, device=linear.weight.device,
-                    dtype=linear.weight.dtype)
-        _copy_slice(layer.weight, linear.weight, 1, group)
-        return layer
+        return _parallel_from_linear(cls, linear, group, sequence_parallel, dim=1)
 
     def forward(self, x: Tensor) -> Tensor:
         partial = F.linear(x, self.weight)

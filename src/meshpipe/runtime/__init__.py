@@ -2,9 +2,10 @@
 
 from meshpipe.runtime.executor import Executor, ExecutorError, PeerFailedError, StepResult
 from meshpipe.runtime.grad_sync import all_reduce_gradients
-from meshpipe.runtime.precision import DynamicLossScaler, autocast, low_precision_tolerance
+from meshpipe.runtime.precision import (AutocastChunk, DynamicLossScaler, autocast,
+                                        low_precision_tolerance)
 from meshpipe.runtime.split_backward import SplitBackward
 from meshpipe.runtime.stage import Stage, StageError
 
-__all__ = ["DynamicLossScaler", "Executor", "ExecutorError", "PeerFailedError", "SplitBackward", "Stage",
+__all__ = ["AutocastChunk", "DynamicLossScaler", "Executor", "ExecutorError", "PeerFailedError", "SplitBackward", "Stage",
            "StageError", "StepResult", "all_reduce_gradients", "autocast", "low_precision_tolerance"]

@@ -6,16 +6,8 @@ torch's autocast lists cover) in bfloat16 or float16. float16 gradients underflo
 loss scaling, so an fp16 run multiplies the loss by ``DynamicLossScaler.scale`` (the last
 stage's ``grad_scale_fn``) and divides the gradients back before the optimizer step::
 
-    class Autocast(nn.Module):                    # the forwards run under autocast
-        def __init__(self, chunk):
-            super().__init__()
-            self.chunk = chunk
-        def forward(self, *args):
-            with autocast("fp16", "cpu"):
-                return self.chunk(*args)
-
     scaler = DynamicLossScaler()
-    stage = Stage(Autocast(chunk), index, num_stages, loss_fn=loss,
+    stage = Stage(AutocastChunk(chunk, "fp16"), index, num_stages, loss_fn=loss,
                   grad_scale_fn=scaler.scale_loss)
     executor.step(inputs, targets)
     found_inf = scaler.unscale_(chunk.parameters())  # every rank gets the same answer
@@ -37,7 +29,7 @@ from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                   "fp16": torch.float16}
@@ -74,6 +66,25 @@ _FP32_TOLERANCE = (1.3e-6, 1e-5)
 # The largest gradient magnitude of the reference transformer at its defaults (dim 64,
 # 4 layers, init std 0.02): the scale assumed when no reference is given.
 _DEFAULT_SCALE = 1e-2
+
+
+class AutocastChunk(nn.Module):
+    """A model chunk whose forward runs under ``autocast(dtype_name, device_type)``.
+
+    Only the forward: backward then runs each op in the dtype its forward used, and custom
+    autograd functions (ring attention, tensor-parallel collectives) keep the precision of
+    their own backward, as in a one-process run whose backward is outside autocast.
+    """
+
+    def __init__(self, chunk: nn.Module, dtype_name: str, device_type: str = "cpu"):
+        super().__init__()
+        self.chunk = chunk
+        self.dtype_name = dtype_name
+        self.device_type = device_type
+
+    def forward(self, *args: Any) -> Any:
+        with autocast(self.dtype_name, self.device_type):
+            return self.chunk(*args)
 
 
 def low_precision_tolerance(dtype_name: str,

@@ -42,8 +42,8 @@ from meshpipe.models import (Transformer, TransformerConfig, balanced_layers, ca
 from meshpipe.models.transformer import check_tensor_parallel_sizes
 from meshpipe.parallel import (is_sequence_parallel_param, shard_dim, unshard,
                                vocab_parallel_cross_entropy)
-from meshpipe.runtime import (DynamicLossScaler, Executor, Stage, all_reduce_gradients,
-                              autocast, low_precision_tolerance)
+from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, Stage,
+                              all_reduce_gradients, autocast, low_precision_tolerance)
 from meshpipe.schedules import Schedule, build
 from meshpipe.schedules.placement import wraparound_placement
 from meshpipe.schedules.render import to_png, write_chrome_trace
@@ -171,7 +171,7 @@ class Trainer:
         self.scaler = DynamicLossScaler() if config.dtype == "fp16" else None
         grad_scale_fn = self.scaler.scale_loss if self.scaler is not None else None
         my_stages = self.schedule.stages_of(self.topology.pp_rank)
-        self.stages = {s: Stage(chunks[s].to(self.device), s, num_stages,
+        self.stages = {s: Stage(self._in_precision(chunks[s].to(self.device)), s, num_stages,
                                 loss_fn=self._loss if s == num_stages - 1 else None,
                                 grad_scale_fn=grad_scale_fn if s == num_stages - 1 else None)
                        for s in my_stages}
@@ -194,6 +194,12 @@ class Trainer:
                                           config.cp_ulysses, coords["cp_ulysses"])
         self._device_positions = self.positions.to(self.device)
         self._tokens_per_microbatch = config.microbatch_size * config.seq_len
+
+    def _in_precision(self, chunk: torch.nn.Module) -> torch.nn.Module:
+        """The chunk, its forward under autocast for bf16/fp16 (weights stay float32)."""
+        if self.config.dtype == "fp32":
+            return chunk
+        return AutocastChunk(chunk, self.config.dtype, self.device.type)
 
     def _transport(self) -> P2PTransport | VTPTransport | FanoutTransport:
         """The pipeline transport of the layout: each tp rank's own pipeline (uniform tp), or
@@ -264,7 +270,7 @@ class Trainer:
             group = new_groups(holders, self.rank)
             if group is not None:
                 stage, name = next((s, n) for s, n in shared.locations if s in self.stages)
-                mine.append((self.stages[stage].module.get_parameter(name), group))
+                mine.append((chunks[stage].get_parameter(name), group))
         return mine
 
     def microbatches(self, sampler: CorpusSampler, step: int):
@@ -283,14 +289,10 @@ class Trainer:
         dist.all_reduce(value)
         return value.item() / self.config.dp
 
-    def _run_step(self, executor: Executor, inputs, targets):
-        with autocast(self.config.dtype, self.device.type):
-            return executor.step(inputs, targets)
-
     def train_step(self, step: int) -> StepStats:
         start = time.perf_counter()
         inputs, targets = self.microbatches(self.train_data, step)
-        self.last_result = self._run_step(self.executor, inputs, targets)
+        self.last_result = self.executor.step(inputs, targets)
         self._reduce_gradients()
         skipped = self.scaler is not None and self.scaler.unscale_(
             [p for _, p in self.parameters])
@@ -338,7 +340,7 @@ class Trainer:
 
     def evaluate(self, step: int) -> float:
         inputs, targets = self.microbatches(self.val_data, step)
-        result = self._run_step(self.eval_executor, inputs, targets)
+        result = self.eval_executor.step(inputs, targets)
         return self._global_loss(result.loss)
 
     def fit(self) -> dict[str, Any]:
@@ -420,7 +422,7 @@ class Trainer:
         optimizer is not stepped: this step is repeated by the training loop.
         """
         inputs, targets = self.microbatches(self.train_data, 0)
-        result = self._run_step(self.executor, inputs, targets)
+        result = self.executor.step(inputs, targets)
         self._reduce_gradients()
         if self.scaler is not None:
             self.scaler.unscale_([p for _, p in self.parameters])
