@@ -35,9 +35,8 @@ from torch.utils.checkpoint import checkpoint
 
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
-from meshpipe.parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sequence,
-                               mark_sequence_parallel, reduce_from_tp,
-                               reduce_scatter_to_sequence, shard_linear, tp_rank_and_size)
+from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
+                               mark_sequence_parallel, shard_linear)
 
 RECOMPUTE = ("none", "full", "selective")
 
@@ -145,40 +144,6 @@ class RotaryEmbedding(nn.Module):
         first, second = x.float().chunk(2, dim=-1)
         rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
         return rotated.type_as(x)
-
-
-class TensorParallelRegion:
-    """Where a tensor-parallel region starts and ends (the identity without tensor parallelism).
-
-    ``enter`` hands the replicated activations to column-split weights (backward: sum of the
-    ranks' input gradients) or, with sequence parallelism, gathers the sequence shards;
-    ``leave`` sums the partial outputs of row-split weights, or reduce-scatters them back to
-    sequence shards.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False):
-        self.rank, self.size = tp_rank_and_size(group)
-        self.group = group
-        self.sequence_parallel = sequence_parallel and self.size > 1
-
-    def enter(self, x: Tensor) -> Tensor:
-        if self.size == 1:
-            return x
-        if self.sequence_parallel:
-            return gather_from_sequence(x, self.group)
-        return copy_to_tp(x, self.group)
-
-    def leave(self, x: Tensor) -> Tensor:
-        if self.size == 1:
-            return x
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence(x, self.group)
-        return reduce_from_tp(x, self.group)
-
-    @property
-    def sequence_shards(self) -> int:
-        """How many ranks share the sequence of the activations between regions."""
-        return self.size if self.sequence_parallel else 1
 
 
 _NO_TENSOR_PARALLELISM = TensorParallelRegion()

@@ -18,8 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .tp_comm import (copy_to_tp, gather_from_sequence, reduce_from_tp,
-                      reduce_scatter_to_sequence, tp_rank_and_size)
+from .tp_comm import TensorParallelRegion, tp_rank_and_size
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
@@ -153,11 +152,8 @@ class ColumnParallelLinear(nn.Module):
         return _parallel_from_linear(cls, linear, group, sequence_parallel, dim=0)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence(x, self.group)
-        else:
-            x = copy_to_tp(x, self.group)
-        return F.linear(x, self.weight)
+        return F.linear(TensorParallelRegion(self.group, self.sequence_parallel).enter(x),
+                        self.weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -191,9 +187,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         partial = F.linear(x, self.weight)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence(partial, self.group)
-        return reduce_from_tp(partial, self.group)
+        return TensorParallelRegion(self.group, self.sequence_parallel).leave(partial)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.local_in_features}), "
@@ -248,9 +242,7 @@ class VocabParallelEmbedding(nn.Module):
                        if self.vocab_start <= padding < self.vocab_end else None)
         out = F.embedding(local, self.weight, padding_idx=padding)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence(out, self.group)
-        return reduce_from_tp(out, self.group)
+        return TensorParallelRegion(self.group, self.sequence_parallel).leave(out)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, local rows "

@@ -211,3 +211,37 @@ def reduce_scatter_to_sequence(x: Tensor, group: dist.ProcessGroup | None) -> Te
     _check_seq_divisible(x, size, "reduce_scatter_to_sequence")
     _check_same_shapes(x, group, "reduce_scatter_to_sequence")
     return _ReduceScatterToSequence.apply(x, group)
+
+
+class TensorParallelRegion:
+    """Where a tensor-parallel region starts and ends (the identity without tensor parallelism).
+
+    ``enter`` hands the replicated activations to column-split weights (backward: sum of the
+    ranks' input gradients) or, with sequence parallelism, gathers the sequence shards;
+    ``leave`` sums the partial outputs of row-split weights, or reduce-scatters them back to
+    sequence shards.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False):
+        self.rank, self.size = tp_rank_and_size(group)
+        self.group = group
+        self.sequence_parallel = sequence_parallel and self.size > 1
+
+    def enter(self, x: Tensor) -> Tensor:
+        if self.size == 1:
+            return x
+        if self.sequence_parallel:
+            return gather_from_sequence(x, self.group)
+        return copy_to_tp(x, self.group)
+
+    def leave(self, x: Tensor) -> Tensor:
+        if self.size == 1:
+            return x
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(x, self.group)
+        return reduce_from_tp(x, self.group)
+
+    @property
+    def sequence_shards(self) -> int:
+        """How many ranks share the sequence of the activations between regions."""
+        return self.size if self.sequence_parallel else 1
