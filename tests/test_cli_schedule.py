@@ -67,6 +67,8 @@ def test_show_takes_costs_placement_and_forward_only(capsys):
     (["schedule", "show", "1f1b", "--pp", "x", "-m", "2"], "expected a whole number"),
     (["schedule", "show", "1f1b", "-m", "2"], "required: --pp"),
     (["schedule", "compare", "--pp", "2", "-m", "2", "--comm", "-1"], "finite cost >= 0"),
+    (["schedule", "show", "1f1b", "--pp", "2", "-m", "2", "--a2a", "-1"],
+     "argument --a2a: expected a finite cost >= 0, got -1"),
     (["schedule", "show", "none", "--pp", "2", "-m", "2"], "runs on 1 rank"),
     (["schedule", "show", "zb-h1", "--pp", "2", "-m", "2", "--placement", "v"],
      "runs on the loop placement"),
@@ -184,6 +186,40 @@ def test_show_recompute_changes_the_makespan_and_memory(capsys):
             + " ".join(f"{m:.3g}" for m in simulation.peak_activation_bytes)) in out
     assert "recompute selective (seq-len 64, dim 64, heads 4): B and I re-run 14.3% of F, " \
            "63% of activations kept" in out
+
+
+def test_compare_a2a_gives_combined_1f1b_a_shorter_step_than_1f1b_and_interleaved(
+        capsys, tmp_path):
+    path = tmp_path / "compare.json"
+    _, plain, _ = run(capsys, "schedule", "compare", "--pp", "2", "-m", "8")
+    status, out, err = run(capsys, "schedule", "compare", "--pp", "2", "-m", "8", "--a2a",
+                           "0.5", "--json", str(path))
+    assert (status, err) == (0, "")
+    assert "costs F=1 B=2 I=1 W=1 comm=0 a2a=0.5\n" in out
+    assert "costs F=1 B=2 I=1 W=1 comm=0\n" in plain and "a2a" not in plain
+    makespan = {name: float(cells[2]) for name, cells in _table(out).items() if cells[2] != "-"}
+    assert makespan["combined-1f1b"] < makespan["interleaved"] < makespan["1f1b"]
+    before = {name: float(cells[2]) for name, cells in _table(plain).items() if cells[2] != "-"}
+    assert before["combined-1f1b"] == before["interleaved"]  # no all-to-all to hide
+    document = json.loads(path.read_text())
+    assert document["costs"]["a2a"] == 0.5
+    rows = {r["schedule"]: r for r in document["schedules"]}
+    assert rows["combined-1f1b"]["makespan"] == makespan["combined-1f1b"]
+
+
+def test_show_a2a_lengthens_the_simulated_step_and_says_so(capsys):
+    _, plain, _ = run(capsys, "schedule", "show", "combined-1f1b", "--pp", "2", "-m", "4")
+    status, out, _ = run(capsys, "schedule", "show", "combined-1f1b", "--pp", "2", "-m", "4",
+                         "--a2a", "0.5")
+    assert status == 0
+    schedule = build("combined-1f1b", 2, 4, stages_per_rank=2)
+    simulation = simulate(schedule, CostModel(a2a=0.5, activation_bytes=1).for_stages_of(
+        schedule))
+    assert f"makespan {simulation.makespan:g}," in out
+    assert f"makespan {simulate(schedule, CostModel().for_stages_of(schedule)).makespan:g}," \
+        in plain
+    assert "expert-parallel all-to-all a2a=0.5 (one rank's share)" in out
+    assert "all-to-all" not in plain
 
 
 def test_demo_trains_then_compares_and_draws_the_best_schedule(capsys, tmp_path):

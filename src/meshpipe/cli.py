@@ -92,6 +92,11 @@ def _add_costs(parser: argparse.ArgumentParser) -> None:
                        "given, half of --b if only --b is, else 1)")
     group.add_argument("--comm", type=_cost, default=0.0,
                        help="latency of one message between ranks (default 0)")
+    group.add_argument("--a2a", type=_cost, default=0.0,
+                       help="expert-parallel all-to-all time of one forward (dispatch + "
+                       "combine of every MoE layer); F, B and I each wait for it, W does "
+                       "not, and an F+B overlap hides each all-to-all behind the other's "
+                       "compute (default 0: a dense model)")
     recompute = parser.add_argument_group(
         "activation recomputation", "What the costs above become when backward recomputes "
         "activations: B and I pay for the recomputed forward, and fewer activations are "
@@ -108,10 +113,10 @@ def _add_costs(parser: argparse.ArgumentParser) -> None:
 
 
 def _costs(args: argparse.Namespace) -> CostModel:
-    """The costs given by --f/--b/--i/--w/--comm, before recomputation."""
+    """The costs given by --f/--b/--i/--w/--comm/--a2a, before recomputation."""
     try:
         return CostModel(forward=args.f, backward=args.b, backward_input=args.i,
-                         backward_weight=args.w, comm=args.comm)
+                         backward_weight=args.w, comm=args.comm, a2a=args.a2a)
     except BackwardCostMismatch as error:
         raise CommandLineError(f"meshpipe: error: {error.describe('--b', '--i', '--w')}"
                                ) from None
@@ -135,6 +140,11 @@ def _recompute_description(args: argparse.Namespace) -> str:
     return (f"recompute {args.recompute} (seq-len {args.seq_len}, dim {args.dim}, heads "
             f"{args.heads}): B and I re-run {100 * compute:.3g}% of F, "
             f"{100 * memory:.3g}% of activations kept")
+
+
+def _a2a_cost(costs: CostModel) -> str:
+    """The all-to-all cost for a costs heading: ' a2a=...' when there is one, else ''."""
+    return f" a2a={costs.a2a:g}" if costs.a2a else ""
 
 
 def _recompute_document(args: argparse.Namespace) -> dict[str, object]:
@@ -213,6 +223,9 @@ def _show(args: argparse.Namespace, out: TextIO) -> None:
     out.write(f"peak activation memory per rank: "
               f"{' '.join(f'{m:.3g}' for m in simulation.peak_activation_bytes)} (1 = one "
               f"microbatch's activations on one rank's share without recomputation)\n")
+    if args.a2a:
+        out.write(f"expert-parallel all-to-all a2a={args.a2a:g} (one rank's share): F, B and I "
+                  f"wait for it; an F+B overlap hides it behind the other half's compute\n")
     if args.recompute != "none":
         out.write(_recompute_description(args) + "\n")
     if args.csv:
@@ -259,7 +272,8 @@ def _print_comparison(out: TextIO, pp: int, microbatches: int, vpp: int, costs: 
                    costs=costs if simulated is None else simulated, forward_only=forward_only)
     out.write(f"pp={pp}, microbatches={microbatches}, vpp={vpp}; costs F={costs.forward:g} "
               f"B={costs.backward:g} I={costs.backward_input:g} W={costs.backward_weight:g} "
-              f"comm={costs.comm:g}{'; ' + recompute if recompute else ''}\n\n")
+              f"comm={costs.comm:g}{_a2a_cost(costs)}{'; ' + recompute if recompute else ''}"
+              f"\n\n")
     out.write(comparison_table(rows))
     out.write(_COMPARISON_NOTE)
     return rows

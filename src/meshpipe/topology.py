@@ -55,8 +55,16 @@ class ParallelLayout:
     cp_ulysses: int = 1
     tp: int = 1
     stage_tp: tuple[int, ...] | None = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise ValueError(f"expert parallelism ep={self.ep!r} must be an integer >= 1")
+        if (self.dp * self.cp_ring * self.cp_ulysses) % self.ep:
+            raise ValueError(f"--ep {self.ep} must divide the data x context-parallel ranks "
+                             f"of a stage, dp {self.dp} x cp {self.cp_ring * self.cp_ulysses}"
+                             f" = {self.dp * self.cp_ring * self.cp_ulysses}: experts are "
+                             f"sharded over ranks that hold the same stage")
         for axis in AXES:
             size = getattr(self, axis)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -114,7 +122,7 @@ class ParallelLayout:
         parts = [f"{axis} {getattr(self, axis)}" for axis in AXES[:-1]]
         tp = (f"tp {self.tp}" if self.stage_tp is None
               else "stage-tp " + ",".join(map(str, self.stage_tp)))
-        return " x ".join(parts + [tp])
+        return " x ".join(parts + [tp]) + (f" (ep {self.ep})" if self.ep > 1 else "")
 
     def check_world_size(self, world_size: int) -> None:
         """Fail fast when the launched process count does not match the layout."""
@@ -163,6 +171,22 @@ class ParallelLayout:
             groups.setdefault(tuple(coords[a] for a in fixed_axes), []).append(rank)
         return [groups[key] for key in sorted(groups)]
 
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The expert-parallel groups and the expert-data-parallel groups.
+
+        Inside the data x context ranks of one stage and tp index (in dp, ring, Ulysses
+        order, the fastest last), ``ep`` consecutive ranks form an expert-parallel group and
+        share the experts out; the ranks at the same place of every such group hold the same
+        experts and sum those experts' gradients.
+        """
+        expert_parallel: list[list[int]] = []
+        expert_data: list[list[int]] = []
+        for replicas in self.group_ranks(["dp", "cp_ring", "cp_ulysses"]):
+            expert_parallel += [replicas[i:i + self.ep]
+                                for i in range(0, len(replicas), self.ep)]
+            expert_data += [replicas[i::self.ep] for i in range(self.ep)]
+        return expert_parallel, expert_data
+
     def peers(self, rank: int, axes: Sequence[str]) -> list[int]:
         """The ranks that share every coordinate of ``rank`` except along ``axes``."""
         return next(g for g in self.group_ranks(axes) if rank in g)
@@ -181,6 +205,8 @@ class Topology:
 
     ``model_group`` joins the ranks that hold different parts of one model replica (pipeline
     x tensor): the global gradient norm and the step's loss are reduced over it.
+    ``ep_group`` shares the experts of a stage out; ``expert_dp_group`` joins the ranks that
+    hold the same experts (their gradients are summed there).
     """
 
     layout: ParallelLayout
@@ -193,6 +219,8 @@ class Topology:
     cp_group: dist.ProcessGroup
     dp_cp_group: dist.ProcessGroup
     model_group: dist.ProcessGroup
+    ep_group: dist.ProcessGroup | None = None
+    expert_dp_group: dist.ProcessGroup | None = None
 
     @property
     def coords(self) -> dict[str, int]:
@@ -247,7 +275,17 @@ class Topology:
             cp_group=new_groups(layout.group_ranks(["cp_ring", "cp_ulysses"]), rank),
             dp_cp_group=new_groups(layout.group_ranks(["dp", "cp_ring", "cp_ulysses"]), rank),
             model_group=new_groups(layout.group_ranks(["pp", "tp"]), rank),
+            **_expert_groups(layout, rank),
         )
+
+
+def _expert_groups(layout: ParallelLayout, rank: int) -> dict[str, dist.ProcessGroup | None]:
+    """The expert groups of ``rank`` (none without expert parallelism)."""
+    if layout.ep == 1:
+        return {}
+    expert_parallel, expert_data = layout.expert_groups()
+    return {"ep_group": new_groups(expert_parallel, rank),
+            "expert_dp_group": new_groups(expert_data, rank)}
 
 
 def new_groups(rank_lists: Sequence[Sequence[int]], rank: int,

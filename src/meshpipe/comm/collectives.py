@@ -42,7 +42,8 @@ __all__ = [
     "document_ids", "gather", "hybrid_gather", "hybrid_positions", "hybrid_split",
     "packed_gather", "packed_hybrid_gather", "packed_hybrid_positions", "packed_hybrid_split",
     "packed_positions", "packed_split", "positions_in_document", "split", "split_sizes",
-    "zigzag_gather", "zigzag_positions", "zigzag_split",
+    "zigzag_gather", "zigzag_positions", "zigzag_split", "exchange_counts", "exchange_rows",
+    "all_to_all_rows",
 ]
 
 GradScale = Literal["up", "down"] | None
@@ -244,6 +245,65 @@ def all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gat
     take a single-copy fast path; others are exact, with no padding.
     """
     return _AllToAll.apply(x, group, scatter_dim, gather_dim, gather_size)
+
+
+# ------------------------------------------------------- token exchange (expert parallelism)
+
+
+def exchange_counts(send_counts: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """What every peer will send here: ``send_counts[r]`` (a row of ints per peer, e.g. tokens
+    per expert of peer ``r``) goes to rank ``r``; row ``r`` of the result came from rank ``r``."""
+    if send_counts.dim() < 1 or send_counts.size(0) != _group_size(group):
+        raise ValueError(f"exchange_counts: needs one row per rank of the group "
+                         f"({_group_size(group)}), got shape {list(send_counts.shape)}")
+    send_counts = send_counts.contiguous()
+    if _group_size(group) == 1:
+        return send_counts.clone()
+    received = torch.empty_like(send_counts)
+    dist.all_to_all_single(received, send_counts, group=group)
+    return received
+
+
+def exchange_rows(x: Tensor, send_rows: Sequence[int], receive_rows: Sequence[int],
+                  group: dist.ProcessGroup | None) -> Tensor:
+    """Rows ``x[sum(send_rows[:r]) : sum(send_rows[:r+1])]`` go to rank ``r``; the rows
+    received are concatenated in rank order (``receive_rows[r]`` from rank ``r``). Exact
+    sizes, no padding: the split sizes of ``all_to_all_single``. Not differentiable (see
+    ``all_to_all_rows``)."""
+    world = _group_size(group)
+    if len(send_rows) != world or len(receive_rows) != world:
+        raise ValueError(f"exchange_rows: give one send and one receive size per rank of the "
+                         f"group ({world}), got {list(send_rows)} and {list(receive_rows)}")
+    if sum(send_rows) != x.size(0):
+        raise ValueError(f"exchange_rows: send sizes {list(send_rows)} add up to "
+                         f"{sum(send_rows)} rows but the tensor has {x.size(0)}")
+    x = x.contiguous()
+    if world == 1:
+        return x.clone()
+    received = x.new_empty((sum(receive_rows), *x.shape[1:]))
+    dist.all_to_all_single(received, x, output_split_sizes=list(receive_rows),
+                           input_split_sizes=list(send_rows), group=group)
+    return received
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, send_rows: tuple[int, ...],
+                receive_rows: tuple[int, ...], group: dist.ProcessGroup | None) -> Tensor:
+        ctx.send_rows, ctx.receive_rows, ctx.group = send_rows, receive_rows, group
+        return exchange_rows(x, send_rows, receive_rows, group)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return exchange_rows(grad, ctx.receive_rows, ctx.send_rows, ctx.group), None, None, None
+
+
+def all_to_all_rows(x: Tensor, send_rows: Sequence[int], receive_rows: Sequence[int],
+                    group: dist.ProcessGroup | None) -> Tensor:
+    """``exchange_rows`` with autograd: the backward sends each row's gradient back to the
+    rank the row came from (the same exchange with the sizes swapped)."""
+    return _AllToAllRows.apply(x, tuple(send_rows), tuple(receive_rows), group)
 
 
 # ---------------------------------------------------------------------- split / gather

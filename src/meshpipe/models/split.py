@@ -2,7 +2,9 @@
 
 A chunk speaks pipeline messages: the first takes ``(tokens, positions, doc_ids)``, every
 chunk but the last returns ``(hidden, positions, doc_ids)`` for the next one, and the last
-returns logits. ``positions`` and ``doc_ids`` may be None; int64 tensors and None travel beside
+returns logits. A model with mixture-of-experts layers adds the running load-balancing loss
+(a scalar) to every message: ``(hidden, positions, doc_ids, aux)``, and ``(logits, aux)``
+from the last chunk. ``positions`` and ``doc_ids`` may be None; int64 tensors and None travel beside
 the float activations (the multi-tensor message of seed 000).
 
 Chunks reuse the model's own submodules, so on one process chaining them is the model, and
@@ -13,10 +15,13 @@ chunk holds layer 5), which keeps checkpoints layout-independent.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-from meshpipe.models.transformer import Transformer, default_positions, logits_of
+from meshpipe.models.transformer import Transformer, default_positions, logits_of, run_layers
+from meshpipe.runtime.substeps import run_steps
 
 PipelineMessage = tuple[Tensor, Tensor | None, Tensor | None]
 
@@ -30,6 +35,7 @@ class TransformerChunk(nn.Module):
         self.is_last = last
         self.layer_range = (start, stop)
         self.tp = model.tp
+        self.is_moe = model.config.is_moe
         if first:
             self.embedding = model.embedding
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, stop)})
@@ -38,16 +44,24 @@ class TransformerChunk(nn.Module):
             self.head = model.head
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
-                doc_ids: Tensor | None = None) -> Tensor | PipelineMessage:
+                doc_ids: Tensor | None = None, aux: Tensor | None = None) -> Any:
+        return run_steps(self.forward_steps(x, positions, doc_ids, aux))
+
+    def forward_steps(self, x: Tensor, positions: Tensor | None = None,
+                      doc_ids: Tensor | None = None, aux: Tensor | None = None):
+        """``forward`` cut at the experts' exchanges (``meshpipe.runtime.substeps``)."""
         hidden = self.embedding(x) if self.is_first else x
         layer_positions = default_positions(
             x if self.is_first else hidden, positions, check_values=self.is_first,
             sequence_shards=1 if self.is_first else self.tp.sequence_shards)
-        for layer in self.layers.values():
-            hidden = layer(hidden, layer_positions, doc_ids)
+        if self.is_moe and aux is None:
+            aux = torch.zeros((), device=hidden.device)
+        hidden, aux = yield from run_layers(self.layers.values(), hidden, aux,
+                                            layer_positions, doc_ids)
         if self.is_last:
-            return logits_of(self, hidden)
-        return hidden, positions, doc_ids
+            logits = logits_of(self, hidden)
+            return (logits, aux) if self.is_moe else logits
+        return (hidden, positions, doc_ids, aux) if self.is_moe else (hidden, positions, doc_ids)
 
     def extra_repr(self) -> str:
         start, stop = self.layer_range

@@ -35,8 +35,10 @@ from torch.utils.checkpoint import checkpoint
 
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
+from meshpipe.models.moe import MoE
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
                                mark_sequence_parallel, shard_linear)
+from meshpipe.runtime.substeps import run_steps
 
 RECOMPUTE = ("none", "full", "selective")
 
@@ -64,6 +66,10 @@ class TransformerConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     init_seed: int | None = 0
+    moe_experts: int = 0
+    moe_top_k: int = 1
+    moe_every: int = 1
+    moe_capacity_factor: float = 0.0
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of")
@@ -82,6 +88,21 @@ class TransformerConfig:
         if self.ffn_hidden is not None and self.ffn_hidden <= 0:
             raise ValueError(f"TransformerConfig.ffn_hidden must be positive, got "
                              f"{self.ffn_hidden}")
+        if (self.moe_experts < 0 or self.moe_every < 1 or self.moe_capacity_factor < 0
+                or not 1 <= self.moe_top_k <= max(self.moe_experts, 1)):
+            raise ValueError(f"need moe_experts >= 0, 1 <= moe_top_k <= moe_experts, "
+                             f"moe_every >= 1 and moe_capacity_factor >= 0; got "
+                             f"{self.moe_experts}, {self.moe_top_k}, {self.moe_every}, "
+                             f"{self.moe_capacity_factor}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` has a mixture-of-experts MLP: every ``moe_every``-th,
+        starting with the first."""
+        return self.is_moe and layer % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -218,21 +239,46 @@ class SwiGLU(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention then SwiGLU MLP."""
+    """Pre-norm residual block: attention then a SwiGLU MLP, or a mixture of experts.
 
-    def __init__(self, config: TransformerConfig, rope: RotaryEmbedding, attention: Attention):
+    A dense block's ``forward`` returns the hidden states; a mixture-of-experts block's
+    returns ``(hidden, aux_loss)``. ``forward_steps(x, aux, positions, doc_ids)`` gives
+    ``(hidden, aux + this block's aux_loss)`` for both, cut at the experts' exchanges.
+    """
+
+    def __init__(self, config: TransformerConfig, rope: RotaryEmbedding, attention: Attention,
+                 *, moe: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = SelfAttention(config, rope, attention)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = SwiGLU(config.dim, config.ffn_width)
+        self.is_moe = moe
+        self.mlp = (MoE(config.dim, config.ffn_width, config.moe_experts, config.moe_top_k,
+                        config.moe_capacity_factor) if moe
+                    else SwiGLU(config.dim, config.ffn_width))
         self.recompute = False
 
-    def forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor,
+                doc_ids: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
+        if self.is_moe:
+            return run_steps(self.forward_steps(x, torch.zeros((), device=x.device),
+                                                positions, doc_ids))
         return _maybe_checkpoint(self.recompute, self._forward, x, positions, doc_ids)
 
+    def forward_steps(self, x: Tensor, aux: Tensor | None, positions: Tensor,
+                      doc_ids: Tensor | None):
+        if not self.is_moe:
+            return self(x, positions, doc_ids), aux
+        x = _maybe_checkpoint(self.recompute, self._attend, x, positions, doc_ids)
+        y, layer_aux, (x, aux) = yield from self.mlp.forward_steps(self.mlp_norm(x),
+                                                                   keep=(x, aux))
+        return x + y, aux + layer_aux
+
+    def _attend(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+        return x + self.attention(self.attention_norm(x), positions, doc_ids)
+
     def _forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), positions, doc_ids)
+        x = self._attend(x, positions, doc_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -277,6 +323,11 @@ class Transformer(nn.Module):
     sequences. ``attention`` defaults to ``LocalAttention``; pass a context-parallel attention
     to shard the sequence. The attention object is shared by every layer.
 
+    With mixture-of-experts layers (``config.moe_experts`` > 0) it returns ``(logits,
+    aux_loss)``, the sum of the layers' load-balancing losses; ``ep_group`` shards the
+    experts over expert-parallel ranks and ``token_group`` names the ranks holding the other
+    parts of each sequence (context parallelism), which the load-balancing loss counts.
+
     With a ``tp_group`` of several ranks the logits are this rank's vocabulary slice, and
     with ``sequence_parallel`` the layers between the embedding and the head hold this
     rank's contiguous share of the sequence (the tokens and positions stay whole).
@@ -285,7 +336,8 @@ class Transformer(nn.Module):
 
     def __init__(self, config: TransformerConfig, attention: Attention | None = None, *,
                  tp_group: dist.ProcessGroup | None = None, sequence_parallel: bool = False,
-                 recompute: str = "none"):
+                 recompute: str = "none", ep_group: dist.ProcessGroup | None = None,
+                 token_group: dist.ProcessGroup | None = None):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -294,8 +346,9 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_seq_len)
         self.embedding = nn.Embedding(config.vocab_size, config.dim,
                                       _weight=torch.empty(config.vocab_size, config.dim))
-        self.layers = nn.ModuleList(TransformerBlock(config, self.rope, self.attention)
-                                    for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, self.rope, self.attention,
+                                                     moe=config.is_moe_layer(i))
+                                    for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.head = _linear(config.dim, config.vocab_size)
         if config.tie_embeddings:
@@ -303,7 +356,13 @@ class Transformer(nn.Module):
         self._init_weights()
         self.tp = TensorParallelRegion(tp_group, sequence_parallel)
         if self.tp.size > 1:
+            if config.is_moe:
+                raise ValueError("mixture-of-experts layers do not run with tensor "
+                                 "parallelism yet; use --tp 1 (experts scale with --ep)")
             self._shard_for_tensor_parallelism()
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.mlp.shard(ep_group, token_group)
         for layer in self.layers:
             layer.recompute = recompute == "full"
             layer.attention.recompute_core = recompute == "selective"
@@ -344,12 +403,26 @@ class Transformer(nn.Module):
                 param.copy_(values)
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
-                doc_ids: Tensor | None = None) -> Tensor:
+                doc_ids: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        return run_steps(self.forward_steps(tokens, positions, doc_ids))
+
+    def forward_steps(self, tokens: Tensor, positions: Tensor | None = None,
+                      doc_ids: Tensor | None = None):
+        """``forward`` cut at the experts' exchanges (``meshpipe.runtime.substeps``)."""
         positions = default_positions(tokens, positions)
         hidden = self.embedding(tokens)
-        for layer in self.layers:
-            hidden = layer(hidden, positions, doc_ids)
-        return logits_of(self, hidden)
+        aux = torch.zeros((), device=tokens.device) if self.config.is_moe else None
+        hidden, aux = yield from run_layers(self.layers, hidden, aux, positions, doc_ids)
+        logits = logits_of(self, hidden)
+        return (logits, aux) if self.config.is_moe else logits
+
+
+def run_layers(layers, hidden: Tensor, aux: Tensor | None, positions: Tensor,
+               doc_ids: Tensor | None):
+    """Sub-steps of ``layers`` in order: ``(hidden, aux)`` after the last."""
+    for layer in layers:
+        hidden, aux = yield from layer.forward_steps(hidden, aux, positions, doc_ids)
+    return hidden, aux
 
 
 def logits_of(owner: nn.Module, hidden: Tensor) -> Tensor:

@@ -11,7 +11,11 @@ state"; it dispatches each action to a handler:
 - ``SEND_F`` / ``SEND_B`` post a send; a sent forward output's storage is released at once
   (seed 003's deallocation: the transport sends from its own packed copy, and the autograd
   graph stays usable);
-- ``OVERLAP`` runs its forward half, then its backward half.
+- ``OVERLAP`` co-schedules its forward half and its backward half (seed 002): both messages
+  are taken first, then the sub-steps of the two alternate, so each exchange one of them
+  posts (an expert-parallel all-to-all) travels while the other computes. A module without
+  sub-steps runs F then B, with a one-time notice that nothing is overlapped. The optional
+  ``OverlapHooks`` run before and after each half.
 
 When an action fails, the rank tells every pipeline peer it still owes messages: each
 owed send is posted as a small *stop notice* under the label the real message would have
@@ -24,11 +28,13 @@ receive timeout.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from meshpipe.comm.p2p import P2PTransport
-from meshpipe.runtime.stage import Stage
+from meshpipe.runtime.stage import Stage, Task
+from meshpipe.runtime.substeps import co_schedule, drain
 from meshpipe.schedules.actions import Action, Kind, Schedule
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.simulate import TimedAction
@@ -112,6 +118,23 @@ def _message_of(action: Action) -> _Message:
 
 
 @dataclass
+class OverlapHooks:
+    """Callables run around the halves of every OVERLAP action, each given that half (an F or
+    a B action): ``pre_forward`` and ``pre_backward`` before the co-scheduled compute (in that
+    order), ``post_forward`` and ``post_backward`` after it (seed 002's hooks; e.g. to post
+    or wait for pipeline messages around the combined step)."""
+
+    pre_forward: Callable[[Action], None] | None = None
+    pre_backward: Callable[[Action], None] | None = None
+    post_forward: Callable[[Action], None] | None = None
+    post_backward: Callable[[Action], None] | None = None
+
+
+# Stage module types already told that their OVERLAPs run F then B.
+_NOTIFIED_WITHOUT_SUBSTEPS: set[str] = set()
+
+
+@dataclass
 class StepResult:
     """What one rank observed in one step.
 
@@ -148,7 +171,7 @@ class Executor:
 
     def __init__(self, schedule: Schedule, stages: Mapping[int, Stage], *, pp_rank: int,
                  pipeline_ranks: Sequence[int], transport: P2PTransport,
-                 recv_timeout: float | None = None):
+                 recv_timeout: float | None = None, overlap_hooks: OverlapHooks | None = None):
         self.schedule = schedule if schedule.is_lowered else lower(schedule)
         validate(self.schedule)
         if not 0 <= pp_rank < self.schedule.num_ranks:
@@ -164,6 +187,7 @@ class Executor:
         self.pipeline_ranks = list(pipeline_ranks)
         self.transport = transport
         self.recv_timeout = recv_timeout
+        self.overlap_hooks = overlap_hooks or OverlapHooks()
         self.actions = self.schedule.ranks[pp_rank]
         # A transport that queues posted operations (P2PTransport(mode="batched")) issues
         # them in flush(): once after each run of consecutive SEND/RECV actions.
@@ -417,25 +441,31 @@ class Executor:
         return value
 
     def _forward(self, action: Action) -> None:
+        message = self._forward_message(action)
+        self._timed(action, lambda: drain(self._forward_task(action, message)))
+
+    def _forward_message(self, action: Action) -> Any:
+        s, m = action.stage, action.microbatch
+        return (self._inputs[m] if s == 0
+                else self._take(self._forward_inbox, (s, m), "forward input"))
+
+    def _forward_task(self, action: Action, message: Any) -> Task:
+        """The forward of ``action`` on ``message``, yielding while its exchanges travel; its
+        output goes on to the next stage (or its loss and output into the result)."""
         s, m = action.stage, action.microbatch
         stage = self.stages[s]
-        message = (self._inputs[m] if s == 0
-                   else self._take(self._forward_inbox, (s, m), "forward input"))
         forward_only = self.schedule.forward_only
+        target = self._targets[m] if stage.is_last and self._targets is not None else None
+        output = yield from stage.forward_steps(
+            m, message, target=target, loss_scale=self._loss_scales[m],
+            keep_for_backward=not forward_only)
         if stage.is_last:
-            target = self._targets[m] if self._targets is not None else None
-            output = self._timed(action, lambda: stage.forward(
-                m, message, target=target, loss_scale=self._loss_scales[m],
-                keep_for_backward=not forward_only))
             if stage.computes_loss(target, keep_for_backward=not forward_only):
                 output, loss = output
                 self._result.losses.append(float(loss))
             if forward_only:
                 self._result.outputs.append(output)
-            return
-        output = self._timed(action, lambda: stage.forward(m, message,
-                                                           keep_for_backward=not forward_only))
-        if self._is_local(s + 1):
+        elif self._is_local(s + 1):
             self._forward_inbox[(s + 1, m)] = output
         else:
             self._outbox_forward[(s, m)] = output
@@ -455,19 +485,48 @@ class Executor:
 
     def _backward(self, action: Action) -> None:
         """A full backward (B) or its input-gradient half (I): both pass gradients on."""
+        grads = self._output_grads(action.stage, action.microbatch)
+        self._timed(action, lambda: drain(self._backward_task(action, grads)))
+
+    def _backward_task(self, action: Action, grads: Any) -> Task:
         s, m = action.stage, action.microbatch
         stage = self.stages[s]
-        run = stage.backward if action.kind is Kind.B else stage.backward_input
-        grads = self._output_grads(s, m)
-        input_grads = self._timed(action, lambda: run(m, grads))
+        run = stage.backward_steps if action.kind is Kind.B else stage.backward_input_steps
+        input_grads = yield from run(m, grads)
         self._deliver_input_grads(s, m, input_grads)
 
     def _backward_weight(self, action: Action) -> None:
         self._timed(action, lambda: self.stages[action.stage].backward_weight(action.microbatch))
 
     def _overlap(self, action: Action) -> None:
-        for part in action.parts:
-            self._handlers[part.kind](part)
+        """Take both halves' messages, then alternate their sub-steps, backward first: the
+        backward's first exchange (the last layer's reverse combine) travels while the
+        forward's first piece computes, and so on layer by layer."""
+        forward, backward = action.parts
+        self._notice_without_substeps(forward, backward)
+        hooks = self.overlap_hooks
+        message = self._forward_message(forward)
+        grads = self._output_grads(backward.stage, backward.microbatch)
+        for hook, part in ((hooks.pre_forward, forward), (hooks.pre_backward, backward)):
+            if hook is not None:
+                hook(part)
+        self._timed(action, lambda: co_schedule([self._backward_task(backward, grads),
+                                                 self._forward_task(forward, message)]))
+        for hook, part in ((hooks.post_forward, forward), (hooks.post_backward, backward)):
+            if hook is not None:
+                hook(part)
+
+    def _notice_without_substeps(self, *parts: Action) -> None:
+        for part in parts:
+            stage = self.stages[part.stage]
+            kind = type(stage.module).__name__
+            if stage.has_substeps or kind in _NOTIFIED_WITHOUT_SUBSTEPS:
+                continue
+            _NOTIFIED_WITHOUT_SUBSTEPS.add(kind)
+            warnings.warn(f"{self._where()}: the {kind} of stage {part.stage} has no "
+                          "forward_steps, so OVERLAP actions run its forward and backward one "
+                          "after the other and hide no communication; expose its exchanges "
+                          "(meshpipe.runtime.substeps) to overlap them", stacklevel=3)
 
     def _send_forward(self, action: Action) -> None:
         self._post_send(action, self._outbox_forward)

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from meshpipe.runtime.substeps import resume_within
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                   "fp16": torch.float16}
@@ -85,6 +87,15 @@ class AutocastChunk(nn.Module):
     def forward(self, *args: Any) -> Any:
         with autocast(self.dtype_name, self.device_type):
             return self.chunk(*args)
+
+    @property
+    def forward_steps(self) -> Callable[..., Generator] | None:
+        """The chunk's sub-steps (None if it has none), each piece run under autocast."""
+        steps = getattr(self.chunk, "forward_steps", None)
+        if not callable(steps):
+            return None
+        return lambda *args: resume_within(
+            steps(*args), lambda: autocast(self.dtype_name, self.device_type))
 
 
 def low_precision_tolerance(dtype_name: str,

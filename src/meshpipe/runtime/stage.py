@@ -13,13 +13,20 @@ the multi-tensor semantics of seed 000:
   paths, because the received leaf is itself an output of the stage.
 
 Parameter gradients accumulate in ``.grad`` across microbatches; the Stage never zeroes them.
+
+A module with sub-steps (``forward_steps``, see ``meshpipe.runtime.substeps``) is run piece
+by piece when training: its autograd graph is cut at each exchange, the exchange is posted
+on the communication thread, and backward walks the pieces in reverse with the exchanges'
+reverse in between. ``forward_steps``/``backward_steps``/``backward_input_steps`` expose
+the pieces as tasks that yield while an exchange travels (what ``OVERLAP`` co-schedules);
+``forward``/``backward``/``backward_input`` run them to their end.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
@@ -30,6 +37,9 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from meshpipe.runtime.split_backward import SplitBackward
+from meshpipe.runtime.substeps import Exchange, comm_worker, drain, record_event
+
+Task = Generator[None, None, Any]
 
 
 class StageError(RuntimeError):
@@ -42,6 +52,61 @@ class StageError(RuntimeError):
         self.stage = stage
         self.microbatch = microbatch
         self.action = action
+
+
+class _Boundary:
+    """Where a sub-step forward was cut at an exchange: the tensors that left the piece
+    before it (its roots in backward) and the fresh leaves the piece after it started from."""
+
+    def __init__(self, exchange: Exchange):
+        self.exchange = exchange
+        send, self._send_spec = tree_flatten(exchange.send)
+        keep, self._keep_spec = tree_flatten(exchange.keep)
+        self._roots = [(i, get_gradient_edge(t)) for i, t in enumerate(send + keep)
+                       if isinstance(t, Tensor) and t.requires_grad]
+        self._send_count = len(send)
+        self.send_values = tree_unflatten([_detached(t) for t in send], self._send_spec)
+        self._kept = [_as_stage_input(_detached(t)) for t in keep]
+        self._received: list[Any] = []
+        self._received_spec: TreeSpec | None = None
+
+    def resume_value(self, received: Any) -> tuple[Any, Any]:
+        """What the piece after the exchange gets: ``(received, kept)`` as fresh leaves."""
+        leaves, self._received_spec = tree_flatten(received)
+        self._received = [_as_stage_input(t) for t in leaves]
+        return (tree_unflatten(self._received, self._received_spec),
+                tree_unflatten(self._kept, self._keep_spec))
+
+    @property
+    def leaves(self) -> list[Tensor]:
+        """The differentiable leaves the piece after the exchange started from."""
+        return [t for t in self._received + self._kept if _is_differentiable(t)]
+
+    def received_gradients(self, leaf_grads: list[Tensor | None]) -> Any:
+        """The gradients of the received values (zeros where none reached a leaf, None for
+        non-float values), shaped as received: what the reverse exchange sends back."""
+        grads = dict(zip(map(id, self.leaves), leaf_grads))
+        out = [(torch.zeros_like(t) if grads.get(id(t)) is None else grads[id(t)])
+               if _is_differentiable(t) else None for t in self._received]
+        return tree_unflatten(out, self._received_spec)
+
+    def roots_and_grads(self, send_grads: Any, leaf_grads: list[Tensor | None]
+                        ) -> tuple[list[GradientEdge], list[Tensor]]:
+        """The piece before the exchange's roots with their gradients: each sent tensor's
+        from the reverse exchange, each kept tensor's from its leaf after the exchange."""
+        grads = dict(zip(map(id, self.leaves), leaf_grads))
+        by_position = tree_flatten(send_grads)[0] + [grads.get(id(t)) for t in self._kept]
+        roots, root_grads = [], []
+        for position, edge in self._roots:
+            grad = by_position[position]
+            if grad is not None:
+                roots.append(edge)
+                root_grads.append(grad)
+        return roots, root_grads
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, Tensor) else value
 
 
 @dataclass
@@ -58,7 +123,10 @@ class _Microbatch:
     root_output_indices: list[int]
     # The gradient that seeds a loss root (ones); None on stages that receive output grads.
     loss_grad: Tensor | None
-    split: SplitBackward | None = None
+    # Where a sub-step forward was cut, in forward order (empty for a module run in one go).
+    boundaries: list[_Boundary] = field(default_factory=list)
+    # The split backward of each piece, last piece first, from I until W.
+    split: list[SplitBackward] | None = None
 
 
 # What torch's reentrant checkpoint says when backward is limited to some inputs.
@@ -166,6 +234,14 @@ class Stage:
         output. With ``keep_for_backward=False`` (forward-only) no graph is built or kept,
         and a last stage given no ``target`` skips the loss and returns its output alone.
         """
+        return drain(self.forward_steps(microbatch, message, target=target,
+                                        loss_scale=loss_scale,
+                                        keep_for_backward=keep_for_backward))
+
+    def forward_steps(self, microbatch: int, message: Any, *, target: Any = None,
+                      loss_scale: float = 1.0, keep_for_backward: bool = True) -> Task:
+        """``forward`` as a task that yields while each exchange of a sub-step module travels
+        (a module run in one go never yields); its result is what ``forward`` returns."""
         if keep_for_backward and microbatch in self._saved:
             raise self._error("a forward of this microbatch is still waiting for its backward",
                               microbatch, "forward",
@@ -176,17 +252,60 @@ class Stage:
             message = tree_unflatten(leaves, spec)
         args = tuple(message) if isinstance(message, (tuple, list)) else (message,)
         self._check_arity(args, microbatch)
-        with torch.set_grad_enabled(keep_for_backward):
-            output = self._call_module(args, microbatch)
-            loss = root = None
-            if self.computes_loss(target, keep_for_backward):
+        boundaries: list[_Boundary] = []
+        if keep_for_backward and self.has_substeps:
+            output = yield from self._run_pieces(args, microbatch, boundaries)
+        else:
+            with torch.set_grad_enabled(keep_for_backward):
+                output = self._call_module(args, microbatch)
+        loss = root = None
+        if self.computes_loss(target, keep_for_backward):
+            with torch.set_grad_enabled(keep_for_backward):
                 loss, root = self._loss(output, target, loss_scale, microbatch)
         if keep_for_backward:
             self._saved[microbatch] = self._record(leaves, spec, output, root)
+            self._saved[microbatch].boundaries = boundaries
             self._finished.pop(microbatch, None)
         if loss is None:
             return output
         return output, loss.detach()
+
+    @property
+    def has_substeps(self) -> bool:
+        """Whether the module cuts its forward at its exchanges (``forward_steps``)."""
+        return callable(getattr(self.module, "forward_steps", None))
+
+    def _run_pieces(self, args: tuple, microbatch: int, boundaries: list[_Boundary]) -> Task:
+        """Run ``module.forward_steps`` piece by piece, posting each exchange on the
+        communication thread and yielding until its result is needed."""
+        label = f"F{self.index},{microbatch}"
+        steps = self.module.forward_steps(*args)
+        value = None
+        while True:
+            record_event("run", label)
+            try:
+                with torch.enable_grad():
+                    exchange = steps.send(value)
+            except StopIteration as done:
+                record_event("yield", label)
+                return done.value
+            except Exception as exc:
+                raise self._error(
+                    f"the module raised {type(exc).__name__}: {exc} (message was "
+                    f"{_describe(list(args))})", microbatch, "forward",
+                    "check that the previous stage's output matches what this chunk expects "
+                    "(count, dtypes, shapes)") from exc
+            if not isinstance(exchange, Exchange):
+                raise self._error(f"forward_steps yielded a {type(exchange).__name__}, not an "
+                                  "Exchange", microbatch, "forward",
+                                  "yield meshpipe.runtime.substeps.Exchange objects only")
+            boundary = _Boundary(exchange)
+            in_flight = comm_worker().post(f"{label}:{exchange.name}", exchange.communicate,
+                                           boundary.send_values)
+            record_event("yield", label)
+            yield
+            value = boundary.resume_value(in_flight.wait())
+            boundaries.append(boundary)
 
     def computes_loss(self, target: Any, keep_for_backward: bool = True) -> bool:
         """Whether ``forward`` with this ``target`` returns a loss: on the last stage with a
@@ -264,19 +383,19 @@ class Stage:
         The result is a pytree like the received message (None on the first stage, which has
         no upstream to send to).
         """
+        return drain(self.backward_steps(microbatch, output_grads))
+
+    def backward_steps(self, microbatch: int, output_grads: Any = None) -> Task:
+        """``backward`` as a task that yields while each reverse exchange travels."""
         saved = self._held(microbatch, "backward")
         roots, grads = self._roots_and_grads(saved, output_grads, microbatch, "backward")
         float_inputs = self._float_inputs(saved)
         del self._saved[microbatch]
-        try:
-            if roots:
-                torch.autograd.backward(roots, grads)
-        except RuntimeError as exc:
-            raise self._autograd_error(exc, microbatch, "backward",
-                                       "check the output gradients received from the next "
-                                       "stage") from exc
+        leaf_grads = yield from self._backward_pieces(
+            saved, roots, grads, float_inputs, microbatch, "backward",
+            lambda r, g, leaves: self._accumulate(r, g, leaves))
         self._finish(microbatch, "backward")
-        return self._input_grads(saved, [t.grad for t in float_inputs])
+        return self._input_grads(saved, leaf_grads)
 
     def backward_input(self, microbatch: int, output_grads: Any = None) -> Any:
         """Input-gradient half (I) of the backward; ``backward_weight`` must follow.
@@ -284,19 +403,27 @@ class Stage:
         Returns the same input grads as ``backward`` would. See ``SplitBackward`` for how the
         weight half is kept for later and what it costs.
         """
+        return drain(self.backward_input_steps(microbatch, output_grads))
+
+    def backward_input_steps(self, microbatch: int, output_grads: Any = None) -> Task:
+        """``backward_input`` as a task that yields while each reverse exchange travels."""
         saved = self._held(microbatch, "backward_input")
         roots, grads = self._roots_and_grads(saved, output_grads, microbatch, "backward_input")
         float_inputs = self._float_inputs(saved)
-        saved.split = SplitBackward(roots, grads, float_inputs)
+        saved.split = []
+
+        def input_half(roots, grads, leaves) -> list[Tensor | None]:
+            saved.split.append(SplitBackward(roots, grads, leaves))
+            return saved.split[-1].input_grads()
+
         try:
-            input_grads = saved.split.input_grads()
-        except RuntimeError as exc:
+            leaf_grads = yield from self._backward_pieces(
+                saved, roots, grads, float_inputs, microbatch, "backward_input", input_half)
+        except StageError:
             del self._saved[microbatch]
-            raise self._autograd_error(exc, microbatch, "backward_input",
-                                       "check the output gradients received from the next "
-                                       "stage") from exc
-        result = self._input_grads(saved, input_grads)
-        saved.input_leaves, saved.outputs = [], []
+            raise
+        result = self._input_grads(saved, leaf_grads)
+        saved.input_leaves, saved.outputs, saved.boundaries = [], [], []
         return result
 
     def backward_weight(self, microbatch: int) -> None:
@@ -304,12 +431,51 @@ class Stage:
         saved = self._held(microbatch, "backward_weight")
         del self._saved[microbatch]
         try:
-            saved.split.accumulate_weight_grads()
+            for split in saved.split:
+                split.accumulate_weight_grads()
         except RuntimeError as exc:
             raise self._autograd_error(exc, microbatch, "backward_weight",
                                        "report this with the model: the weight pass should not "
                                        "fail after its input pass succeeded") from exc
         self._finish(microbatch, "backward_weight")
+
+    @staticmethod
+    def _accumulate(roots: list[GradientEdge], grads: list[Tensor],
+                    leaves: list[Tensor]) -> list[Tensor | None]:
+        """A full backward of one piece: parameter grads accumulate, the leaves' are returned."""
+        if roots:
+            torch.autograd.backward(roots, grads)
+        return [leaf.grad for leaf in leaves]
+
+    def _backward_pieces(self, saved: _Microbatch, roots: list[GradientEdge],
+                         grads: list[Tensor], float_inputs: list[Tensor], microbatch: int,
+                         action: str, run_piece) -> Task:
+        """Backward through the pieces of a forward, last first: ``run_piece(roots, grads,
+        leaves)`` backpropagates one piece and returns its leaves' gradients; between two
+        pieces the reverse exchange is posted and the task yields until it returns.
+        Returns the gradients of the stage's float inputs."""
+        label = f"{'B' if action == 'backward' else 'I'}{self.index},{microbatch}"
+        hint = "check the output gradients received from the next stage"
+        for boundary in reversed(saved.boundaries):
+            record_event("run", label)
+            leaves = boundary.leaves
+            try:
+                leaf_grads = run_piece(roots, grads, leaves)
+            except RuntimeError as exc:
+                raise self._autograd_error(exc, microbatch, action, hint) from exc
+            in_flight = comm_worker().post(f"{label}:{boundary.exchange.name}",
+                                           boundary.exchange.communicate_backward,
+                                           boundary.received_gradients(leaf_grads))
+            record_event("yield", label)
+            yield
+            roots, grads = boundary.roots_and_grads(in_flight.wait(), leaf_grads)
+        record_event("run", label)
+        try:
+            input_grads = run_piece(roots, grads, float_inputs)
+        except RuntimeError as exc:
+            raise self._autograd_error(exc, microbatch, action, hint) from exc
+        record_event("yield", label)
+        return input_grads
 
     def _autograd_error(self, exc: RuntimeError, microbatch: int, action: str,
                         hint: str) -> StageError:

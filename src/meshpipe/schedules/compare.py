@@ -75,7 +75,9 @@ def compare(num_ranks: int, num_microbatches: int, *, stages_per_rank: int = 2,
     ``costs`` describe one rank's share of the model (one stage of a ``num_ranks``-stage
     split); ``activation_bytes`` defaults to 1, one microbatch's activations on that
     share; ``costs.with_recompute(mode)`` compares under activation recomputation (its
-    memory is then in units of activations without recomputation). Each schedule runs
+    memory is then in units of activations without recomputation); ``costs.a2a`` > 0 (an
+    MoE model's expert-parallel all-to-all) is what the schedules with OVERLAP actions,
+    combined-1f1b and dualpipe-v, hide behind compute. Each schedule runs
     ``costs.for_stages_of(schedule)`` (a schedule with v stages per rank: 1/v of them per
     stage), so makespans and activation memory compare like for like. Each schedule runs
     with ``native_stages_per_rank(name, stages_per_rank)`` stages per rank, the figure every

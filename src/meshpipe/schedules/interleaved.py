@@ -158,12 +158,15 @@ def combined_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 
     each OVERLAP waits for the next rank's OVERLAP of the same step, which waits for this
     rank's previous step, and half of every rank's time is idle.
 
-    Bubble at F = I = W with an OVERLAP costing F + B (no overlap gain) and free
-    communication: the same as the uncombined order, ``(p-1) / (v m + p - 1)`` (m a multiple
-    of p when v > 1); simulated exactly so. Live activations: up to ``2 (p-r) + (v-1) N``
-    microbatches on rank r (twice 1F1B's for v = 1). The gain of combined 1F1B lies in an
-    overlap cost below F + B, which a cost model can express with ``overlap``. The
-    forward-only variant is plain forwards in table order (nothing to pair).
+    Bubble at F = I = W with an OVERLAP costing F + B (no all-to-all: no overlap gain) and
+    free communication: the same as the uncombined order, ``(p-1) / (v m + p - 1)`` (m a
+    multiple of p when v > 1); simulated exactly so. Live activations: up to
+    ``2 (p-r) + (v-1) N`` microbatches on rank r (twice 1F1B's for v = 1). The gain of
+    combined 1F1B lies in the all-to-all time it hides: with ``CostModel.a2a`` > 0 a plain
+    F or B waits for its all-to-alls while an OVERLAP costs ``max(F + B, a2a + a2a)``
+    instead of ``F + B + 2 a2a``, so the step is shorter than interleaved 1F1B's; an
+    explicit ``CostModel.overlap`` gives a measured figure instead. The forward-only variant
+    is plain forwards in table order (nothing to pair).
     """
     return _build_interleaved("combined-1f1b", num_ranks, num_microbatches, stages_per_rank,
                               microbatch_group_size, forward_only, combined=True)

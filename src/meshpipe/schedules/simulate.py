@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from itertools import compress
-from operator import attrgetter, sub
+from operator import add, attrgetter, sub
 
 from meshpipe.schedules.actions import Action, Kind, Schedule
 from meshpipe.schedules.validation import ScheduleError
@@ -42,13 +42,29 @@ class CostModel:
     other half the difference; one or both halves without ``backward`` leave a missing half
     at 1 and make B their sum. All three are set after construction; a ``backward`` that
     differs from the halves given with it raises ``BackwardCostMismatch`` (a ValueError).
-    ``overlap`` (an OVERLAP action) is indexed by the stage of its forward half and
-    defaults to the forward of that stage plus the backward of its backward half's stage.
     ``comm`` is the latency of one message sent by a stage to a neighbour stage on another
-    rank (stages on the same rank hand over for free). ``activation_bytes`` is the size of
-    one microbatch's saved activations on a stage; with it the simulation reports peak
-    live activation memory. ``with_recompute`` turns these costs into those of the same
-    model with activation recomputation (checkpointing).
+    rank (stages on the same rank hand over for free).
+
+    ``a2a`` is the expert-parallel all-to-all time of one forward of a stage: the dispatch
+    and combine of all its MoE layers, spent on the rank's communication stream while its
+    compute waits. The backward moves the same volume back (the reverse all-to-alls), and
+    the input-gradient pass is the one that carries it: an F costs ``forward + a2a``, a B
+    ``backward + a2a``, an I ``backward_input + a2a``, a W ``backward_weight`` alone. With
+    ``a2a`` 0 (the default) costs are those of a dense model.
+
+    ``overlap`` (an OVERLAP action: the F of stage s1 co-scheduled with the B of stage s2)
+    is indexed by the stage of its forward half. Without it, an OVERLAP costs what
+    co-scheduling gives: the two microbatches' compute runs on one compute stream and
+    their all-to-alls on one communication stream, each all-to-all hidden behind the other
+    microbatch's compute, so ``max(forward[s1] + backward[s2], a2a[s1] + a2a[s2])``. That is
+    the ideal of perfect layer-by-layer interleaving, which the runtime approaches when each
+    all-to-all lasts at most one sub-step's compute; give ``overlap`` for a measured figure
+    (it wins over the formula). With ``a2a`` 0 the formula is ``forward + backward``, no
+    gain from co-scheduling.
+
+    ``activation_bytes`` is the size of one microbatch's saved activations on a stage; with
+    it the simulation reports peak live activation memory. ``with_recompute`` turns these
+    costs into those of the same model with activation recomputation (checkpointing).
     """
 
     forward: Cost = 1.0
@@ -57,6 +73,7 @@ class CostModel:
     backward_weight: Cost | None = None
     overlap: Cost | None = None
     comm: Cost = 0.0
+    a2a: Cost = 0.0
     activation_bytes: Cost | None = None
 
     def __post_init__(self) -> None:
@@ -71,8 +88,9 @@ class CostModel:
         object.__setattr__(self, "backward_weight", weight_half)
 
     def scaled(self, factor: float) -> CostModel:
-        """Compute costs and activation sizes times ``factor``; ``comm`` is per message and
-        stays. Splitting each rank's share of a model into v stages is ``scaled(1 / v)``."""
+        """Compute costs, ``a2a`` (its all-to-alls are per layer, like compute) and
+        activation sizes times ``factor``; ``comm`` is per message and stays. Splitting each
+        rank's share of a model into v stages is ``scaled(1 / v)``."""
         def scale(value: float | tuple[float, ...] | None) -> float | tuple[float, ...] | None:
             if value is None or isinstance(value, float):
                 return None if value is None else value * factor
@@ -97,7 +115,8 @@ class CostModel:
         to B and to I, and W stays, so B = I + W still holds. With non-reentrant
         checkpointing the forward is recomputed by the first backward pass that needs its
         saved tensors, which in a split backward is I; W reuses what I recomputed. An
-        explicit ``overlap`` cost grows by the same amount (per stage of its forward half).
+        explicit ``overlap`` cost grows by the same amount (per stage of its forward half);
+        without one, an OVERLAP's compute grows through its backward half.
         ``activation_bytes`` is multiplied by ``memory_fraction``, the share of activations
         still saved per microbatch; None is read as 1, one microbatch's activations without
         recomputation, so the result always reports memory, in those units.
@@ -105,8 +124,12 @@ class CostModel:
         The fractions default to ``recompute_compute_fraction(mode, seq_len, dim)`` and
         ``recompute_memory_fraction(mode, seq_len, dim, heads)`` (Korthikanti et al. 2022)
         for layers of that size. Not modelled: the one layer's activations a recomputation
-        briefly rebuilds (a per-rank constant, not per microbatch), and, in split-backward
-        schedules, the recomputed tensors that W needs, which stay live from I until W.
+        briefly rebuilds (a per-rank constant, not per microbatch); in split-backward
+        schedules, the recomputed tensors that W needs, which stay live from I until W; and
+        the all-to-alls of a recomputed MoE forward: ``a2a`` stays as it is, although a
+        full recomputation re-runs each MoE layer's dispatch and combine too (unless the
+        runtime keeps the dispatched tokens), so under "full" with ``a2a`` > 0 the B and I
+        costs here are short of the real ones by up to ``a2a``.
         Apply it once, to costs without recomputation (it adds on every call).
         """
         _check_recompute_mode(mode)
@@ -157,7 +180,7 @@ class CostModel:
 
 
 _SCALED_COSTS = ("forward", "backward", "backward_input", "backward_weight", "overlap",
-                 "activation_bytes")
+                 "a2a", "activation_bytes")
 
 
 def _times(value: float | tuple[float, ...], factor: float) -> float | tuple[float, ...]:
@@ -612,12 +635,18 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Simulation:
     Each rank runs its list in order; a compute action starts when its rank is free and its
     inputs are ready: F(s,m) after F(s-1,m), B or I(s,m) after F(s,m) and the input
     gradient from B or I(s+1,m), W(s,m) after I(s,m), an OVERLAP after both halves'
-    inputs. An input produced on another rank arrives ``costs.comm`` later. SEND/RECV
+    inputs; each lasts as ``CostModel`` says (expert-parallel all-to-alls included, hidden
+    in an OVERLAP). An input produced on another rank arrives ``costs.comm`` later. SEND/RECV
     actions of a lowered schedule take no time (communication is modelled by ``comm``).
     Raises ``SimulationDeadlock`` naming the stuck ranks if the schedule cannot finish.
     """
     costs = CostModel() if costs is None else costs
     return Simulation(schedule, costs, _Simulator(schedule, costs).run())
+
+
+def _plus(costs: tuple[float, ...], extra: tuple[float, ...]) -> tuple[float, ...]:
+    """Per stage, ``costs + extra`` (exactly ``costs`` where ``extra`` is 0)."""
+    return tuple(map(add, costs, extra))
 
 
 class _Simulator:
@@ -628,10 +657,16 @@ class _Simulator:
         self.schedule = schedule
         num_stages = schedule.num_stages
         placement = schedule.placement
-        self.forward = costs.per_stage("forward", num_stages)
-        self.backward_input = costs.per_stage("backward_input", num_stages)
+        # What an OVERLAP co-schedules: compute on one stream, all-to-alls on the other.
+        self.forward_compute = costs.per_stage("forward", num_stages)
+        self.backward_compute = costs.per_stage("backward", num_stages)
+        self.a2a = costs.per_stage("a2a", num_stages)
+        # How long each plain kind lasts, read by the hot loop: F, B and I wait for their
+        # stage's all-to-alls, W has none.
+        self.forward = _plus(self.forward_compute, self.a2a)
+        self.backward = _plus(self.backward_compute, self.a2a)
+        self.backward_input = _plus(costs.per_stage("backward_input", num_stages), self.a2a)
         self.backward_weight = costs.per_stage("backward_weight", num_stages)
-        self.backward = costs.per_stage("backward", num_stages)
         self.overlap = costs.per_stage("overlap", num_stages)
         comm = costs.per_stage("comm", num_stages)
         # Latency of the input of stage s: from s-1 (forward) or s+1 (backward).
@@ -784,10 +819,13 @@ class _Simulator:
         return ready
 
     def _overlap_cost(self, action: Action) -> float:
-        forward_part, backward_part = action.parts
+        """The explicit ``overlap`` cost, else the co-scheduled time (see ``CostModel``):
+        both halves' compute back to back, or both all-to-alls if they take longer."""
+        forward_stage, backward_stage = (part.stage for part in action.parts)
         if self.overlap is not None:
-            return self.overlap[forward_part.stage]
-        return self.forward[forward_part.stage] + self.backward[backward_part.stage]
+            return self.overlap[forward_stage]
+        return max(self.forward_compute[forward_stage] + self.backward_compute[backward_stage],
+                   self.a2a[forward_stage] + self.a2a[backward_stage])
 
     def _park(self, rank: int, space: int, token: int) -> None:
         self.waiting[space].setdefault(token, []).append(rank)

@@ -206,11 +206,12 @@ def dualpipe_v(num_ranks: int, num_microbatches: int, *, forward_only: bool = Fa
 
     Bubble (published by DeepSeek for DualPipeV with PP = 2p stages on p ranks):
     ``(p-1)(F&B + B - 3W)`` time per rank, F&B being the time of an OVERLAP and B of a full
-    backward. Simulated at F = I = W = 1 with an OVERLAP costing F + B (the cost model's
-    default: no gain from co-scheduling): makespan ``6m + 2(p-1)``, exactly the published
-    ``(p-1)(3 + 2 - 3)``, bubble ratio ``(p-1) / (3m + p - 1)``: equal to ZB-H1's. Its
-    advantage over ZB-H1 appears when an OVERLAP costs less than F + B (communication hidden
-    behind compute), which a cost model expresses with ``overlap``.
+    backward. Simulated at F = I = W = 1 with an OVERLAP costing F + B (the cost model
+    without all-to-all: no gain from co-scheduling): makespan ``6m + 2(p-1)``, exactly the
+    published ``(p-1)(3 + 2 - 3)``, bubble ratio ``(p-1) / (3m + p - 1)``: equal to ZB-H1's.
+    Its advantage over ZB-H1 appears with expert-parallel all-to-alls (``CostModel.a2a`` >
+    0): a plain F, B or I waits for its own, while an OVERLAP hides each behind the other
+    half's compute; an explicit ``CostModel.overlap`` gives a measured OVERLAP time instead.
     """
     check_count("num_ranks", num_ranks)
     check_count("num_microbatches", num_microbatches)

@@ -46,6 +46,13 @@ class TrainConfig:
     heads: int = 4
     kv_heads: int = 2
     tie_embeddings: bool = False
+    # mixture of experts
+    moe_experts: int = 0
+    moe_top_k: int = 1
+    moe_every: int = 1
+    moe_aux_coef: float = 0.01
+    moe_capacity_factor: float = 0.0
+    ep: int = 1
     # precision and memory
     dtype: str = "fp32"
     recompute: str = "none"
@@ -105,7 +112,34 @@ class TrainConfig:
                              f"{2 * self.cp_ring} zigzag chunks: --seq-len {self.seq_len} is not "
                              f"divisible; use a multiple of {2 * self.cp_ring}")
         self._check_tensor_parallelism()
+        self._check_experts()
         self.layout  # noqa: B018 - raises on invalid sizes
+
+    def _check_experts(self) -> None:
+        if self.moe_experts == 0:
+            defaults = {"moe_top_k": 1, "moe_every": 1, "moe_aux_coef": 0.01,
+                        "moe_capacity_factor": 0.0, "ep": 1}
+            given = [f"--{_flag(name)}" for name, default in defaults.items()
+                     if getattr(self, name) != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to mixture-of-experts layers; "
+                                 "give --moe-experts N (N > 0) or drop them")
+            return
+        if min(self.moe_experts, self.moe_top_k, self.moe_every) < 1 or min(
+                self.moe_aux_coef, self.moe_capacity_factor) < 0:
+            raise ValueError("need --moe-experts, --moe-top-k, --moe-every >= 1 and "
+                             "--moe-aux-coef, --moe-capacity-factor >= 0")
+        if self.moe_top_k > self.moe_experts:
+            raise ValueError(f"--moe-top-k {self.moe_top_k} picks more experts than "
+                             f"--moe-experts {self.moe_experts} has; use a top-k of at most "
+                             f"{self.moe_experts}")
+        if self.moe_experts % self.ep:
+            raise ValueError(f"--moe-experts {self.moe_experts} is not divisible by --ep "
+                             f"{self.ep}: each expert-parallel rank holds as many experts; "
+                             f"use a multiple of {self.ep}")
+        if self.tp > 1 or self.stage_tp:
+            raise ValueError("mixture-of-experts layers do not run with tensor parallelism "
+                             "yet: use --tp 1 and no --stage-tp (experts scale with --ep)")
 
     def _check_tensor_parallelism(self) -> None:
         if self.stage_link and self.stage_link not in STAGE_LINKS:
@@ -156,7 +190,7 @@ class TrainConfig:
     def layout(self) -> ParallelLayout:
         return ParallelLayout(pp=self.pp, dp=self.dp, cp_ring=self.cp_ring,
                               cp_ulysses=self.cp_ulysses, tp=self.tp,
-                              stage_tp=self.stage_tp_sizes)
+                              stage_tp=self.stage_tp_sizes, ep=self.ep)
 
     @property
     def world_size(self) -> int:
@@ -203,6 +237,14 @@ FIELD_HELP = {
     "heads": "query heads",
     "kv_heads": "key/value heads (grouped-query attention)",
     "tie_embeddings": "share the embedding and output head weights",
+    "moe_experts": "experts per mixture-of-experts layer (0: dense SwiGLU layers)",
+    "moe_top_k": "experts each token is routed to",
+    "moe_every": "every Nth layer is a mixture of experts (the first is)",
+    "moe_aux_coef": "weight of the load-balancing loss added to the loss",
+    "moe_capacity_factor": "tokens an expert takes per microbatch, as a multiple of an even "
+                           "share (0: no limit); picks beyond it are dropped and counted",
+    "ep": "expert-parallel ranks: experts sharded over ranks of the data x context ranks "
+          "of a stage",
     "dtype": "compute precision: fp32, bf16 (autocast, fp32 master weights) or fp16 (autocast "
              "with dynamic loss scaling)",
     "recompute": "activation recompute: none, full (each block) or selective (attention core)",

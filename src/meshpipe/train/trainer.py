@@ -39,6 +39,7 @@ from meshpipe.comm.vtp import FanoutTransport, VTPTransport
 from meshpipe.context import make_attention
 from meshpipe.models import (Transformer, TransformerConfig, balanced_layers, causal_lm_loss,
                              shared_parameters, split)
+from meshpipe.models.moe import is_expert_param
 from meshpipe.models.transformer import check_tensor_parallel_sizes
 from meshpipe.parallel import (is_sequence_parallel_param, shard_dim, unshard,
                                vocab_parallel_cross_entropy)
@@ -122,7 +123,9 @@ def model_config(config: TrainConfig) -> TransformerConfig:
     return TransformerConfig(vocab_size=VOCAB_SIZE, dim=config.dim, n_layers=config.layers,
                              n_heads=config.heads, n_kv_heads=config.kv_heads,
                              max_seq_len=config.seq_len, tie_embeddings=config.tie_embeddings,
-                             init_seed=config.seed)
+                             init_seed=config.seed, moe_experts=config.moe_experts,
+                             moe_top_k=config.moe_top_k, moe_every=config.moe_every,
+                             moe_capacity_factor=config.moe_capacity_factor)
 
 
 def train_sampler(config: TrainConfig, dp_rank: int, split_name: str = "train") -> CorpusSampler:
@@ -146,6 +149,7 @@ class StepStats:
     grad_norm: float | None  # None for a step skipped on inf/NaN gradients
     seconds: float
     skipped: bool = False
+    moe: dict[str, float] | None = None
 
 
 class Trainer:
@@ -164,7 +168,12 @@ class Trainer:
         attention = make_attention(self.topology.cp_ulysses_group, self.topology.cp_ring_group)
         model = Transformer(model_config(config), attention=attention, tp_group=self.tp_group,
                             sequence_parallel=config.sequence_parallel,
-                            recompute=config.recompute)
+                            recompute=config.recompute, ep_group=self.topology.ep_group,
+                            token_group=(self.topology.cp_group if config.layout.cp > 1
+                                         else None))
+        # Global layer index of each mixture-of-experts layer (its stats' place in a step).
+        self._moe_index = {id(layer.mlp): i for i, layer in enumerate(
+            l for l in model.layers if l.is_moe)}
         # Full-model names (a tied head is the embedding) key checkpoints and --check.
         self._names = {id(param): name for name, param in model.named_parameters()}
         chunks = split(model, num_stages, layers_per_stage(config, self.schedule))
@@ -234,10 +243,16 @@ class Trainer:
         compute the same loss, so only tp rank 0 reports it."""
         return self.topology.tp_rank == 0
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         """This rank's share of the microbatch's mean loss (normalised over all its tokens,
         including those other context-parallel ranks hold), so CP shares add up. Under
-        tensor parallelism the logits are this rank's vocabulary slice."""
+        tensor parallelism the logits are this rank's vocabulary slice. With experts the
+        output is ``(logits, aux)`` and the loss adds ``--moe-aux-coef`` x aux (this rank's
+        share of the load-balancing loss)."""
+        if isinstance(output, tuple):
+            logits, aux = output
+            return self._loss(logits, targets) + self.config.moe_aux_coef * aux
+        logits = output
         if self.tp_group is not None:
             loss_sum = vocab_parallel_cross_entropy(logits, targets, self.tp_group).sum()
         else:
@@ -292,7 +307,9 @@ class Trainer:
     def train_step(self, step: int) -> StepStats:
         start = time.perf_counter()
         inputs, targets = self.microbatches(self.train_data, step)
+        self._take_moe_stats()
         self.last_result = self.executor.step(inputs, targets)
+        moe = self._moe_metrics()
         self._reduce_gradients()
         skipped = self.scaler is not None and self.scaler.unscale_(
             [p for _, p in self.parameters])
@@ -305,10 +322,41 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._global_loss(self.last_result.loss)
-        return StepStats(loss, grad_norm, time.perf_counter() - start, skipped)
+        return StepStats(loss, grad_norm, time.perf_counter() - start, skipped, moe)
+
+    def _take_moe_stats(self) -> list[tuple[int, Any]]:
+        """Each local expert layer's stats since the last call (global layer index, stats)."""
+        return [(self._moe_index[id(module)], module.take_stats())
+                for stage in self.stages.values() for module in stage.module.modules()
+                if id(module) in self._moe_index]
+
+    def _moe_metrics(self) -> dict[str, float] | None:
+        """The step's load-balancing loss (mean per microbatch, summed over layers), the
+        most and fewest picks any expert of any layer got, and the dropped picks, over the
+        whole job; None without experts."""
+        if not self._moe_index:
+            return None
+        experts = self.config.moe_experts
+        counts = torch.zeros(len(self._moe_index) * experts + 2, dtype=torch.float64,
+                             device=self.device)
+        for index, stats in self._take_moe_stats():
+            counts[index * experts:(index + 1) * experts] += stats.tokens_per_expert.to(
+                counts.device, torch.float64)
+            counts[-2] += stats.dropped.to(counts.device, torch.float64)
+            counts[-1] += stats.aux_loss.to(counts.device)
+        dist.all_reduce(counts)
+        per_expert = counts[:-2]
+        return {"moe_aux_loss": counts[-1].item() / (self.config.dp * self.config.microbatches),
+                "max_tokens_per_expert": int(per_expert.max().item()),
+                "min_tokens_per_expert": int(per_expert.min().item()),
+                "dropped_tokens": int(counts[-2].item())}
 
     def _reduce_gradients(self) -> None:
         params = [p for _, p in self.parameters]
+        if self.config.ep > 1:
+            all_reduce_gradients([p for p in params if is_expert_param(p)],
+                                 self.topology.expert_dp_group, scale=1.0 / self.config.dp)
+            params = [p for p in params if not is_expert_param(p)]
         if self.config.dp * self.config.layout.cp > 1:
             all_reduce_gradients(params, self.topology.dp_cp_group, scale=1.0 / self.config.dp)
         if self.tp_group is not None and self.config.sequence_parallel:
@@ -325,11 +373,22 @@ class Trainer:
         return shard_dim(param) is not None or self.topology.tp_rank == 0
 
     def _clip_gradients(self) -> float:
-        """Global gradient norm over the whole model (each weight counted once)."""
-        squares = [p.grad.detach().double().pow(2).sum() for _, p in self.parameters
-                   if p.grad is not None and self._counts_in_norm(p)]
-        total = (torch.stack(squares).sum() if squares
-                 else torch.zeros((), dtype=torch.float64, device=self.device)).reshape(1)
+        """Global gradient norm over the whole model (each weight counted once; experts
+        are spread over the expert-parallel ranks)."""
+        def sum_of_squares(experts: bool) -> torch.Tensor:
+            squares = [p.grad.detach().double().pow(2).sum() for _, p in self.parameters
+                       if p.grad is not None and self._counts_in_norm(p)
+                       and is_expert_param(p) == experts]
+            return (torch.stack(squares).sum() if squares
+                    else torch.zeros((), dtype=torch.float64, device=self.device)).reshape(1)
+
+        total = sum_of_squares(experts=False)
+        if self.config.ep > 1:
+            experts = sum_of_squares(experts=True)
+            dist.all_reduce(experts, group=self.topology.ep_group)
+            total += experts
+        else:
+            total += sum_of_squares(experts=True)
         dist.all_reduce(total, group=self.topology.model_group)
         norm = math.sqrt(total.item())
         if self.config.grad_clip > 0 and norm > self.config.grad_clip:
@@ -366,8 +425,16 @@ class Trainer:
                       "tokens_per_s": tokens_per_s}
             if self.scaler is not None:
                 record.update(skipped=stats.skipped, loss_scale=self.scaler.scale)
+            postfix = f"loss {stats.loss:.3f} | {tokens_per_s:,.0f} tok/s"
+            if stats.moe is not None:
+                record.update(stats.moe)
+                postfix += (f" | aux {stats.moe['moe_aux_loss']:.3f} | experts "
+                            f"{stats.moe['min_tokens_per_expert']}-"
+                            f"{stats.moe['max_tokens_per_expert']} tok"
+                            + (f", {stats.moe['dropped_tokens']} dropped"
+                               if self.config.moe_capacity_factor else ""))
             metrics["history"].append(record)
-            bar.set_postfix_str(f"loss {stats.loss:.3f} | {tokens_per_s:,.0f} tok/s")
+            bar.set_postfix_str(postfix)
             bar.update()
             if step + 1 == config.timeline_step:
                 metrics["timeline"] = self._draw_timeline(out)
@@ -479,7 +546,14 @@ def reference_gradients(config: TrainConfig) -> tuple[float, dict[str, torch.Ten
     with autocast(config.dtype, "cpu"):
         for dp_rank in range(config.dp):
             batch = train_sampler(config, dp_rank).batch(0)
-            losses.append(causal_lm_loss(model(batch.tokens), batch.targets))
+            if not config.moe_experts:
+                losses.append(causal_lm_loss(model(batch.tokens), batch.targets))
+                continue
+            # The load-balancing loss is one per microbatch: run them one by one.
+            for tokens, targets in zip(batch.tokens.split(config.microbatch_size),
+                                       batch.targets.split(config.microbatch_size)):
+                logits, aux = model(tokens)
+                losses.append(causal_lm_loss(logits, targets) + config.moe_aux_coef * aux)
     loss = torch.stack(losses).mean()
     (loss * scale).backward()
     return loss.item(), {name: p.grad / scale for name, p in model.named_parameters()}

@@ -1,0 +1,267 @@
+"""A mixture-of-experts MLP with expert parallelism, cut at its two all-to-alls.
+
+Each token's router (a linear layer, softmax over the experts in float32) picks its top-k
+experts; their gates are the picked probabilities renormalised to sum to one. The experts
+are SwiGLU MLPs. With an expert-parallel group of P ranks, rank j holds experts
+``[j E/P, (j+1) E/P)``; tokens travel to their experts' ranks and back with the exact-size
+all-to-all of ``meshpipe.comm.collectives`` (only the rows routed there, no padding):
+
+1. route: gates, choose experts, drop beyond capacity, sort the picks by expert;
+2. *dispatch* (exchange): the per-expert counts, then the token rows;
+3. experts: each local expert on its rows;
+4. *combine* (exchange): the results back to the ranks the tokens came from;
+5. unsort, weight by the gates, sum the k picks of each token.
+
+``forward_steps`` yields the two exchanges (``meshpipe.runtime.substeps``), so combined
+1F1B runs one microbatch's experts while another microbatch's tokens travel.
+
+The load-balancing loss (Switch Transformer) is ``E * sum_i f_i * P_i``: ``f_i`` the share
+of the microbatch's top-k picks that chose expert i (before dropping), ``P_i`` the mean
+router probability of expert i. The microbatch is all its tokens, also those that other
+context-parallel ranks (``token_group``) hold: the pick counts are summed over that group
+(in the dispatch exchange), and each rank's loss is its share of ``P_i``, so the shares add
+up to the loss of the whole microbatch, as the token losses do.
+
+``capacity_factor`` > 0 limits each expert to ``ceil(factor * tokens * k / E)`` picks of
+this rank's tokens per microbatch; later picks (in token order) are dropped: the token keeps
+its other picks and the residual. Dropped picks are counted in ``MoEStats``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshpipe.comm.collectives import exchange_counts, exchange_rows
+from meshpipe.runtime.substeps import Exchange, run_steps
+
+
+@dataclass
+class MoEStats:
+    """What one MoE layer saw since its stats were last taken: picks per expert (before
+    dropping, this rank's tokens), dropped picks, and the sum of its load-balancing loss
+    shares over the microbatches."""
+
+    tokens_per_expert: Tensor
+    dropped: Tensor
+    aux_loss: Tensor
+    microbatches: int = 0
+
+    @classmethod
+    def empty(cls, experts: int) -> MoEStats:
+        return cls(torch.zeros(experts, dtype=torch.int64), torch.zeros((), dtype=torch.int64),
+                   torch.zeros((), dtype=torch.float64))
+
+    def add(self, picks: Tensor, dropped: int, aux_loss: Tensor) -> None:
+        """Count one microbatch (on the device of its tensors: no host sync)."""
+        self.tokens_per_expert = self.tokens_per_expert.to(picks.device) + picks
+        self.dropped = self.dropped.to(picks.device) + dropped
+        self.aux_loss = self.aux_loss.to(aux_loss.device) + aux_loss.double()
+        self.microbatches += 1
+
+
+@dataclass
+class _Dispatch:
+    """The row counts of one microbatch's dispatch, known once its counts were exchanged;
+    the combine and both reverses reuse them."""
+
+    send_counts: Tensor
+    group: dist.ProcessGroup | None
+    token_group: dist.ProcessGroup | None
+    picks: Tensor
+    send_rows: list[int] = field(default_factory=list)
+    receive_rows: list[int] = field(default_factory=list)
+
+    def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Counts, then rows, then the microbatch's pick counts over the token group."""
+        receive_counts = (self.send_counts if self.group is None
+                          else exchange_counts(self.send_counts, self.group))
+        self.send_rows = self.send_counts.sum(1).tolist()
+        self.receive_rows = receive_counts.sum(1).tolist()
+        received = self._rows(tokens, self.send_rows, self.receive_rows)
+        picks = self.picks.clone()
+        if self.token_group is not None and dist.get_world_size(self.token_group) > 1:
+            dist.all_reduce(picks, group=self.token_group)
+        return received, receive_counts, picks
+
+    def backward(self, grads: tuple[Tensor, Tensor | None, Tensor | None]) -> Tensor:
+        return self._rows(grads[0], self.receive_rows, self.send_rows)
+
+    def combine(self, rows: Tensor) -> Tensor:
+        return self._rows(rows, self.receive_rows, self.send_rows)
+
+    def combine_backward(self, grad: Tensor) -> Tensor:
+        return self._rows(grad, self.send_rows, self.receive_rows)
+
+    def _rows(self, x: Tensor, send_rows: list[int], receive_rows: list[int]) -> Tensor:
+        if self.group is None:
+            return x.clone()
+        return exchange_rows(x, send_rows, receive_rows, self.group)
+
+
+class SwiGLUExpert(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w_gate = _linear(dim, hidden)
+        self.w_up = _linear(dim, hidden)
+        self.w_down = _linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False)
+
+
+def mark_expert_parallel(param: nn.Parameter) -> nn.Parameter:
+    """Tag an expert's parameter: its gradient is synchronised over the ranks that hold the
+    same expert (expert-data-parallel group), not over all data-parallel ranks."""
+    param._meshpipe_expert = True
+    return param
+
+
+def is_expert_param(param: Tensor) -> bool:
+    return getattr(param, "_meshpipe_expert", False)
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts MLP: ``forward(x) -> (y, aux_loss)`` on ``[batch, seq, dim]``."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, top_k: int = 1,
+                 capacity_factor: float = 0.0):
+        super().__init__()
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"top-k {top_k} must be between 1 and the number of experts "
+                             f"{experts}")
+        self.num_experts = experts
+        self.top_k = top_k
+        self.capacity_factor = capacity_factor
+        self.router = _linear(dim, experts)
+        self.experts = nn.ModuleDict({str(e): SwiGLUExpert(dim, hidden) for e in range(experts)})
+        self.ep_group: dist.ProcessGroup | None = None
+        self.token_group: dist.ProcessGroup | None = None
+        self.ep_size, self.ep_rank = 1, 0
+        self.stats = MoEStats.empty(experts)
+
+    @property
+    def local_experts(self) -> range:
+        per_rank = self.num_experts // self.ep_size
+        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+
+    def shard(self, ep_group: dist.ProcessGroup | None,
+              token_group: dist.ProcessGroup | None) -> None:
+        """Keep this rank's experts of ``ep_group``; ``token_group`` holds the other parts of
+        each microbatch (context parallelism) for the load-balancing loss."""
+        self.ep_group, self.token_group = ep_group, token_group
+        if ep_group is not None:
+            self.ep_size, self.ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"expert parallelism {self.ep_size} must divide the number of "
+                             f"experts {self.num_experts}")
+        keep = {str(e) for e in self.local_experts}
+        for name in list(self.experts):
+            if name not in keep:
+                del self.experts[name]
+        for param in self.experts.parameters():
+            mark_expert_parallel(param)
+
+    def take_stats(self) -> MoEStats:
+        """The stats since the last call, and start counting anew."""
+        stats, self.stats = self.stats, MoEStats.empty(self.num_experts)
+        return stats
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        y, aux, _ = run_steps(self.forward_steps(x))
+        return y, aux
+
+    def forward_steps(self, x: Tensor, keep=None):
+        """The MoE as sub-steps: yields the dispatch and the combine exchanges; returns
+        ``(y, aux_loss, keep)``, ``keep`` being the caller's values carried across them."""
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        route = self._route(tokens)
+        dispatch = _Dispatch(route.send_counts, self.ep_group, self.token_group, route.picks)
+        (received, receive_counts, picks), (gates, probability_sums, keep) = yield Exchange(
+            send=tokens[route.token_of_row], keep=(route.gate_of_row, route.probability_sums, keep),
+            communicate=dispatch.forward, communicate_backward=dispatch.backward,
+            name="dispatch")
+        aux = self._load_balancing_loss(picks, probability_sums, tokens.shape[0])
+        outputs = self._run_experts(received, receive_counts)
+        combined, (gates, aux, keep) = yield Exchange(
+            send=outputs, keep=(gates, aux, keep), communicate=dispatch.combine,
+            communicate_backward=dispatch.combine_backward, name="combine")
+        weighted = combined * gates.unsqueeze(-1).to(combined.dtype)
+        y = torch.zeros(tokens.shape[0], dim, dtype=weighted.dtype, device=x.device)
+        y = y.index_add(0, route.token_of_row, weighted)
+        self._count(route, aux)
+        return y.view(batch, seq, dim).to(x.dtype), aux, keep
+
+    def _route(self, tokens: Tensor) -> _Route:
+        logits = self.router(tokens).float()
+        probabilities = logits.softmax(dim=-1)
+        top_probabilities, experts = probabilities.topk(self.top_k, dim=-1)
+        gates = top_probabilities / top_probabilities.sum(dim=-1, keepdim=True)
+        expert_of_pick = experts.reshape(-1)
+        picks = torch.bincount(expert_of_pick, minlength=self.num_experts)
+        kept = self._within_capacity(expert_of_pick, tokens.shape[0])
+        order = torch.argsort(expert_of_pick[kept], stable=True)
+        pick_index = kept.nonzero().squeeze(1)[order]
+        counts = torch.bincount(expert_of_pick[pick_index], minlength=self.num_experts)
+        total_picks = torch.cat([picks, picks.new_tensor([tokens.shape[0]])])
+        return _Route(token_of_row=pick_index // self.top_k,
+                      gate_of_row=gates.reshape(-1)[pick_index],
+                      send_counts=counts.view(self.ep_size, -1),
+                      picks=total_picks, probability_sums=probabilities.sum(dim=0),
+                      dropped=int(expert_of_pick.numel() - pick_index.numel()),
+                      local_picks=picks)
+
+    def _within_capacity(self, expert_of_pick: Tensor, num_tokens: int) -> Tensor:
+        """Which picks an expert takes: all, or the first ``capacity`` in token order."""
+        if self.capacity_factor <= 0:
+            return torch.ones_like(expert_of_pick, dtype=torch.bool)
+        capacity = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+        one_hot = F.one_hot(expert_of_pick, self.num_experts)
+        position_in_expert = (one_hot.cumsum(dim=0) * one_hot).sum(dim=1)
+        return position_in_expert <= capacity
+
+    def _load_balancing_loss(self, picks: Tensor, probability_sums: Tensor,
+                             local_tokens: int) -> Tensor:
+        """This rank's share of ``E * sum_i f_i * P_i`` over the whole microbatch."""
+        picks = picks.to(probability_sums.device)
+        tokens = picks[-1].to(torch.float32)
+        share_of_picks = picks[:-1].to(torch.float32) / (tokens * self.top_k)
+        return self.num_experts * (share_of_picks * probability_sums).sum() / tokens
+
+    def _run_experts(self, received: Tensor, receive_counts: Tensor) -> Tensor:
+        """Each local expert on its rows; rows arrive grouped by source rank, then expert."""
+        per_rank = len(self.local_experts)
+        expert_of_row = torch.arange(per_rank).repeat(self.ep_size).repeat_interleave(
+            receive_counts.reshape(-1)).to(received.device)
+        order = torch.argsort(expert_of_row, stable=True)
+        by_expert = received[order].split(receive_counts.sum(dim=0).tolist())
+        outputs = torch.cat([self.experts[str(e)](rows)
+                             for e, rows in zip(self.local_experts, by_expert)])
+        return outputs[torch.argsort(order)]
+
+    def _count(self, route: _Route, aux: Tensor) -> None:
+        self.stats.add(route.local_picks, route.dropped, aux.detach())
+
+
+@dataclass
+class _Route:
+    """Where one microbatch's tokens go: the rows to send (picks sorted by expert) with their
+    token and gate, the rows per (ep rank, local expert), and the counts for the stats."""
+
+    token_of_row: Tensor
+    gate_of_row: Tensor
+    send_counts: Tensor
+    picks: Tensor
+    probability_sums: Tensor
+    dropped: int
+    local_picks: Tensor
