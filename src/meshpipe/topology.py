@@ -58,17 +58,14 @@ class ParallelLayout:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
-            raise ValueError(f"expert parallelism ep={self.ep!r} must be an integer >= 1")
-        if (self.dp * self.cp_ring * self.cp_ulysses) % self.ep:
-            raise ValueError(f"--ep {self.ep} must divide the data x context-parallel ranks "
-                             f"of a stage, dp {self.dp} x cp {self.cp_ring * self.cp_ulysses}"
-                             f" = {self.dp * self.cp_ring * self.cp_ulysses}: experts are "
-                             f"sharded over ranks that hold the same stage")
-        for axis in AXES:
+        for axis in (*AXES, "ep"):
             size = getattr(self, axis)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"parallel size {axis}={size!r} must be an integer >= 1")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"--ep {self.ep} must divide the data x context-parallel ranks "
+                             f"of a stage, dp {self.dp} x cp {self.cp} = {self.dp * self.cp}: "
+                             f"experts are sharded over ranks that hold the same stage")
         if self.stage_tp is None:
             return
         object.__setattr__(self, "stage_tp", tuple(self.stage_tp))

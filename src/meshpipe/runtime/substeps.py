@@ -37,6 +37,7 @@ action alternates the pieces of one microbatch's forward with those of another's
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -225,7 +226,9 @@ class CommWorker:
         return result
 
 
-_WORKER = CommWorker()
+# Benchmarks emulate a slow network in every process of a run with this variable (seconds).
+LATENCY_ENV = "MESHPIPE_EMULATED_COMM_LATENCY_S"
+_WORKER = CommWorker(float(os.environ.get(LATENCY_ENV, "0") or 0))
 
 
 def comm_worker() -> CommWorker:
