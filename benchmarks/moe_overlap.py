@@ -1,0 +1,488 @@
+"""Combined 1F1B vs 1F1B on mixture-of-experts models: step time, and how much of the
+expert-parallel all-to-all wait co-scheduling hides.
+
+    .venv/bin/python benchmarks/moe_overlap.py                  # ~3 min on 2 cores
+    .venv/bin/python benchmarks/moe_overlap.py --compute-ms 20 --latency-factors 0.5,1,2
+    .venv/bin/python benchmarks/moe_overlap.py --skip-real      # only the emulated part
+
+Part 1 (real) trains the reference MoE transformer with ``meshpipe.train.run`` on local
+gloo processes (one thread each), ``--moe-experts 4 --ep 2 --dp 2``, at pp 1 (2 processes)
+and pp 2 x vpp 2 (4 processes), and reports the median step time over the steps after the
+first (``metrics.json``) for ``combined-1f1b`` against the same order without the pairing
+(``1f1b`` at pp 1; ``interleaved`` at vpp 2, the order ``combined-1f1b`` pairs). Each layout
+runs with the all-to-alls as they are (gloo on one machine: fast, little to hide) and
+with ``MESHPIPE_EMULATED_COMM_LATENCY_S`` set in the parent before the processes spawn
+(every exchange's result arrives ``--real-latency-ms`` after it was posted). The added
+wait of the sequential run is compared with what the latency should add (exchanges per
+rank and step x latency), which checks that the variable took effect.
+
+Part 2 (emulated, exact accounting) runs a toy sub-step module on 2 gloo processes with
+meshpipe's Executor and Stage, pp 1, ``build("combined-1f1b", 1, m)`` against
+``build("1f1b", 1, m)``. The module has ``--layers`` layers of: a compute piece, the
+*dispatch* exchange, a compute piece, the *combine* exchange; then a final piece (so a
+forward has 2N+1 pieces and 2N exchanges). A compute piece sleeps ``c`` (``--compute-ms``)
+in forward and ``2c`` in backward (a custom autograd function), so compute costs are known
+and use no CPU; each exchange is a real all-to-all of equal halves between the two ranks
+(``--exchange clone`` makes it a local copy). The communication thread's emulated latency
+``L`` (``comm_worker().latency_s``, set in each worker) is swept over ``--latency-factors``
+x c. Per step, every exchange waits ``L``: the total all-to-all wait is (exchanges posted,
+forward and backward) x L = m x 4N x L, and the hidden share is
+
+    (1F1B step - combined step) / total all-to-all wait.
+
+At pp 1 combined 1F1B is "F0; (F1;B0); ...; (F(m-1);B(m-2)); B(m-1)": F0 and B(m-1) run
+alone and hide nothing, so at most (m-1)/m of the wait can be hidden. Beside the measured
+figures: the *runtime model* (the same alternation as ``co_schedule``, backward piece
+first, each task waiting for its own exchange: no overhead, exact sleeps) and the
+*simulator* (``meshpipe.schedules.simulate`` with ``CostModel(forward=(2N+1)c,
+backward=(2N+1)2c, a2a=2N L)``, whose OVERLAP costs ``max(F + B, 2 a2a)``: the ideal of
+perfect interleaving). ``trace_events()`` gives where the time went: the compute pieces,
+the exposed waits (in OVERLAP actions and in the lone F0 / B(m-1)) and the rest.
+
+Writes ``<out>/moe_overlap.json`` and ``.md`` (default ``benchmarks/results``). Benchmarks
+print and record; they never assert a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from meshpipe.runtime.substeps import LATENCY_ENV, Exchange, run_steps
+from meshpipe.train.config import TrainConfig
+
+# ------------------------------------------------------------------------ arguments
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--microbatches", type=int, default=8)
+    # part 1
+    parser.add_argument("--steps", type=int, default=6, help="real training steps per run")
+    parser.add_argument("--real-latency-ms", type=float, default=1.0,
+                        help="emulated latency of the real runs with latency (0: skip them)")
+    parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument("--skip-vpp", action="store_true", help="only the pp 1 real layout")
+    # part 2
+    parser.add_argument("--layers", type=int, default=2, help="MoE layers of the toy module")
+    parser.add_argument("--compute-ms", type=float, default=10.0,
+                        help="forward sleep of one compute piece (backward: 2x)")
+    parser.add_argument("--backward-factor", type=float, default=2.0)
+    parser.add_argument("--latency-factors", type=_floats, default=[0, 0.25, 0.5, 1, 2],
+                        help="emulated latencies as multiples of --compute-ms")
+    parser.add_argument("--emulated-steps", type=int, default=4,
+                        help="steps per schedule and latency; the first is dropped")
+    parser.add_argument("--exchange", choices=("all-to-all", "clone"), default="all-to-all")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------- part 1: real
+
+
+REAL_LAYOUTS = (  # (pp, vpp, sequential counterpart of combined-1f1b)
+    (1, 1, "1f1b"),
+    (2, 2, "interleaved"),
+)
+
+
+def _exchanges_per_rank_step(config: TrainConfig) -> int:
+    """Exchanges one rank posts in a step: dispatch + combine per MoE layer, forward and
+    backward, per microbatch (the most loaded pipeline rank)."""
+    from meshpipe.train.trainer import build_schedule, layers_per_stage
+
+    schedule = build_schedule(config)
+    per_stage = layers_per_stage(config, schedule)
+    moe_layers = [sum(1 for layer in range(start, start + count)
+                      if layer % config.moe_every == 0)
+                  for start, count in zip(_starts(per_stage), per_stage)]
+    most = max(sum(moe_layers[s] for s in schedule.stages_of(r))
+               for r in range(schedule.num_ranks))
+    return 4 * most * config.microbatches
+
+
+def _starts(counts: list[int]) -> list[int]:
+    starts, total = [], 0
+    for count in counts:
+        starts.append(total)
+        total += count
+    return starts
+
+
+def real_rows(args: argparse.Namespace) -> list[dict]:
+    from meshpipe.train.trainer import run
+
+    base = TrainConfig(dp=2, ep=2, moe_experts=4, microbatches=args.microbatches,
+                       steps=args.steps, warmup_steps=1, eval_every=0, timeline_step=0,
+                       progress=False)
+    latencies = [0.0] + ([args.real_latency_ms / 1000] if args.real_latency_ms > 0 else [])
+    layouts = REAL_LAYOUTS[:1] if args.skip_vpp else REAL_LAYOUTS
+    rows = []
+    for pp, vpp, sequential in layouts:
+        for latency in latencies:
+            row = {"pp": pp, "vpp": vpp, "dp": 2, "ep": 2, "latency_ms": 1000 * latency}
+            for schedule in (sequential, "combined-1f1b"):
+                config = replace(base, pp=pp, vpp=vpp, schedule=schedule)
+                row["processes"] = config.world_size
+                row["exchanges_per_rank_step"] = _exchanges_per_rank_step(config)
+                previous = os.environ.get(LATENCY_ENV)
+                os.environ[LATENCY_ENV] = str(latency)
+                try:
+                    with tempfile.TemporaryDirectory() as out_dir:
+                        metrics = run(replace(config, out_dir=out_dir))
+                finally:
+                    if previous is None:
+                        os.environ.pop(LATENCY_ENV, None)
+                    else:
+                        os.environ[LATENCY_ENV] = previous
+                steady = [h["step_seconds"] for h in metrics["history"][1:]]
+                key = "combined" if schedule == "combined-1f1b" else "sequential"
+                row[f"{key}_schedule"] = schedule
+                row[f"{key}_ms"] = 1000 * statistics.median(steady)
+                row[f"{key}_steps_ms"] = [1000 * s for s in steady]
+                row[f"{key}_last_loss"] = metrics["history"][-1]["loss"]
+            row["combined_over_sequential"] = row["combined_ms"] / row["sequential_ms"]
+            print({k: v for k, v in row.items() if not k.endswith("steps_ms")}, flush=True)
+            rows.append(row)
+    for row in rows:  # the latency's measured effect on the sequential run, and what it hid
+        if row["latency_ms"] == 0:
+            continue
+        zero = next(r for r in rows if (r["pp"], r["vpp"], r["latency_ms"])
+                    == (row["pp"], row["vpp"], 0.0))
+        row["total_wait_ms"] = row["exchanges_per_rank_step"] * row["latency_ms"]
+        row["sequential_added_ms"] = row["sequential_ms"] - zero["sequential_ms"]
+        row["hidden_share"] = (row["sequential_ms"] - row["combined_ms"]) / row["total_wait_ms"]
+    return rows
+
+
+# ------------------------------------------------------------ part 2: emulated network
+
+
+class _Sleep(torch.autograd.Function):
+    """A compute piece of known cost: forward sleeps ``forward_s``, backward ``backward_s``."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepMoE(nn.Module):
+    """``layers`` x (piece, dispatch, piece, combine), then a final piece; sleep-timed."""
+
+    def __init__(self, layers: int, dim: int, forward_s: float, backward_s: float, group):
+        super().__init__()
+        self.layers = layers
+        self.scale = nn.Parameter(torch.ones(2 * layers + 1, dim))
+        self.forward_s, self.backward_s = forward_s, backward_s
+        self.group = group
+
+    def _piece(self, x, index: int):
+        return _Sleep.apply(x * self.scale[index], self.forward_s, self.backward_s)
+
+    def _exchange(self, x):
+        """All-to-all of equal halves between the ranks (its own reverse), or a copy."""
+        if self.group is None:
+            return x.clone()
+        from meshpipe.comm.collectives import exchange_rows
+
+        world = torch.distributed.get_world_size(self.group)
+        rows = [x.size(0) // world] * world
+        return exchange_rows(x, rows, rows, self.group)
+
+    def forward_steps(self, x):
+        for layer in range(self.layers):
+            x = self._piece(x, 2 * layer)
+            x, _ = yield Exchange(send=x, communicate=self._exchange,
+                                  communicate_backward=self._exchange, name=f"dispatch{layer}")
+            x = self._piece(x, 2 * layer + 1)
+            x, _ = yield Exchange(send=x, communicate=self._exchange,
+                                  communicate_backward=self._exchange, name=f"combine{layer}")
+        return self._piece(x, 2 * self.layers)
+
+    def forward(self, x):
+        return run_steps(self.forward_steps(x))
+
+
+def _mean_square(output, target):
+    return ((output - target) ** 2).mean()
+
+
+def _where_time_went(events: list, microbatches: int, combined: bool) -> dict:
+    """From one step's trace: compute pieces (run -> yield), exposed waits (wait ->
+    received) split by lone actions vs OVERLAPs, and each exchange's post -> received."""
+    open_run: dict[str, float] = {}
+    posted: dict[str, float] = {}
+    waiting: dict[str, float] = {}
+    compute = exposed_alone = exposed_overlap = 0.0
+    latencies = []
+    for t, event, label in events:
+        if event == "run":
+            open_run[label] = t
+        elif event == "yield":
+            compute += t - open_run.pop(label)
+        elif event == "post":
+            posted[label] = t
+        elif event == "wait":
+            waiting[label] = t
+        elif event == "received":
+            latencies.append(t - posted.pop(label))
+            waited = t - waiting.pop(label)
+            action = label.split(":")[0]  # "F0,3" / "B0,3"
+            kind, microbatch = action[0], int(action.split(",")[1])
+            alone = not combined or (kind == "F" and microbatch == 0) or (
+                kind == "B" and microbatch == microbatches - 1)
+            if alone:
+                exposed_alone += waited
+            else:
+                exposed_overlap += waited
+    return {"compute_s": compute, "exposed_alone_s": exposed_alone,
+            "exposed_overlap_s": exposed_overlap, "exchanges": len(latencies),
+            "post_to_received_median_s": statistics.median(latencies) if latencies else 0.0}
+
+
+def _emulated_worker(rank: int, world_size: int, settings: dict) -> list[dict]:
+    import torch.distributed as dist
+
+    from meshpipe.comm.p2p import P2PTransport
+    from meshpipe.runtime import Executor, Stage
+    from meshpipe.runtime.substeps import comm_worker, trace_events
+    from meshpipe.schedules import build
+
+    m = settings["microbatches"]
+    exchange_group = dist.new_group(list(range(world_size))) if settings["all_to_all"] else None
+    barrier_group = dist.new_group(list(range(world_size)))
+    transport = P2PTransport()  # pp 1: no pipeline message is sent, but the executor wants one
+    forward_s = settings["compute_s"]
+    module = SleepMoE(settings["layers"], settings["dim"], forward_s,
+                      forward_s * settings["backward_factor"], exchange_group)
+    generator = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(settings["rows"], settings["dim"], generator=generator)
+              for _ in range(m)]
+    targets = [torch.randn(settings["rows"], settings["dim"], generator=generator)
+               for _ in range(m)]
+    executors = {}
+    for name in ("1f1b", "combined-1f1b"):
+        stage = Stage(module, 0, 1, loss_fn=_mean_square)
+        executors[name] = Executor(build(name, 1, m), {0: stage}, pp_rank=0,
+                                   pipeline_ranks=[rank], transport=transport)
+    worker = comm_worker()
+    results = []
+    for latency in settings["latencies"]:
+        worker.latency_s = latency
+        runs = {name: [] for name in executors}
+        for step in range(settings["steps"]):
+            # Alternate which schedule goes first, so drifting load hits both alike.
+            order = list(executors) if step % 2 == 0 else list(reversed(executors))
+            for name in order:
+                module.zero_grad(set_to_none=True)
+                dist.barrier(group=barrier_group)
+                with trace_events() as events:
+                    start = time.perf_counter()
+                    executors[name].step(inputs, targets)
+                    seconds = time.perf_counter() - start
+                runs[name].append({"seconds": seconds, **_where_time_went(
+                    list(events), m, combined=name == "combined-1f1b")})
+        results.append({"latency_s": latency, "runs": runs})
+    worker.latency_s = 0.0
+    return results
+
+
+def _co_scheduled(pieces: int, first_s: float, second_s: float, latency: float) -> float:
+    """``co_schedule`` of two tasks of ``pieces`` pieces each (the first one, a backward,
+    starts), each waiting for its own previous exchange: the makespan, without overhead."""
+    now, ready = 0.0, [0.0, 0.0]
+    for piece in range(pieces):
+        for task, cost in enumerate((first_s, second_s)):
+            now = max(now, ready[task]) + cost
+            if piece < pieces - 1:
+                ready[task] = now + latency
+    return now
+
+
+def runtime_model(schedule: str, m: int, layers: int, forward_s: float, backward_s: float,
+                  latency: float) -> float:
+    pieces = 2 * layers + 1
+    alone_f = pieces * forward_s + (pieces - 1) * latency
+    alone_b = pieces * backward_s + (pieces - 1) * latency
+    if schedule == "1f1b":
+        return m * (alone_f + alone_b)
+    return alone_f + (m - 1) * _co_scheduled(pieces, backward_s, forward_s, latency) + alone_b
+
+
+def simulated(schedule: str, m: int, layers: int, forward_s: float, backward_s: float,
+              latency: float) -> float:
+    from meshpipe.schedules import build
+    from meshpipe.schedules.simulate import CostModel, simulate
+
+    pieces = 2 * layers + 1
+    costs = CostModel(forward=pieces * forward_s, backward=pieces * backward_s,
+                      a2a=2 * layers * latency)
+    return simulate(build(schedule, 1, m), costs).makespan
+
+
+def emulated_rows(args: argparse.Namespace) -> list[dict]:
+    from meshpipe.testing import run_distributed
+
+    c = args.compute_ms / 1000
+    backward_s = c * args.backward_factor
+    m, layers = args.microbatches, args.layers
+    settings = {"microbatches": m, "layers": layers, "compute_s": c,
+                "backward_factor": args.backward_factor, "rows": args.rows, "dim": args.dim,
+                "all_to_all": args.exchange == "all-to-all", "steps": args.emulated_steps,
+                "latencies": [factor * c for factor in args.latency_factors]}
+    per_rank = run_distributed(2, _emulated_worker, settings, timeout=1200)
+    rows = []
+    for index, factor in enumerate(args.latency_factors):
+        latency = factor * c
+        row = {"latency_ms": 1000 * latency, "latency_over_compute": factor}
+        for name, key in (("1f1b", "sequential"), ("combined-1f1b", "combined")):
+            runs = [per_rank[rank][index]["runs"][name] for rank in range(2)]
+            # A step lasts as long as its slower rank; the ranks meet at every all-to-all.
+            seconds = [max(r[step]["seconds"] for r in runs) for step in range(len(runs[0]))]
+            kept = list(range(1, len(seconds)))
+            median_step = statistics.median(seconds[i] for i in kept)
+            rank0 = [runs[0][i] for i in kept]
+            row[f"{key}_ms"] = 1000 * median_step
+            row[f"{key}_steps_ms"] = [1000 * s for s in seconds]
+            for field in ("compute_s", "exposed_alone_s", "exposed_overlap_s",
+                          "post_to_received_median_s"):
+                row[f"{key}_{field.removesuffix('_s')}_ms"] = 1000 * statistics.median(
+                    r[field] for r in rank0)
+            row[f"{key}_other_ms"] = (row[f"{key}_ms"] - row[f"{key}_compute_ms"]
+                                      - row[f"{key}_exposed_alone_ms"]
+                                      - row[f"{key}_exposed_overlap_ms"])
+            row["exchanges_per_step"] = rank0[0]["exchanges"]
+            row[f"{key}_runtime_model_ms"] = 1000 * runtime_model(
+                name, m, layers, c, backward_s, latency)
+            row[f"{key}_simulated_ms"] = 1000 * simulated(name, m, layers, c, backward_s,
+                                                          latency)
+        row["total_wait_ms"] = row["exchanges_per_step"] * row["latency_ms"]
+        row["combined_over_sequential"] = row["combined_ms"] / row["sequential_ms"]
+        for source in ("", "runtime_model_", "simulated_"):
+            name = "hidden_share" + ("_" + source.rstrip("_") if source else "")
+            row[name] = ((row[f"sequential_{source}ms"] - row[f"combined_{source}ms"])
+                         / row["total_wait_ms"]) if latency > 0 else None
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+               if not k.endswith("steps_ms")}, flush=True)
+        rows.append(row)
+    return rows
+
+
+# -------------------------------------------------------------------------- output
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f} %"
+
+
+def to_markdown(real: list[dict], emulated: list[dict], args: argparse.Namespace) -> str:
+    lines = []
+    if real:
+        lines += ["Real MoE model (`meshpipe.train.run`, dp 2, ep 2, 4 experts, "
+                  f"{args.microbatches} microbatches, median of steps 2..{args.steps}):", "",
+                  "| pp x vpp | processes | emulated latency | sequential | step | "
+                  "combined-1f1b step | combined / sequential | latency's added wait "
+                  "(measured / exchanges x L) | hidden share |",
+                  "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in real:
+            added = ("-" if r["latency_ms"] == 0 else
+                     f"{r['sequential_added_ms']:.0f} / {r['total_wait_ms']:.0f} ms")
+            lines.append(f"| {r['pp']} x {r['vpp']} | {r['processes']} | "
+                         f"{r['latency_ms']:g} ms | {r['sequential_schedule']} | "
+                         f"{_ms(r['sequential_ms'])} | {_ms(r['combined_ms'])} | "
+                         f"{r['combined_over_sequential']:.2f} | {added} | "
+                         f"{_pct(r.get('hidden_share'))} |")
+        lines.append("")
+    if emulated:
+        c = args.compute_ms
+        n = args.layers
+        lines += [f"Emulated slow network: toy module, {n} layers (2N+1 = {2 * n + 1} pieces, "
+                  f"{2 * n} exchanges per forward), piece compute c = {c:g} ms forward / "
+                  f"{c * args.backward_factor:g} ms backward (sleep), {args.exchange} between "
+                  f"2 gloo ranks, pp 1, {args.microbatches} microbatches, median of steps "
+                  f"2..{args.emulated_steps}; hidden share = (1F1B - combined) / total "
+                  f"all-to-all wait (ceiling (m-1)/m = "
+                  f"{100 * (args.microbatches - 1) / args.microbatches:.1f} %):", "",
+                  "| L | L / c | 1F1B step | combined step | all-to-all wait per step | "
+                  "hidden (measured) | hidden (runtime model) | hidden (simulator) |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in emulated:
+            lines.append(f"| {r['latency_ms']:g} ms | {r['latency_over_compute']:g} | "
+                         f"{_ms(r['sequential_ms'])} | {_ms(r['combined_ms'])} | "
+                         f"{_ms(r['total_wait_ms'])} | {_pct(r['hidden_share'])} | "
+                         f"{_pct(r['hidden_share_runtime_model'])} | "
+                         f"{_pct(r['hidden_share_simulated'])} |")
+        lines += ["", "Where the combined step's time went (rank 0, trace_events; exposed = "
+                  "waiting on an exchange's result), with the models' step times:", "",
+                  "| L / c | compute pieces | exposed in OVERLAPs | exposed in F0 + B(m-1) | "
+                  "other | post -> received (1F1B) | combined: runtime model / simulator | "
+                  "1F1B: runtime model |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in emulated:
+            lines.append(f"| {r['latency_over_compute']:g} | {_ms(r['combined_compute_ms'])} | "
+                         f"{_ms(r['combined_exposed_overlap_ms'])} | "
+                         f"{_ms(r['combined_exposed_alone_ms'])} | "
+                         f"{_ms(r['combined_other_ms'])} | "
+                         f"{r['sequential_post_to_received_median_ms']:.1f} ms | "
+                         f"{_ms(r['combined_runtime_model_ms'])} / "
+                         f"{_ms(r['combined_simulated_ms'])} | "
+                         f"{_ms(r['sequential_runtime_model_ms'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(),
+               "python": platform.python_version(), "torch": torch.__version__,
+               "load_average_before": load_average()}
+    real = [] if args.skip_real else real_rows(args)
+    emulated = emulated_rows(args)
+    table = to_markdown(real, emulated, args)
+    print(table)
+    seconds = time.perf_counter() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "moe_overlap.json").write_text(json.dumps(
+        {"machine": machine, "arguments": {k: str(v) for k, v in vars(args).items()},
+         "benchmark_seconds": seconds, "real": real, "emulated": emulated}, indent=2) + "\n")
+    (args.out / "moe_overlap.md").write_text(table)
+    print(f"wrote {args.out / 'moe_overlap.json'} and .md ({seconds:.0f} s)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

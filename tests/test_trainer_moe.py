@@ -1,0 +1,85 @@
+"""Mixture of experts in training: every layout's first step equals one process; metrics,
+checkpoints and bad flags."""
+
+import pytest
+import torch
+
+from meshpipe.testing import run_distributed
+from meshpipe.train.config import TrainConfig
+
+from test_trainer import SMALL, _check_first_step, _train
+
+MOE = dict(SMALL, moe_experts=4)
+LAYOUTS = {
+    "dp2-ep2-combined": dict(pp=1, dp=2, ep=2, schedule="combined-1f1b"),
+    "pp2-vpp2-dp2-ep2-combined": dict(pp=2, vpp=2, dp=2, ep=2, schedule="combined-1f1b"),
+    "pp2-vpp2-dp2-ep2-top2-zbv": dict(pp=2, vpp=2, dp=2, ep=2, moe_top_k=2, schedule="zb-v"),
+    "dp2-ring2-ep4-combined": dict(pp=1, dp=2, cp_ring=2, ep=4, schedule="combined-1f1b"),
+    "ulysses2-dp2-ep4-top2": dict(pp=1, dp=2, cp_ulysses=2, ep=4, moe_top_k=2, moe_experts=8,
+                                  schedule="1f1b"),
+    "pp2-dp2-ep2-capacity-dualpipev": dict(pp=2, dp=2, ep=2, moe_capacity_factor=1.0,
+                                           schedule="dualpipe-v"),
+    "pp2-dp2-ep2-every2-recompute": dict(pp=2, dp=2, ep=2, moe_every=2, recompute="full"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_moe_step_matches_single_process(layout):
+    config = TrainConfig(**{**MOE, **layout})
+    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    assert report["mismatched"] == []
+    assert report["passed"], report
+    assert report["max_grad_difference"] < 1e-5
+
+
+def test_bf16_combined_step_matches_single_process_in_bf16():
+    config = TrainConfig(**{**MOE, "pp": 1, "dp": 2, "ep": 2, "schedule": "combined-1f1b",
+                            "dtype": "bf16"})
+    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    assert report["passed"], report
+
+
+def _history(rank, world_size, config):
+    from meshpipe.train.trainer import Trainer
+
+    return Trainer(config).fit()["history"]
+
+
+def test_metrics_report_load_balance_and_dropped_tokens(tmp_path):
+    base = dict(MOE, pp=1, dp=2, ep=2, moe_top_k=2, steps=2, out_dir=str(tmp_path))
+    free = run_distributed(2, _history, TrainConfig(**base))[0]
+    limited = run_distributed(2, _history, TrainConfig(**base, moe_capacity_factor=0.5))[0]
+    tokens = 2 * SMALL["microbatch_size"] * 4 * SMALL["seq_len"]  # dp x batch x seq
+    for step in free:
+        assert step["dropped_tokens"] == 0
+        assert 0 < step["moe_aux_loss"] < 4 * SMALL["layers"]
+        assert step["min_tokens_per_expert"] <= tokens * 2 / 4 <= step["max_tokens_per_expert"]
+    capacity_per_rank = 0.5 * SMALL["microbatch_size"] * SMALL["seq_len"] * 2 / 4
+    assert all(step["dropped_tokens"] > 0 for step in limited)
+    assert all(step["max_tokens_per_expert"] >= capacity_per_rank for step in limited)
+
+
+def test_expert_shards_resume_exactly(tmp_path):
+    base = dict(MOE, pp=1, dp=2, ep=2, schedule="combined-1f1b", out_dir=str(tmp_path),
+                checkpoint_every=2)
+    straight = run_distributed(2, _train, TrainConfig(**base))[0]
+    resumed = run_distributed(2, _train, TrainConfig(**base, resume=True),
+                              rewind_to="step-000001")[0]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight[2:]))
+
+
+BAD = {
+    "ep does not divide dp x cp": (dict(dp=2, ep=4, moe_experts=4), "--ep 4 must divide"),
+    "experts not divisible by ep": (dict(dp=2, ep=2, moe_experts=3),
+                                    "--moe-experts 3 is not divisible by --ep 2"),
+    "top-k above experts": (dict(moe_experts=2, moe_top_k=3), "--moe-top-k 3"),
+    "moe flags without experts": (dict(moe_top_k=2, ep=2, dp=2),
+                                  "--moe-top-k, --ep only apply to mixture-of-experts"),
+    "moe with tensor parallelism": (dict(moe_experts=4, tp=2), "--tp 1"),
+}
+
+
+@pytest.mark.parametrize("flags, message", BAD.values(), ids=BAD.keys())
+def test_bad_moe_flags_fail_before_any_process_starts(flags, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**{**SMALL, "pp": 1, **flags})
