@@ -665,7 +665,7 @@ def _error(fn):
 
 def test_message_with_the_wrong_arity_names_stage_microbatch_and_action():
     stage = Stage(split(Transformer(CONFIG), 3)[1], 1, 3)
-    error = _error(lambda: stage.forward(4, (torch.randn(2, 10, 32), None, None, None)))
+    error = _error(lambda: stage.forward(4, (torch.randn(2, 10, 32), None, None, None, None)))
     assert (error.stage, error.microbatch, error.action) == (1, 4, "forward")
     assert "stage 1, microbatch 4, forward" in str(error)
     assert "does not fit the module's forward" in str(error)

@@ -1,11 +1,14 @@
 """meshpipe.runtime: pipeline stages and the executor that runs a lowered schedule."""
 
-from meshpipe.runtime.executor import Executor, ExecutorError, PeerFailedError, StepResult
+from meshpipe.runtime.executor import (Executor, ExecutorError, OverlapHooks, PeerFailedError,
+                                       StepResult)
 from meshpipe.runtime.grad_sync import all_reduce_gradients
 from meshpipe.runtime.precision import (AutocastChunk, DynamicLossScaler, autocast,
                                         low_precision_tolerance)
 from meshpipe.runtime.split_backward import SplitBackward
 from meshpipe.runtime.stage import Stage, StageError
+from meshpipe.runtime.substeps import Exchange, run_steps
 
-__all__ = ["AutocastChunk", "DynamicLossScaler", "Executor", "ExecutorError", "PeerFailedError", "SplitBackward", "Stage",
-           "StageError", "StepResult", "all_reduce_gradients", "autocast", "low_precision_tolerance"]
+__all__ = ["AutocastChunk", "DynamicLossScaler", "Exchange", "Executor", "ExecutorError",
+           "OverlapHooks", "PeerFailedError", "SplitBackward", "Stage", "StageError", "StepResult",
+           "all_reduce_gradients", "autocast", "low_precision_tolerance", "run_steps"]

@@ -64,7 +64,6 @@ class _Boundary:
         keep, self._keep_spec = tree_flatten(exchange.keep)
         self._roots = [(i, get_gradient_edge(t)) for i, t in enumerate(send + keep)
                        if isinstance(t, Tensor) and t.requires_grad]
-        self._send_count = len(send)
         self.send_values = tree_unflatten([_detached(t) for t in send], self._send_spec)
         self._kept = [_as_stage_input(_detached(t)) for t in keep]
         self._received: list[Any] = []
