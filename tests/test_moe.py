@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from meshpipe.models.moe import MoE, is_expert_param
 from meshpipe.testing import run_distributed

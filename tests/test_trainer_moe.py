@@ -11,6 +11,7 @@ from test_trainer import SMALL, _check_first_step, _train
 
 MOE = dict(SMALL, moe_experts=4)
 LAYOUTS = {
+    "pp2-vpp2-no-ep-interleaved": dict(pp=2, vpp=2, schedule="interleaved"),
     "dp2-ep2-combined": dict(pp=1, dp=2, ep=2, schedule="combined-1f1b"),
     "pp2-vpp2-dp2-ep2-combined": dict(pp=2, vpp=2, dp=2, ep=2, schedule="combined-1f1b"),
     "pp2-vpp2-dp2-ep2-top2-zbv": dict(pp=2, vpp=2, dp=2, ep=2, moe_top_k=2, schedule="zb-v"),

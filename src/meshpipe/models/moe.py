@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshpipe.comm.collectives import exchange_counts, exchange_rows
+from meshpipe.models.mlp import SwiGLU, linear
 from meshpipe.runtime.substeps import Exchange, run_steps
 
 
@@ -104,21 +105,6 @@ class _Dispatch:
         return exchange_rows(x, send_rows, receive_rows, self.group)
 
 
-class SwiGLUExpert(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w_gate = _linear(dim, hidden)
-        self.w_up = _linear(dim, hidden)
-        self.w_down = _linear(hidden, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
-
-
-def _linear(in_features: int, out_features: int) -> nn.Linear:
-    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False)
-
-
 def mark_expert_parallel(param: nn.Parameter) -> nn.Parameter:
     """Tag an expert's parameter: its gradient is synchronised over the ranks that hold the
     same expert (expert-data-parallel group), not over all data-parallel ranks."""
@@ -142,8 +128,8 @@ class MoE(nn.Module):
         self.num_experts = experts
         self.top_k = top_k
         self.capacity_factor = capacity_factor
-        self.router = _linear(dim, experts)
-        self.experts = nn.ModuleDict({str(e): SwiGLUExpert(dim, hidden) for e in range(experts)})
+        self.router = linear(dim, experts)
+        self.experts = nn.ModuleDict({str(e): SwiGLU(dim, hidden) for e in range(experts)})
         self.ep_group: dist.ProcessGroup | None = None
         self.token_group: dist.ProcessGroup | None = None
         self.ep_size, self.ep_rank = 1, 0

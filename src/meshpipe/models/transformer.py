@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
+from meshpipe.models.mlp import SwiGLU, linear
 from meshpipe.models.moe import MoE
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
                                mark_sequence_parallel, shard_linear)
@@ -120,11 +120,6 @@ class TransformerConfig:
         return self.ffn_multiple_of * math.ceil(width / self.ffn_multiple_of)
 
 
-def _linear(in_features: int, out_features: int) -> nn.Linear:
-    """A bias-free linear layer left uninitialised: ``Transformer`` initialises every weight."""
-    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False)
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned gain, computed in float32."""
 
@@ -185,10 +180,10 @@ class SelfAttention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
         self.head_dim = config.head_dim
-        self.wq = _linear(config.dim, config.n_heads * config.head_dim)
-        self.wk = _linear(config.dim, config.kv_heads * config.head_dim)
-        self.wv = _linear(config.dim, config.kv_heads * config.head_dim)
-        self.wo = _linear(config.n_heads * config.head_dim, config.dim)
+        self.wq = linear(config.dim, config.n_heads * config.head_dim)
+        self.wk = linear(config.dim, config.kv_heads * config.head_dim)
+        self.wv = linear(config.dim, config.kv_heads * config.head_dim)
+        self.wo = linear(config.n_heads * config.head_dim, config.dim)
         self.rope = rope
         self.core_attention = attention
         self.tp = _NO_TENSOR_PARALLELISM
@@ -216,26 +211,6 @@ class SelfAttention(nn.Module):
     def _core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
               doc_ids: Tensor | None) -> Tensor:
         return self.core_attention(q, k, v, positions=positions, doc_ids=doc_ids, causal=True)
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w_gate = _linear(dim, hidden)
-        self.w_up = _linear(dim, hidden)
-        self.w_down = _linear(hidden, dim)
-        self.tp = _NO_TENSOR_PARALLELISM
-
-    def shard(self, tp: TensorParallelRegion) -> None:
-        """Keep this rank's slice of the hidden width: gate/up by output, down by input."""
-        self.tp = tp
-        self.w_gate = shard_linear(self.w_gate, 0, tp.group)
-        self.w_up = shard_linear(self.w_up, 0, tp.group)
-        self.w_down = shard_linear(self.w_down, 1, tp.group)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.tp.enter(x)
-        return self.tp.leave(self.w_down(F.silu(self.w_gate(x)) * self.w_up(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -350,7 +325,7 @@ class Transformer(nn.Module):
                                                      moe=config.is_moe_layer(i))
                                     for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.head = _linear(config.dim, config.vocab_size)
+        self.head = linear(config.dim, config.vocab_size)
         if config.tie_embeddings:
             self.head.weight = self.embedding.weight
         self._init_weights()
@@ -373,7 +348,7 @@ class Transformer(nn.Module):
         self.embedding = VocabParallelEmbedding.from_embedding(
             self.embedding, self.tp.group, sequence_parallel=self.tp.sequence_parallel)
         if self.config.tie_embeddings:
-            self.head = _linear(self.config.dim, self.config.vocab_size // self.tp.size)
+            self.head = linear(self.config.dim, self.config.vocab_size // self.tp.size)
             self.head.weight = self.embedding.weight
         else:
             self.head = shard_linear(self.head, 0, self.tp.group)

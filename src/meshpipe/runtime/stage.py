@@ -289,11 +289,7 @@ class Stage:
                 record_event("yield", label)
                 return done.value
             except Exception as exc:
-                raise self._error(
-                    f"the module raised {type(exc).__name__}: {exc} (message was "
-                    f"{_describe(list(args))})", microbatch, "forward",
-                    "check that the previous stage's output matches what this chunk expects "
-                    "(count, dtypes, shapes)") from exc
+                raise self._module_error(exc, args, microbatch) from exc
             if not isinstance(exchange, Exchange):
                 raise self._error(f"forward_steps yielded a {type(exchange).__name__}, not an "
                                   "Exchange", microbatch, "forward",
@@ -329,11 +325,14 @@ class Stage:
         try:
             return self.module(*args)
         except Exception as exc:
-            raise self._error(
-                f"the module raised {type(exc).__name__}: {exc} (message was "
-                f"{_describe(list(args))})", microbatch, "forward",
-                "check that the previous stage's output matches what this chunk expects "
-                "(count, dtypes, shapes)") from exc
+            raise self._module_error(exc, args, microbatch) from exc
+
+    def _module_error(self, exc: Exception, args: tuple, microbatch: int) -> StageError:
+        return self._error(
+            f"the module raised {type(exc).__name__}: {exc} (message was "
+            f"{_describe(list(args))})", microbatch, "forward",
+            "check that the previous stage's output matches what this chunk expects "
+            "(count, dtypes, shapes)")
 
     def _loss(self, output: Any, target: Any, loss_scale: float,
               microbatch: int) -> tuple[Tensor, Tensor]:

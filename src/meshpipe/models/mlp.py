@@ -1,0 +1,34 @@
+"""The building blocks the dense and the expert MLPs share."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshpipe.parallel import TensorParallelRegion, shard_linear
+
+
+def linear(in_features: int, out_features: int) -> nn.Linear:
+    """A bias-free linear layer left uninitialised: ``Transformer`` initialises every weight."""
+    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w_gate = linear(dim, hidden)
+        self.w_up = linear(dim, hidden)
+        self.w_down = linear(hidden, dim)
+        self.tp = TensorParallelRegion()
+
+    def shard(self, tp: TensorParallelRegion) -> None:
+        """Keep this rank's slice of the hidden width: gate/up by output, down by input."""
+        self.tp = tp
+        self.w_gate = shard_linear(self.w_gate, 0, tp.group)
+        self.w_up = shard_linear(self.w_up, 0, tp.group)
+        self.w_down = shard_linear(self.w_down, 1, tp.group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.tp.enter(x)
+        return self.tp.leave(self.w_down(F.silu(self.w_gate(x)) * self.w_up(x)))
