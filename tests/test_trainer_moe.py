@@ -75,7 +75,7 @@ BAD = {
                                     "--moe-experts 3 is not divisible by --ep 2"),
     "top-k above experts": (dict(moe_experts=2, moe_top_k=3), "--moe-top-k 3"),
     "moe flags without experts": (dict(moe_top_k=2, ep=2, dp=2),
-                                  "--moe-top-k, --ep only apply to mixture-of-experts"),
+                                  "--moe-top-k, --ep apply only to mixture-of-experts"),
     "moe with tensor parallelism": (dict(moe_experts=4, tp=2), "--tp 1"),
 }
 

@@ -65,7 +65,8 @@ class ParallelLayout:
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"--ep {self.ep} must divide the data x context-parallel ranks "
                              f"of a stage, dp {self.dp} x cp {self.cp} = {self.dp * self.cp}: "
-                             f"experts are sharded over ranks that hold the same stage")
+                             f"experts are sharded over ranks that hold the same stage; use "
+                             f"an --ep that divides {self.dp * self.cp}")
         if self.stage_tp is None:
             return
         object.__setattr__(self, "stage_tp", tuple(self.stage_tp))

@@ -122,7 +122,8 @@ class TrainConfig:
             given = [f"--{_flag(name)}" for name, default in defaults.items()
                      if getattr(self, name) != default]
             if given:
-                raise ValueError(f"{', '.join(given)} only apply to mixture-of-experts layers; "
+                verb = "applies" if len(given) == 1 else "apply"
+                raise ValueError(f"{', '.join(given)} {verb} only to mixture-of-experts layers; "
                                  "give --moe-experts N (N > 0) or drop them")
             return
         if min(self.moe_experts, self.moe_top_k, self.moe_every) < 1 or min(

@@ -1,0 +1,283 @@
+"""CUDA benchmark: attention at long sequences, and a training step of a GPU-sized model.
+
+    python benchmarks/gpu_bench.py                      # seq 8k/16k/32k; dim 2048 x 16 layers
+    python benchmarks/gpu_bench.py --seqs 8192 16384 --layers 8
+
+Part 1 times one causal attention forward + backward in bf16 (batch 1, 16 heads of 128) per
+sequence length: SDPA with its flash kernel forced (meshpipe's ``LocalAttention``), and
+meshpipe's ``RingAttention`` on a group of one rank, which runs the tile kernel ring
+attention uses on CUDA (``context.blockwise.MATH``: float32 scores materialised per tile;
+there is no CUDA flash tile kernel yet), so it shows what a ring step costs per tile. A
+configuration that runs out of memory is recorded as OOM.
+
+Part 2 times training steps of the reference transformer (default dim 2048, 16 layers,
+seq 2048, bf16 autocast, 8 microbatches of 1 sequence, AdamW) through meshpipe's trainer on
+one GPU (``Trainer.train_step``: the 1F1B executor with one stage, gradient clipping,
+optimizer), beside the same model stepped by plain PyTorch: step time, tokens/s and peak
+memory. Pipelines across GPUs are timed by ``benchmarks/gpu_check.py`` (small model).
+
+Single process, one GPU. Without a CUDA device it says so and exits 0. Writes
+``<out>/gpu_bench.json`` and ``.md`` (default ``benchmarks/results``) when run on a GPU; a
+``--cpu-rehearsal`` (tiny sizes advised) writes nothing unless ``--out`` is given. A
+benchmark records times; it never asserts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from meshpipe.context import LocalAttention, RingAttention
+from meshpipe.context.blockwise import kernel_for
+from meshpipe.models import Transformer, causal_lm_loss
+from meshpipe.runtime import autocast
+from meshpipe.train.config import TrainConfig
+from meshpipe.train.launch import backend_for
+from meshpipe.train.trainer import Trainer, model_config
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768],
+                        help="attention sequence lengths")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=2048, help="training step: model width")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--model-heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048, help="training step: tokens per "
+                                                                  "sequence")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatch-size", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"where gpu_bench.json/.md go (default {RESULTS} on a GPU)")
+    parser.add_argument("--cpu-rehearsal", action="store_true",
+                        help="run on the CPU to try the script (use tiny sizes); not a result")
+    return parser.parse_args(argv)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn: Callable[[], object], device: torch.device, warmup: int,
+                    iters: int) -> float:
+    times = []
+    for i in range(warmup + iters):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _measure(fn: Callable[[], object], device: torch.device, args) -> dict:
+    """Median seconds and peak memory of ``fn``, or ``status: OOM``."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        seconds = _median_seconds(fn, device, args.warmup, args.iters)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {"status": "OOM", "seconds": None, "peak_gib": None}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"status": "ok", "seconds": seconds, "peak_gib": peak}
+
+
+def attention_rows(args, device: torch.device) -> list[dict]:
+    return [row for seq in args.seqs for row in _attention_at(seq, args, device)]
+
+
+def _attention_at(seq: int, args, device: torch.device) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    flash = (lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)) if device.type == "cuda" \
+        else contextlib.nullcontext
+    shape = (1, seq, args.heads, args.head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    # Causal forward + backward: 2 + 5 matmuls of s x s x d per head, half of them live.
+    flop = 7 * seq * seq * args.head_dim * args.heads
+    rows = []
+    for name, attention, context in (
+            ("SDPA flash", LocalAttention(), flash),
+            (f"ring, 1 rank ({kernel_for(device).name} tiles)", RingAttention(),
+             contextlib.nullcontext)):
+        def step() -> None:
+            with context():
+                attention(q, k, v).backward(grad)
+            q.grad = k.grad = v.grad = None
+        row = {"part": "attention", "kernel": name, "seq": seq, **_measure(step, device, args)}
+        row["tflops"] = flop / row["seconds"] / 1e12 if row["seconds"] else None
+        rows.append(row)
+        print(_attention_line(row), flush=True)
+    return rows
+
+
+def _attention_line(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"{row['kernel']:<30} seq {row['seq']:>6}: {row['status']}"
+    peak = f", peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else ""
+    return (f"{row['kernel']:<30} seq {row['seq']:>6}: {row['seconds'] * 1e3:9.2f} ms, "
+            f"{row['tflops']:.1f} TFLOP/s{peak}")
+
+
+def train_config(args, out_dir: str) -> TrainConfig:
+    return TrainConfig(pp=1, dim=args.dim, layers=args.layers, heads=args.model_heads,
+                       kv_heads=args.kv_heads, seq_len=args.seq_len,
+                       microbatches=args.microbatches, microbatch_size=args.microbatch_size,
+                       dtype="bf16", steps=args.warmup + args.iters, warmup_steps=1,
+                       eval_every=0, timeline_step=0, progress=False, out_dir=out_dir)
+
+
+def _trainer_steps(config: TrainConfig, device: torch.device, args) -> tuple[dict, int]:
+    """meshpipe's training step: measured, and the model's parameter count."""
+    trainer = Trainer(config)
+    steps = iter(range(config.steps))
+    measured = _measure(lambda: trainer.train_step(next(steps)), device, args)
+    return measured, sum(p.numel() for _, p in trainer.parameters)
+
+
+def train_rows(args, device: torch.device) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-bench-") as out_dir:
+        config = train_config(args, out_dir)  # train_step writes nothing there
+        measured, parameters = _trainer_steps(config, device, args)
+    gc.collect()  # the trainer's memory, before the plain model's
+    rows = [{"part": "train step", "runner": "meshpipe Trainer (1F1B, 1 stage)", **measured}]
+
+    model = Transformer(model_config(config)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                  weight_decay=config.weight_decay)
+    batch = torch.randint(0, model.config.vocab_size,
+                          (config.microbatches, config.microbatch_size, config.seq_len + 1),
+                          device=device)
+
+    def plain_step() -> None:
+        for microbatch in batch:
+            with autocast("bf16", device.type):
+                logits = model(microbatch[:, :-1])
+            (causal_lm_loss(logits, microbatch[:, 1:]) / config.microbatches).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    rows.append({"part": "train step", "runner": "plain PyTorch (same model and batch)",
+                 **_measure(plain_step, device, args)})
+    tokens = config.tokens_per_step
+    for row in rows:
+        row.update(parameters=parameters, tokens_per_step=tokens,
+                   tokens_per_s=tokens / row["seconds"] if row["seconds"] else None)
+        print(_train_line(row), flush=True)
+    return rows
+
+
+def _train_line(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"{row['runner']:<40}: {row['status']}"
+    peak = f", peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else ""
+    return (f"{row['runner']:<40}: {row['seconds'] * 1e3:9.1f} ms/step, "
+            f"{row['tokens_per_s']:,.0f} tokens/s{peak}")
+
+
+def _one_rank_world(device: torch.device) -> None:
+    """A process group of this process alone, as torchrun would set it up (the trainer and
+    ring attention need one)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+
+
+def to_markdown(result: dict) -> str:
+    def figure(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    lines = [f"# GPU benchmark: {result['device']}", "",
+             f"torch {result['torch']}, CUDA {result['cuda']}; median of {result['iters']} "
+             f"after {result['warmup']} warm-up.", "",
+             f"Attention forward + backward, causal, bf16, batch 1, {result['heads']} heads x "
+             f"{result['head_dim']}:", "",
+             "| kernel | seq | ms | TFLOP/s | peak GiB |", "|---|---:|---:|---:|---:|"]
+    for row in result["attention"]:
+        ms = figure(row["seconds"] and row["seconds"] * 1e3, ".2f") if row["status"] == "ok" \
+            else row["status"]
+        lines.append(f"| {row['kernel']} | {row['seq']} | {ms} | {figure(row['tflops'], '.1f')}"
+                     f" | {figure(row['peak_gib'], '.1f')} |")
+    train = result["train"]
+    if train:
+        lines += ["", f"Training step: {train[0]['parameters'] / 1e6:.0f}M parameters, "
+                      f"{train[0]['tokens_per_step']} tokens per step, bf16 autocast, AdamW:",
+                  "", "| runner | ms/step | tokens/s | peak GiB |", "|---|---:|---:|---:|"]
+        for row in train:
+            ms = figure(row["seconds"] and row["seconds"] * 1e3, ".1f") \
+                if row["status"] == "ok" else row["status"]
+            lines.append(f"| {row['runner']} | {ms} | {figure(row['tokens_per_s'], ',.0f')} | "
+                         f"{figure(row['peak_gib'], '.1f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.cpu_rehearsal:
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+    else:
+        print(f"gpu_bench: no CUDA device (torch {torch.__version__}, built for CUDA "
+              f"{torch.version.cuda}): nothing to benchmark")
+        return 0
+    if "WORLD_SIZE" in os.environ:
+        print("gpu_bench: run it as one process (python benchmarks/gpu_bench.py), not under "
+              "torchrun", file=sys.stderr)
+        return 2
+    _one_rank_world(device)
+    try:
+        result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                  else "CPU rehearsal (not a GPU result)",
+                  "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "warmup": args.warmup, "iters": args.iters, "heads": args.heads,
+                  "head_dim": args.head_dim, "attention": attention_rows(args, device),
+                  "train": train_rows(args, device)}
+    finally:
+        dist.destroy_process_group()
+    table = to_markdown(result)
+    print(table)
+    out = args.out or (None if args.cpu_rehearsal else RESULTS)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "gpu_bench.md").write_text(table)
+        print(f"wrote {out / 'gpu_bench.json'} and {out / 'gpu_bench.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The CUDA paths of meshpipe: run by ``make gpu-check`` (``pytest -m gpu``), skipped without CUDA.
+
+Single-GPU tests run in this process: the reference model on CUDA against the CPU, a
+mixture-of-experts Stage whose exchanges run on the communication thread's CUDA stream, and
+SDPA's flash kernel at a long sequence. Multi-GPU tests start one NCCL process per GPU
+(NCCL refuses two ranks of one communicator on the same device), so they need two GPUs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+
+from meshpipe.comm.p2p import P2PTransport
+from meshpipe.context import LocalAttention, RingAttention
+from meshpipe.models import Transformer, TransformerConfig, causal_lm_loss, split
+from meshpipe.runtime import Stage
+from meshpipe.runtime.substeps import CommWorker
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason=f"needs CUDA: torch {torch.__version__} sees no CUDA device "
+                              f"(built for CUDA {torch.version.cuda}); run `make gpu-check` "
+                              f"on a GPU machine"),
+]
+two_gpus = pytest.mark.skipif(  # without CUDA at all, the module's reason is the one shown
+    torch.cuda.is_available() and torch.cuda.device_count() < 2,
+    reason=f"needs 2 CUDA devices, {torch.cuda.device_count()} visible: NCCL refuses two ranks "
+           f"of one communicator on the same GPU")
+
+SMALL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128)
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    """Full fp32 matmuls on CUDA, so the CPU comparison can use fp32 tolerances."""
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+def _batch(batch=2, seq=32, vocab=256, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, vocab, (batch, seq), generator=generator),
+            torch.randint(0, vocab, (batch, seq), generator=generator))
+
+
+def _grads(model):
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+# ------------------------------------------------------------------------- one GPU
+
+def test_transformer_forward_and_backward_on_cuda_equal_the_cpu():
+    cpu_model = Transformer(TransformerConfig(**SMALL))
+    cuda_model = copy.deepcopy(cpu_model).cuda()
+    tokens, targets = _batch()
+    results = {}
+    for name, model, device in (("cpu", cpu_model, "cpu"), ("cuda", cuda_model, "cuda")):
+        logits = model(tokens.to(device))
+        causal_lm_loss(logits, targets.to(device)).backward()
+        results[name] = logits
+    torch.testing.assert_close(results["cuda"].cpu(), results["cpu"], rtol=1e-4, atol=1e-5)
+    cpu_grads, cuda_grads = _grads(cpu_model), _grads(cuda_model)
+    assert cpu_grads.keys() == cuda_grads.keys()
+    for name, grad in cpu_grads.items():
+        torch.testing.assert_close(cuda_grads[name].cpu(), grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _moe_loss(output, targets):
+    logits, aux = output
+    return causal_lm_loss(logits, targets) + 0.01 * aux
+
+
+def test_moe_stage_runs_its_exchanges_on_the_cuda_comm_stream_and_matches_the_model(
+        monkeypatch):
+    posts = {"all": 0, "on a CUDA stream": 0}
+    post, post_on_stream = CommWorker.post, CommWorker._post_on_stream
+
+    def counting(original, key):
+        def call(*args, **kwargs):
+            posts[key] += 1
+            return original(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(CommWorker, "post", counting(post, "all"))
+    monkeypatch.setattr(CommWorker, "_post_on_stream", counting(post_on_stream,
+                                                                "on a CUDA stream"))
+    model = Transformer(TransformerConfig(**SMALL, moe_experts=4, moe_top_k=2)).cuda()
+    reference = copy.deepcopy(model)
+    stage = Stage(split(model, 1)[0], 0, 1, loss_fn=_moe_loss)
+    assert stage.has_substeps
+    microbatches = [_batch(seed=seed) for seed in range(2)]
+    losses = []
+    for index, (tokens, targets) in enumerate(microbatches):
+        _, loss = stage.forward(index, (tokens.cuda(), None, None), target=targets.cuda())
+        losses.append(loss)
+    for index in range(len(microbatches)):
+        stage.backward(index)
+    # Every sub-step exchange went to the communication thread with CUDA tensors, which runs
+    # it on a CUDA stream of its own.
+    assert posts["all"] > 0 and posts["on a CUDA stream"] == posts["all"], posts
+    for index, (tokens, targets) in enumerate(microbatches):
+        expected = _moe_loss(reference(tokens.cuda()), targets.cuda())
+        expected.backward()
+        torch.testing.assert_close(losses[index], expected.detach())
+    grads, expected_grads = _grads(model), _grads(reference)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seq, heads, head_dim = 8192, 8, 64
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, seq, heads, head_dim, device="cuda", generator=generator,
+                           dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # raises if flash cannot take the inputs
+        out = LocalAttention()(q, k, v)
+        out.float().square().mean().backward()
+    assert out.shape == q.shape and all(t.grad.isfinite().all() for t in (q, k, v))
+    # 128 queries spread along the sequence against every key, in fp32 math.
+    rows = torch.arange(0, seq, 64, device="cuda")
+    qf, kf, vf = (t.detach().float().transpose(1, 2) for t in (q, k, v))
+    scores = qf[:, :, rows] @ kf.transpose(-1, -2) / head_dim ** 0.5
+    scores = scores.masked_fill(torch.arange(seq, device="cuda") > rows[:, None], float("-inf"))
+    expected = (scores.softmax(-1) @ vf).transpose(1, 2)
+    torch.testing.assert_close(out[:, rows].float(), expected, rtol=1.6e-2, atol=2e-3)
+
+
+# ---------------------------------------------------------------- two GPUs (NCCL)
+
+def _nccl_rank(rank: int, world_size: int, init_file: str, fn, args: tuple) -> None:
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, device_id=torch.device("cuda", rank))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_nccl(world_size: int, fn, *args) -> None:
+    """``fn(rank, world_size, *args)`` on ``world_size`` processes, one GPU each (an
+    AssertionError on a rank fails the test with that rank's traceback)."""
+    with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-") as tmp:
+        torch_mp.start_processes(_nccl_rank, args=(world_size, os.path.join(tmp, "init"), fn,
+                                                   args),
+                                 nprocs=world_size, join=True, start_method="spawn")
+
+
+def _message(index: int, device: torch.device):
+    """Message ``index``: its sequence length changes, so layouts change (slow path)."""
+    generator = torch.Generator().manual_seed(index)
+    seq = 3 + 4 * index
+    return (torch.randn(2, seq, 8, generator=generator).to(device),
+            {"lowp": torch.randn(seq, 3, generator=generator).to(torch.bfloat16).to(device),
+             "ids": torch.arange(seq, device=device), "skip": None},
+            [index, f"microbatch {index}"])
+
+
+def _assert_same(actual, expected) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert actual.device == expected.device and actual.dtype == expected.dtype
+        assert torch.equal(actual, expected)
+    elif isinstance(expected, (tuple, list)):
+        assert type(actual) is type(expected) and len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            _assert_same(a, e)
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys()
+        for key in expected:
+            _assert_same(actual[key], expected[key])
+    else:
+        assert actual == expected
+
+
+def _p2p_both_ways(rank: int, world_size: int, backend: str = "nccl") -> None:
+    """Rank 0 sends four messages of changing layouts to rank 1 (forward group), rank 1
+    sends each back (reverse group); headers and metadata travel on the gloo group."""
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    transport = P2PTransport(reverse_group=dist.new_group(backend=backend),
+                             meta_group=dist.new_group(backend="gloo"), device=device,
+                             timeout=60.0)
+    peer = 1 - rank
+    for index in range(4):
+        expected = _message(index, device)
+        if rank == 0:
+            transport.post_send(expected, peer, label=f"F{index}")
+            _assert_same(transport.post_recv(peer, label=f"B{index}").wait(), expected)
+        else:
+            received = transport.post_recv(peer, label=f"F{index}").wait()
+            _assert_same(received, expected)
+            transport.post_send(received, peer, label=f"B{index}")
+    transport.wait_sends()
+
+
+def _ring_equals_sdpa(rank: int, world_size: int, device_type: str = "cuda") -> None:
+    """Ring attention over the ranks (contiguous halves, causal) against SDPA on the whole
+    sequence, output and q/k/v gradients of this rank's half."""
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    generator = torch.Generator().manual_seed(0)
+    seq, heads, heads_kv, head_dim = 512, 4, 2, 32
+    q = torch.randn(1, seq, heads, head_dim, generator=generator).to(device)
+    k, v = (torch.randn(1, seq, heads_kv, head_dim, generator=generator).to(device)
+            for _ in range(2))
+    grad = torch.randn(1, seq, heads, head_dim, generator=generator).to(device)
+    mine = slice(rank * seq // world_size, (rank + 1) * seq // world_size)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    local = [t[:, mine].clone().requires_grad_() for t in (q, k, v)]
+    LocalAttention()(*full).backward(grad)
+    out = RingAttention()(*local)
+    out.backward(grad[:, mine])
+    with torch.no_grad():
+        expected = LocalAttention()(q, k, v)
+    torch.testing.assert_close(out, expected[:, mine], rtol=1e-4, atol=1e-5)
+    for name, mine_t, full_t in zip("qkv", local, full):
+        torch.testing.assert_close(mine_t.grad, full_t.grad[:, mine], rtol=1e-4, atol=1e-5,
+                                   msg=name)
+
+
+@two_gpus
+def test_p2p_pytrees_travel_over_nccl_with_gloo_headers_and_a_reverse_group():
+    _run_nccl(2, _p2p_both_ways)
+
+
+@two_gpus
+def test_ring_attention_over_nccl_equals_sdpa_on_the_whole_sequence():
+    _run_nccl(2, _ring_equals_sdpa)
