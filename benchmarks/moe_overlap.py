@@ -1,7 +1,7 @@
 """Combined 1F1B vs 1F1B on mixture-of-experts models: step time, and how much of the
 expert-parallel all-to-all wait co-scheduling hides.
 
-    .venv/bin/python benchmarks/moe_overlap.py                  # ~3 min on 2 cores
+    .venv/bin/python benchmarks/moe_overlap.py                  # ~4.5 min on 2 cores
     .venv/bin/python benchmarks/moe_overlap.py --compute-ms 20 --latency-factors 0.5,1,2
     .venv/bin/python benchmarks/moe_overlap.py --exchanges clone --real-latencies-ms 5
     .venv/bin/python benchmarks/moe_overlap.py --skip-real      # only the emulated part
@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # part 2
     parser.add_argument("--layers", type=int, default=2, help="MoE layers of the toy module")
     parser.add_argument("--compute-ms", type=float, default=10.0,
-                        help="forward sleep of one compute piece (backward: 2x)")
+                        help="forward sleep of one compute piece (backward: x --backward-factor)")
     parser.add_argument("--backward-factor", type=float, default=2.0)
     parser.add_argument("--latency-factors", type=_floats, default=[0, 0.25, 0.5, 1, 2],
                         help="emulated latencies as multiples of --compute-ms")
@@ -181,6 +181,8 @@ def real_rows(args: argparse.Namespace) -> list[dict]:
                     config = replace(base, pp=pp, vpp=vpp, schedule=schedule)
                     row["processes"] = config.world_size
                     row["exchanges_per_rank_step"] = _exchanges_per_rank_step(config)
+                    row.setdefault("load_average_1min_before_runs", []).append(
+                        (load_average() or [None])[0])
                     metrics = _run_with_latency(run, config, latency)
                     seconds = [h["step_seconds"] for h in metrics["history"][1:]]
                     key = "combined" if schedule == "combined-1f1b" else "sequential"
@@ -533,7 +535,9 @@ def main(argv: list[str] | None = None) -> None:
                "python": platform.python_version(), "torch": torch.__version__,
                "load_average_before": load_average()}
     real = [] if args.skip_real else real_rows(args)
+    machine["load_average_after_real"] = load_average()
     emulated = emulated_rows(args)
+    machine["load_average_after"] = load_average()
     table = to_markdown(real, emulated, args)
     print(table)
     seconds = time.perf_counter() - started
