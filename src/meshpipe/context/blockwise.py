@@ -11,9 +11,13 @@ output and log-sum-exp. Two kernels do this:
 - ``MATH``: the same computation in plain tensor operations, for any device.
 
 Both compute in float32 on layouts ``q``: ``[b, hq, s_q, d]``, ``k``/``v``: ``[b, hkv, s_k,
-d]``, log-sum-exp ``[b, hq, s_q]``; ``mask`` is boolean ``[s_q, s_k]`` (True = may attend)
-or None. Every query row must attend at least one key of the block: callers compact blocks
-to their live rows (``masks.plan_block``), so no row is ever fully masked.
+d]``, log-sum-exp ``[b, hq, s_q]``; ``mask`` is boolean ``[s_q, s_k]`` (True = may attend),
+None (no mask), or ``CAUSAL``: the square lower-triangular mask, which ``CPU_FLASH`` runs as
+the kernel's own causal mode (``is_causal=True``), skipping the masked half of the tile instead
+of computing it under an additive mask. ``tile_mask`` turns a plan's boolean mask into
+``CAUSAL`` when it is exactly that triangle. Every query row must attend at least one key of
+the block: callers compact blocks to their live rows (``masks.plan_block``), so no row is
+ever fully masked.
 """
 
 from __future__ import annotations
@@ -24,9 +28,37 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-Forward = Callable[[Tensor, Tensor, Tensor, Tensor | None, float], tuple[Tensor, Tensor]]
-Backward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, float],
+
+class _Causal:
+    """The square lower-triangular tile mask (query ``i`` attends keys ``0..i``)."""
+
+    def __repr__(self) -> str:
+        return "CAUSAL"
+
+
+CAUSAL = _Causal()
+TileMask = Tensor | _Causal | None
+
+Forward = Callable[[Tensor, Tensor, Tensor, TileMask, float], tuple[Tensor, Tensor]]
+Backward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, TileMask, float],
                     tuple[Tensor, Tensor, Tensor]]
+
+
+def tile_mask(mask: Tensor | None) -> TileMask:
+    """``CAUSAL`` when ``mask`` is the square lower triangle (the diagonal tile of a causal
+    layout whose positions increase), else ``mask`` unchanged."""
+    if mask is None or mask.dim() != 2 or mask.shape[0] != mask.shape[1]:
+        return mask
+    if torch.equal(mask, torch.ones_like(mask).tril()):
+        return CAUSAL
+    return mask
+
+
+def _boolean(mask: TileMask, q: Tensor, k: Tensor) -> Tensor | None:
+    """``mask`` as a boolean tensor (or None), materialising ``CAUSAL``."""
+    if mask is CAUSAL:
+        return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return mask
 
 
 @dataclass(frozen=True)
@@ -51,14 +83,15 @@ def _grouped(x: Tensor, heads_kv: int) -> Tensor:
     return x.view(batch, heads_kv, heads_q // heads_kv, seq, head_dim)
 
 
-def _masked_scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+def _masked_scores(q: Tensor, k: Tensor, mask: TileMask, scale: float) -> Tensor:
+    mask = _boolean(mask, q, k)
     scores = torch.matmul(_grouped(q, k.shape[1]), k.unsqueeze(2).transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores
 
 
-def _math_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+def _math_forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask,
                   scale: float) -> tuple[Tensor, Tensor]:
     scores = _masked_scores(q, k, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
@@ -67,7 +100,7 @@ def _math_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
 
 
 def _math_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                   mask: TileMask, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     heads_kv = k.shape[1]
     probs = torch.exp(_masked_scores(q, k, mask, scale) - _grouped(lse.unsqueeze(-1), heads_kv))
     grad_out_g = _grouped(grad_out, heads_kv)
@@ -79,23 +112,29 @@ def _math_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     return grad_q.flatten(1, 2), grad_k, grad_v
 
 
-def _additive(mask: Tensor | None) -> Tensor | None:
+def _flash_mask(mask: TileMask) -> tuple[bool, Tensor | None]:
+    """``(is_causal, attn_mask)`` for the CPU flash ops: ``CAUSAL`` runs the kernel's causal
+    mode, None no mask, and any other mask goes in additively (0 / -inf)."""
+    if mask is CAUSAL:
+        return True, None
     if mask is None:
-        return None
-    return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+        return False, None
+    return False, torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
-def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask,
                        scale: float) -> tuple[Tensor, Tensor]:
+    is_causal, attn_mask = _flash_mask(mask)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=_additive(mask), scale=scale)
+        q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
 
 
 def _cpu_flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                        lse: Tensor, mask: Tensor | None,
+                        lse: Tensor, mask: TileMask,
                         scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    is_causal, attn_mask = _flash_mask(mask)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask), scale=scale)
+        grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
 
 
 MATH = BlockKernel("math", _math_forward, _math_backward)

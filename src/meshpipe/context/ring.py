@@ -16,7 +16,11 @@ fully masked (another document of a pack, or the future) is skipped.
 
 Tiles run on ``blockwise.CPU_FLASH`` on CPU (PyTorch's CPU flash kernel, which returns the
 log-sum-exp and takes it back in backward) and on ``blockwise.MATH`` elsewhere; partial
-results and gradients are accumulated in float32 whatever the input dtype.
+results and gradients are accumulated in float32 whatever the input dtype. A tile whose mask
+is the square lower triangle (the diagonal tile of a causal layout, zigzag or contiguous) runs
+in the kernel's causal mode (``blockwise.CAUSAL``), which skips the masked half; an unmasked
+tile runs without a mask; any other mask (packed documents, arbitrary positions) goes to the
+kernel as an additive mask.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .blockwise import BlockKernel, heads_first, kernel_for, merge_block
+from .blockwise import BlockKernel, TileMask, heads_first, kernel_for, merge_block, tile_mask
 from .layout import GroupLayout, attention_layout
 from .masks import BlockPlan, plan_block
 
@@ -82,6 +86,22 @@ class _Ring:
         return _Transfer(received, dist.batch_isend_irecv(operations), keep_alive=tensor)
 
 
+@dataclass(frozen=True)
+class _Tile:
+    """A ``BlockPlan`` with its mask in kernel form: ``blockwise.CAUSAL`` for the square lower
+    triangle, None for no mask, else the boolean mask."""
+
+    rows: Tensor | None
+    cols: Tensor | None
+    mask: TileMask
+
+    @staticmethod
+    def of(plan: BlockPlan | None) -> _Tile | None:
+        if plan is None:
+            return None
+        return _Tile(rows=plan.rows, cols=plan.cols, mask=tile_mask(plan.mask))
+
+
 def _select(x: Tensor, dim: int, index: Tensor | None) -> Tensor:
     return x if index is None else x.index_select(dim, index)
 
@@ -89,7 +109,7 @@ def _select(x: Tensor, dim: int, index: Tensor | None) -> Tensor:
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring,
-                plans: list[BlockPlan | None], scale: float) -> Tensor:
+                plans: list[_Tile | None], scale: float) -> Tensor:
         kernel = kernel_for(q.device)
         queries = heads_first(q)
         out = torch.zeros_like(queries)
@@ -139,7 +159,7 @@ class _RingAttentionFunction(torch.autograd.Function):
         return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
 
 
-def _block_kv(kv: Tensor, plan: BlockPlan) -> tuple[Tensor, Tensor]:
+def _block_kv(kv: Tensor, plan: _Tile) -> tuple[Tensor, Tensor]:
     """The live keys and values of a ``[2, b, s, hkv, d]`` block, heads first, float32."""
     return heads_first(_select(kv[0], 1, plan.cols)), heads_first(_select(kv[1], 1, plan.cols))
 
@@ -153,7 +173,7 @@ class _TileGradients:
         self.out, self.lse, self.scale = out, lse, scale
         self.grad_queries = torch.zeros_like(queries)
 
-    def gradients(self, plan: BlockPlan, kv: Tensor) -> Tensor:
+    def gradients(self, plan: _Tile, kv: Tensor) -> Tensor:
         """Add one tile's query gradient; return its ``[2, b, s_live, hkv, d]`` key/value one."""
         rows = plan.rows
         keys, values = _block_kv(kv, plan)
@@ -199,14 +219,14 @@ class RingAttention(nn.Module):
         return _RingAttentionFunction.apply(q, k, v, ring, plans, scale)
 
 
-def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool) -> list[BlockPlan | None]:
+def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool) -> list[_Tile | None]:
     """This rank's tile plan for each ring step."""
     mine = ring.rank
     doc_ids = layout.doc_ids
     plans = []
     for step in range(ring.size):
         source = ring.source(step)
-        plans.append(plan_block(
+        plans.append(_Tile.of(plan_block(
             layout.positions[mine], None if doc_ids is None else doc_ids[mine],
-            layout.positions[source], None if doc_ids is None else doc_ids[source], causal))
+            layout.positions[source], None if doc_ids is None else doc_ids[source], causal)))
     return plans

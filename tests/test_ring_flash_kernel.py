@@ -1,0 +1,190 @@
+"""Ring attention tiles run on the CPU flash kernel's own modes where the tile allows it.
+
+The diagonal tile of a causal layout (zigzag or contiguous) is the square lower triangle and
+must run with ``is_causal=True`` (the kernel then skips the masked half); an unmasked tile
+must run with no mask at all; only other masks (packed documents, arbitrary positions) go to
+the kernel as an additive mask. The aten ops are replaced by recorders that pass through, so
+these tests fail if a tile takes the additive-mask path where the fused mode applies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshpipe.comm.shards import contiguous_positions, packed_positions, zigzag_positions
+from meshpipe.context import RingAttention
+from meshpipe.context.blockwise import CAUSAL, CPU_FLASH, MATH, tile_mask
+from meshpipe.testing import run_distributed
+
+_FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
+_BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
+
+
+class _Recorder:
+    """Replaces the two CPU flash aten ops with pass-through wrappers that record
+    ``(op, is_causal, has_attn_mask, s_q, s_k)`` per call."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, bool, bool, int, int]] = []
+        self._saved = {}
+
+    def __enter__(self) -> _Recorder:
+        aten = torch.ops.aten
+        for name, tag, q_index, causal_index in ((_FORWARD, "fwd", 0, 4),
+                                                 (_BACKWARD, "bwd", 1, 7)):
+            original = getattr(aten, name)
+            self._saved[name] = original
+
+            def wrapper(*args, _original=original, _tag=tag, _q=q_index, _c=causal_index,
+                        **kwargs):
+                self.calls.append((_tag, bool(args[_c]), kwargs.get("attn_mask") is not None,
+                                   args[_q].shape[2], args[_q + 1].shape[2]))
+                return _original(*args, **kwargs)
+            setattr(aten, name, wrapper)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.ops.aten, name, original)
+
+
+def _sdpa_reference(q, k, v, grad_out, causal):
+    """SDPA on ``[b, h, s, d]`` float32 with autograd: ``(out, dq, dk, dv)``."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=causal,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    out.backward(grad_out)
+    return out.detach(), *(leaf.grad for leaf in leaves)
+
+
+def test_tile_mask_recognises_the_causal_triangle_only():
+    tri = torch.ones(5, 5, dtype=torch.bool).tril()
+    assert tile_mask(tri) is CAUSAL
+    assert tile_mask(None) is None
+    shifted = torch.ones(5, 5, dtype=torch.bool).tril(1)
+    assert tile_mask(shifted) is shifted
+    rect = torch.ones(3, 5, dtype=torch.bool).tril()
+    assert tile_mask(rect) is rect
+    packed = tri.clone()
+    packed[3:, :3] = False
+    assert tile_mask(packed) is packed
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads_kv", [4, 2, 1])
+def test_fused_tile_forward_backward_equal_sdpa(causal, heads_kv):
+    generator = torch.Generator().manual_seed(heads_kv + 10 * causal)
+    b, hq, s, d = 2, 4, 37, 16
+    q = torch.randn(b, hq, s, d, generator=generator)
+    k = torch.randn(b, heads_kv, s, d, generator=generator)
+    v = torch.randn(b, heads_kv, s, d, generator=generator)
+    grad_out = torch.randn(b, hq, s, d, generator=generator)
+    scale = d ** -0.5
+    mask = CAUSAL if causal else None
+    ref_out, ref_dq, ref_dk, ref_dv = _sdpa_reference(q, k, v, grad_out, causal)
+
+    with _Recorder() as recorder:
+        out, lse = CPU_FLASH.forward(q, k, v, mask, scale)
+        dq, dk, dv = CPU_FLASH.backward(grad_out, q, k, v, out, lse, mask, scale)
+    assert recorder.calls == [("fwd", causal, False, s, s), ("bwd", causal, False, s, s)]
+    assert lse.shape == (b, hq, s) and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(dq, ref_dq)
+    torch.testing.assert_close(dk, ref_dk)
+    torch.testing.assert_close(dv, ref_dv)
+
+    # The math kernel reads CAUSAL the same way.
+    math_out, math_lse = MATH.forward(q, k, v, mask, scale)
+    torch.testing.assert_close(math_out, ref_out)
+    torch.testing.assert_close(math_lse, lse)
+    for got, want in zip(MATH.backward(grad_out, q, k, v, out, lse, mask, scale),
+                         (ref_dq, ref_dk, ref_dv)):
+        torch.testing.assert_close(got, want)
+
+
+def _ring_calls(rank: int, world: int, layout: str, heads_kv: int) -> dict:
+    torch.set_num_threads(1)
+    seq, heads_q, head_dim, batch = 24, 4, 8, 2
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(batch, seq, heads_q, head_dim, generator=generator)
+    k = torch.randn(batch, seq, heads_kv, head_dim, generator=generator)
+    v = torch.randn(batch, seq, heads_kv, head_dim, generator=generator)
+    grad_out = torch.randn(batch, seq, heads_q, head_dim, generator=generator)
+    doc_ids = None
+    if layout == "zigzag":
+        positions = zigzag_positions(seq, world, rank)
+    elif layout == "contiguous":
+        positions = contiguous_positions(seq, world, rank)
+    else:
+        doc_lens = (7, 12, 5)
+        positions = packed_positions(doc_lens, world, rank)
+        doc_ids = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
+
+    # Reference: SDPA over the full sequence (packed: block-diagonal causal mask).
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+    if doc_ids is not None:
+        mask &= doc_ids.unsqueeze(1) == doc_ids.unsqueeze(0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in leaves), attn_mask=mask,
+        enable_gqa=heads_kv != heads_q).transpose(1, 2)
+    ref.backward(grad_out)
+
+    local = [t[:, positions].clone().requires_grad_() for t in (q, k, v)]
+    with _Recorder() as recorder:
+        out = RingAttention()(*local, positions=positions,
+                              doc_ids=None if doc_ids is None else doc_ids[positions],
+                              causal=True)
+        out.backward(grad_out[:, positions])
+    torch.testing.assert_close(out, ref[:, positions].detach())
+    for mine, full in zip(local, leaves):
+        torch.testing.assert_close(mine.grad, full.grad[:, positions])
+    return {"calls": recorder.calls, "local": len(positions)}
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world,heads_kv", [(2, 4), (2, 1), (4, 2)])
+def test_ring_tiles_route_to_fused_modes(layout, world, heads_kv):
+    results = run_distributed(world, _ring_calls, layout, heads_kv)
+    for rank, result in enumerate(results):
+        calls = result["calls"]
+        assert calls, f"rank {rank}: the CPU flash kernel was never called"
+        assert not any(has_mask for _, _, has_mask, _, _ in calls), (
+            f"rank {rank}: a tile went through the additive-mask path: {calls}")
+        n = result["local"]
+        # Exactly one diagonal tile per pass, in the kernel's causal mode, on the whole block.
+        for tag in ("fwd", "bwd"):
+            causal_calls = [c for c in calls if c[0] == tag and c[1]]
+            assert causal_calls == [(tag, True, False, n, n)], (rank, calls)
+        assert sum(1 for c in calls if c[0] == "fwd") == sum(1 for c in calls if c[0] == "bwd")
+
+
+def test_packed_tiles_keep_the_additive_mask_path():
+    results = run_distributed(2, _ring_calls, "packed", 2)
+    for result in results:
+        assert any(has_mask for _, _, has_mask, _, _ in result["calls"])
+
+
+def test_bfloat16_ring_matches_float32_contract():
+    """bf16 inputs: tiles still compute in float32 (as before), the output comes back bf16."""
+    results = run_distributed(2, _bf16_ring)
+    for error in results:
+        assert error < 2e-2
+
+
+def _bf16_ring(rank: int, world: int) -> float:
+    torch.set_num_threads(1)
+    seq, heads, head_dim = 16, 2, 8
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, seq, heads, head_dim, generator=generator) for _ in range(3))
+    positions = zigzag_positions(seq, world, rank)
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                         is_causal=True).transpose(1, 2)[:, positions]
+    with _Recorder() as recorder:
+        out = RingAttention()(*(t[:, positions].bfloat16() for t in (q, k, v)),
+                              positions=positions, causal=True)
+    assert out.dtype == torch.bfloat16
+    assert any(causal for _, causal, _, _, _ in recorder.calls)
+    return float((out.float() - ref).abs().max())
