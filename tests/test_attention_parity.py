@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from meshpipe.comm.shards import ShardLayout, split_sizes
 from meshpipe.context import HybridAttention, RingAttention, UlyssesAttention, make_attention
-from meshpipe.testing import run_distributed
+from meshpipe.testing import keep_across_calls, run_distributed
 from meshpipe.topology import ParallelLayout, Topology
 
 
@@ -75,6 +75,7 @@ def _grid_groups(ring: int, ulysses: int) -> tuple:
     key = (ring, ulysses)
     if key not in _TOPOLOGIES:
         _TOPOLOGIES[key] = Topology.build(ParallelLayout(cp_ring=ring, cp_ulysses=ulysses))
+        keep_across_calls(_TOPOLOGIES[key].cp_ring_group, _TOPOLOGIES[key].cp_ulysses_group)
     return _TOPOLOGIES[key].cp_ring_group, _TOPOLOGIES[key].cp_ulysses_group
 
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from meshpipe.comm import collectives as cc
-from meshpipe.testing import run_distributed
+from meshpipe.testing import keep_across_calls, run_distributed
 from meshpipe.topology import ParallelLayout, Topology
 
 SPLIT_OPS = ("split", "zigzag_split", "packed_split", "hybrid_split", "packed_hybrid_split")
@@ -134,6 +134,7 @@ def _cp_groups(ring: int, ulysses: int) -> tuple[dist.ProcessGroup, dist.Process
             if world % r == 0:
                 topo = Topology.build(ParallelLayout(cp_ring=r, cp_ulysses=world // r))
                 _GROUPS[r, world // r] = (topo.cp_ring_group, topo.cp_ulysses_group)
+                keep_across_calls(*_GROUPS[r, world // r])
     return _GROUPS[ring, ulysses]
 
 

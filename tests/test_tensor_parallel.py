@@ -24,7 +24,7 @@ from meshpipe.parallel import (ColumnParallelLinear, RowParallelLinear,
                                scatter_to_sequence, shard, shard_dim, tp_rank_and_size,
                                unshard, vocab_parallel_cross_entropy)
 from meshpipe.parallel import tp_comm
-from meshpipe.testing import run_distributed
+from meshpipe.testing import keep_across_calls, run_distributed
 
 B, S, D, H, V = 2, 8, 8, 16, 16
 IGNORE = -100
@@ -72,6 +72,7 @@ def _group(kind: str) -> dist.ProcessGroup | None:
         _GROUPS["single"] = dist.new_subgroups(group_size=1)[0]
         if world % 2 == 0:
             _GROUPS["pairs"] = dist.new_subgroups(group_size=2)[0]
+        keep_across_calls(*_GROUPS.values())
     return _GROUPS[kind]
 
 

@@ -74,10 +74,34 @@ def _worker_main(rank: int, world_size: int, init_file: str, tasks: Any, results
         try:
             fn, args, kwargs = pickle.loads(payload)
             value = fn(rank, world_size, *args, **kwargs)
+            _destroy_groups_of_the_task()
             results.put((task_id, rank, "ok", pickle.dumps(value)))
         except BaseException:  # noqa: BLE001 - every failure goes back to the test
             results.put((task_id, rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+# Groups a test keeps for its later calls in the same worker (``keep_across_calls``).
+_KEPT_GROUPS: list[Any] = []
+
+
+def keep_across_calls(*groups: Any) -> None:
+    """Keep these process groups alive after the call that created them returns (a test that
+    caches its groups in the worker for its later calls). Every other group a call creates is
+    destroyed when it returns."""
+    _KEPT_GROUPS.extend(groups)
+
+
+def _destroy_groups_of_the_task() -> None:
+    """Destroy the process groups a call created: each gloo group keeps threads of its own,
+    and a pooled worker that kept them all would run a test session with thousands of them
+    (most of its time then goes to the kernel)."""
+    import torch.distributed as dist
+
+    kept = {id(group) for group in _KEPT_GROUPS}
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not dist.GroupMember.WORLD and id(group) not in kept:
+            dist.destroy_process_group(group)
 
 
 class WorkerPool:
