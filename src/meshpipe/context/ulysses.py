@@ -68,9 +68,13 @@ class UlyssesAttention(nn.Module):
                 f"ranks one more); shard the sequence with comm.collectives.split")
         plan = plan_heads(heads_q, k.shape[2], ranks, where)
         query_order = plan.query_order()
-        q_heads = all_to_all(_take_heads(q, query_order, _HEAD_DIM), self.group,
-                             scatter_dim=_HEAD_DIM, gather_dim=_SEQ_DIM, gather_size=layout.total)
-        k_heads, v_heads = self._gather_kv(k, v, plan, rank, layout.total)
+        if _can_fuse(q, k, v, plan, ranks):
+            q_heads, k_heads, v_heads = self._exchange_qkv(q, k, v, ranks, layout.total)
+        else:
+            q_heads = all_to_all(_take_heads(q, query_order, _HEAD_DIM), self.group,
+                                 scatter_dim=_HEAD_DIM, gather_dim=_SEQ_DIM,
+                                 gather_size=layout.total)
+            k_heads, v_heads = self._gather_kv(k, v, plan, rank, layout.total)
         out_heads = self.inner(
             q_heads, k_heads, v_heads,
             positions=None if positions is None else layout.gathered_positions(),
@@ -78,6 +82,23 @@ class UlyssesAttention(nn.Module):
         out = all_to_all(out_heads, self.group, scatter_dim=_SEQ_DIM, gather_dim=_HEAD_DIM,
                          gather_size=heads_q)
         return _take_heads(out, _inverse(query_order), _HEAD_DIM)
+
+    def _exchange_qkv(self, q: Tensor, k: Tensor, v: Tensor, ranks: int,
+                      total: int) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k and v for this rank's heads over the whole sequence, in one all-to-all.
+
+        The heads are packed peer by peer, ``[q_r, k_r, v_r]`` for each rank ``r`` (one cat
+        of views), so the all-to-all's head split hands rank ``r`` exactly its block; the
+        received buffer is split back into q, k and v as views. Autograd of ``all_to_all``
+        makes the backward one all-to-all as well, and that of ``split`` one cat.
+        """
+        per_rank = [x.shape[_HEAD_DIM] // ranks for x in (q, k, v)]
+        packed = torch.cat([x.unflatten(_HEAD_DIM, (ranks, heads))
+                            for x, heads in zip((q, k, v), per_rank)], dim=_HEAD_DIM + 1)
+        packed = all_to_all(packed.flatten(_HEAD_DIM, _HEAD_DIM + 1), self.group,
+                            scatter_dim=_HEAD_DIM, gather_dim=_SEQ_DIM, gather_size=total)
+        q_heads, k_heads, v_heads = packed.split(per_rank, dim=_HEAD_DIM)
+        return q_heads, k_heads, v_heads
 
     def _gather_kv(self, k: Tensor, v: Tensor, plan: HeadPlan, rank: int,
                    total: int) -> tuple[Tensor, Tensor]:
@@ -87,6 +108,24 @@ class UlyssesAttention(nn.Module):
                         gather_size=total)
         kv = _as_grouped_query_heads(kv, plan.local_kv_index(rank))
         return kv[0], kv[1]
+
+
+def _can_fuse(q: Tensor, k: Tensor, v: Tensor, plan: HeadPlan, ranks: int) -> bool:
+    """Whether q, k and v can share one all-to-all: every rank gets an equal, contiguous
+    run of query heads and exactly the key/value heads those use (no replicas, no reorder),
+    and the three agree on everything but the head count."""
+    heads_q, heads_kv = q.shape[_HEAD_DIM], k.shape[_HEAD_DIM]
+    if heads_q % ranks or heads_kv % ranks or v.shape[_HEAD_DIM] != heads_kv:
+        return False
+    if not (q.shape[:_HEAD_DIM] == k.shape[:_HEAD_DIM] == v.shape[:_HEAD_DIM]
+            and q.shape[_HEAD_DIM + 1:] == k.shape[_HEAD_DIM + 1:] == v.shape[_HEAD_DIM + 1:]):
+        return False
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        return False
+    kv_per_rank = heads_kv // ranks
+    return (plan.query_order() == list(range(heads_q))
+            and all(heads == tuple(range(r * kv_per_rank, (r + 1) * kv_per_rank))
+                    for r, heads in enumerate(plan.kv_heads)))
 
 
 def _as_grouped_query_heads(kv: Tensor, kv_of_query: list[int]) -> Tensor:
