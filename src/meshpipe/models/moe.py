@@ -84,20 +84,28 @@ class _Dispatch:
                           else exchange_counts(self.send_counts, self.group))
         self.send_rows = self.send_counts.sum(1).tolist()
         self.receive_rows = receive_counts.sum(1).tolist()
-        received = self._rows(tokens, self.send_rows, self.receive_rows)
+        received = self._to_experts(tokens)
         picks = self.picks.clone()
         if self.token_group is not None and dist.get_world_size(self.token_group) > 1:
             dist.all_reduce(picks, group=self.token_group)
         return received, receive_counts, picks
 
     def backward(self, grads: tuple[Tensor, Tensor | None, Tensor | None]) -> Tensor:
-        return self._rows(grads[0], self.receive_rows, self.send_rows)
+        return self._from_experts(grads[0])
 
     def combine(self, rows: Tensor) -> Tensor:
-        return self._rows(rows, self.receive_rows, self.send_rows)
+        return self._from_experts(rows)
 
     def combine_backward(self, grad: Tensor) -> Tensor:
-        return self._rows(grad, self.send_rows, self.receive_rows)
+        return self._to_experts(grad)
+
+    def _to_experts(self, rows: Tensor) -> Tensor:
+        """Rows from this rank to the ranks of their experts."""
+        return self._rows(rows, self.send_rows, self.receive_rows)
+
+    def _from_experts(self, rows: Tensor) -> Tensor:
+        """Rows computed here back to the ranks their tokens came from."""
+        return self._rows(rows, self.receive_rows, self.send_rows)
 
     def _rows(self, x: Tensor, send_rows: list[int], receive_rows: list[int]) -> Tensor:
         if self.group is None:

@@ -139,6 +139,7 @@ class ColumnParallelLinear(nn.Module):
         _, size = tp_rank_and_size(group)
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.region = TensorParallelRegion(group, sequence_parallel)
         self.local_out_features = _local_size(
             out_features, size, "ColumnParallelLinear out_features",
             "choose out_features (or the TP size) so that it divides")
@@ -152,7 +153,7 @@ class ColumnParallelLinear(nn.Module):
         return _parallel_from_linear(cls, linear, group, sequence_parallel, dim=0)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(TensorParallelRegion(self.group, self.sequence_parallel).enter(x),
+        return F.linear(self.region.enter(x),
                         self.weight)
 
     def extra_repr(self) -> str:
@@ -173,6 +174,7 @@ class RowParallelLinear(nn.Module):
         _, size = tp_rank_and_size(group)
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.region = TensorParallelRegion(group, sequence_parallel)
         self.local_in_features = _local_size(
             in_features, size, "RowParallelLinear in_features",
             "choose in_features (or the TP size) so that it divides")
@@ -187,7 +189,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         partial = F.linear(x, self.weight)
-        return TensorParallelRegion(self.group, self.sequence_parallel).leave(partial)
+        return self.region.leave(partial)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.local_in_features}), "
@@ -213,6 +215,7 @@ class VocabParallelEmbedding(nn.Module):
         rank, size = tp_rank_and_size(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, dim
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.region = TensorParallelRegion(group, sequence_parallel)
         local = _local_size(num_embeddings, size, "VocabParallelEmbedding num_embeddings",
                             "pad the vocabulary to a multiple of the TP size")
         self.vocab_start, self.vocab_end = rank * local, (rank + 1) * local
@@ -242,7 +245,7 @@ class VocabParallelEmbedding(nn.Module):
                        if self.vocab_start <= padding < self.vocab_end else None)
         out = F.embedding(local, self.weight, padding_idx=padding)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return TensorParallelRegion(self.group, self.sequence_parallel).leave(out)
+        return self.region.leave(out)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, local rows "

@@ -68,18 +68,16 @@ class _Boundary:
         self._kept = [_as_stage_input(_detached(t)) for t in keep]
         self._received: list[Any] = []
         self._received_spec: TreeSpec | None = None
+        # The differentiable leaves the piece after the exchange started from.
+        self.leaves: list[Tensor] = []
 
     def resume_value(self, received: Any) -> tuple[Any, Any]:
         """What the piece after the exchange gets: ``(received, kept)`` as fresh leaves."""
         leaves, self._received_spec = tree_flatten(received)
         self._received = [_as_stage_input(t) for t in leaves]
+        self.leaves = [t for t in self._received + self._kept if _is_differentiable(t)]
         return (tree_unflatten(self._received, self._received_spec),
                 tree_unflatten(self._kept, self._keep_spec))
-
-    @property
-    def leaves(self) -> list[Tensor]:
-        """The differentiable leaves the piece after the exchange started from."""
-        return [t for t in self._received + self._kept if _is_differentiable(t)]
 
     def received_gradients(self, leaf_grads: list[Tensor | None]) -> Any:
         """The gradients of the received values (zeros where none reached a leaf, None for

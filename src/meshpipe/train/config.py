@@ -19,6 +19,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 P2P_MODES = ("async", "batched")
 STAGE_LINKS = ("root", "fanout")
 RECOMPUTE_MODES = ("none", "full", "selective")
+# Flags that only mean something with --moe-experts > 0.
+_EXPERT_FLAGS = ("moe_top_k", "moe_every", "moe_aux_coef", "moe_capacity_factor", "ep")
 
 
 @dataclass(frozen=True)
@@ -117,10 +119,8 @@ class TrainConfig:
 
     def _check_experts(self) -> None:
         if self.moe_experts == 0:
-            defaults = {"moe_top_k": 1, "moe_every": 1, "moe_aux_coef": 0.01,
-                        "moe_capacity_factor": 0.0, "ep": 1}
-            given = [f"--{_flag(name)}" for name, default in defaults.items()
-                     if getattr(self, name) != default]
+            given = [f"--{_flag(field.name)}" for field in dataclasses.fields(self)
+                     if field.name in _EXPERT_FLAGS and getattr(self, field.name) != field.default]
             if given:
                 verb = "applies" if len(given) == 1 else "apply"
                 raise ValueError(f"{', '.join(given)} {verb} only to mixture-of-experts layers; "
