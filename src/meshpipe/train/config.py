@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 P2P_MODES = ("async", "batched")
 STAGE_LINKS = ("root", "fanout")
 RECOMPUTE_MODES = ("none", "full", "selective")
+# Schedules whose placement is a V: two stages per pipeline rank whatever --vpp says.
+V_SCHEDULES = ("zb-v", "dualpipe-v")
 # Flags that only mean something with --moe-experts > 0.
 _EXPERT_FLAGS = ("moe_top_k", "moe_every", "moe_aux_coef", "moe_capacity_factor", "ep")
 
@@ -71,9 +74,15 @@ class TrainConfig:
     out_dir: str = "out/train"
     checkpoint_every: int = 0
     resume: bool = False
+    keep_checkpoints: int = 2
+    allow_config_change: bool = False
     check: bool = False
     timeline_step: int = 2
     progress: bool = True
+    # faults
+    hang_timeout: float = 30.0
+    skip_nonfinite: int = 0
+    checkpoint_on_signal: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -87,17 +96,28 @@ class TrainConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"unknown --{_flag(name)} {getattr(self, name)!r}; choose one "
                                  f"of {', '.join(choices)}")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{_flag(field.name)} must be a finite number, got {value}")
+        if self.schedule in V_SCHEDULES:
+            if self.vpp not in (1, 2):
+                raise ValueError(f"--schedule {self.schedule} places 2 stages per pipeline rank "
+                                 f"(a V); drop --vpp {self.vpp} or give --vpp 2")
+            object.__setattr__(self, "vpp", 2)  # what runs, so metrics and checks say so
         positive = ("vpp", "microbatches", "microbatch_size", "seq_len", "dim", "layers",
-                    "heads", "kv_heads", "steps", "tp")
+                    "heads", "kv_heads", "steps", "tp", "keep_checkpoints")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
         non_negative = ("warmup_steps", "weight_decay", "grad_clip", "eval_every",
-                        "checkpoint_every", "timeline_step", "min_lr")
+                        "checkpoint_every", "timeline_step", "min_lr", "skip_nonfinite")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0 (0 disables where it "
                                  f"applies), got {getattr(self, name)}")
+        if not self.hang_timeout > 0:
+            raise ValueError(f"--hang-timeout must be > 0 seconds, got {self.hang_timeout}")
         if not 0 < self.lr or self.min_lr > self.lr:
             raise ValueError(f"need 0 < --lr and --min-lr <= --lr, got --lr {self.lr} "
                              f"--min-lr {self.min_lr}")
@@ -259,10 +279,20 @@ FIELD_HELP = {
     "eval_every": "validation loss every N steps, forward-only schedule (0 disables)",
     "out_dir": "where metrics, pictures and checkpoints go",
     "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
-    "resume": "continue from the checkpoint in --out-dir",
+    "resume": "continue from the newest complete checkpoint in --out-dir",
+    "keep_checkpoints": "checkpoints of this run kept in --out-dir (older ones of this run are "
+                        "deleted; other runs' are never touched)",
+    "allow_config_change": "with --resume, accept a checkpoint written with other steps, "
+                           "learning rates, batch or seed (a different model is always refused)",
     "check": "also run the first step in one process and print the loss/gradient difference",
     "timeline_step": "step whose measured per-rank timeline is drawn (0 disables)",
     "progress": "show a progress bar",
+    "hang_timeout": "seconds a rank may wait for a peer or run one action before the job is "
+                    "reported hung (who waits on whom) and stopped",
+    "skip_nonfinite": "skip up to N steps in a row whose loss or gradients are not finite (0: "
+                      "stop at the first)",
+    "checkpoint_on_signal": "on Ctrl-C or SIGTERM, save a checkpoint at the end of the current "
+                            "step before stopping",
 }
 
 
