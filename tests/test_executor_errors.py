@@ -8,6 +8,7 @@ A rank raising mid-step under the launcher stops the whole run and is named.
 
 from __future__ import annotations
 
+import gc
 import time
 from datetime import timedelta
 
@@ -19,6 +20,8 @@ from torch import nn
 from meshpipe.comm.p2p import P2PTransport
 from meshpipe.runtime import Executor, ExecutorError, Stage
 from meshpipe.schedules import build
+from meshpipe.schedules.actions import Action, Schedule
+from meshpipe.schedules.lowering import lower
 from meshpipe.testing import run_distributed
 from meshpipe.train.launch import LaunchError, launch
 
@@ -137,6 +140,10 @@ def _case_loss_not_scalar(rank):
     return _two_stage_step(rank, loss_fn=elementwise_square)
 
 
+def _case_float64_inputs(rank):
+    return _two_stage_step(rank, inputs=[x.double() for x in data()[0]])
+
+
 def _case_missing_inputs(rank):
     return _two_stage_step(rank, inputs=None)
 
@@ -180,6 +187,14 @@ def test_a_dtype_mismatch_names_rank_stage_microbatch_action():
     _check_stopped_by(first, 1, "0B0")
 
 
+def test_a_bad_input_on_the_first_stage_points_at_the_step_inputs_not_a_previous_stage():
+    first, second = run_distributed(2, run_case, "float64_inputs", timeout=HARNESS_TIMEOUT_S)
+    _check_failing_rank(first, "global rank 0", "0F0", "stage 0", "microbatch 0", "float64",
+                        "inputs given to Executor.step(inputs=...)")
+    assert "previous stage" not in first["message"]
+    _check_stopped_by(second, 0, "1F0", "inputs given to Executor.step(inputs=...)")
+
+
 def test_a_loss_that_is_not_a_scalar_is_refused_before_backward():
     first, second = run_distributed(2, run_case, "loss_not_scalar", timeout=HARNESS_TIMEOUT_S)
     _check_failing_rank(second, "global rank 1", "1F0", "stage 1", "microbatch 0",
@@ -204,6 +219,151 @@ def test_a_missing_target_of_one_microbatch_names_that_microbatch():
                                     timeout=HARNESS_TIMEOUT_S)
     _check_failing_rank(second, "global rank 1", "1F1", "microbatch 1", "no target")
     _check_stopped_by(first, 1, "0B1")
+
+
+# ------------------------------------------- a mismatch, and the failing rank leaves at once
+
+# How long the peer of the failing rank computes before it waits for the message the failure
+# replaced: the failing rank is done with its step long before the peer looks.
+PEER_BUSY_S = 0.5
+
+
+class LaterMismatch(nn.Module):
+    """A first stage that sends ``(hidden, side)`` except on microbatch 1, where it sends what
+    ``mode`` says; the backward of microbatch 0 takes ``PEER_BUSY_S`` longer."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.linear = nn.Linear(DIM, DIM)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.linear(x)
+        if self.calls == 1:
+            h.register_hook(lambda grad: time.sleep(PEER_BUSY_S))
+        if self.calls == 2 and self.mode == "triple":
+            return h, h * 2, h * 3
+        if self.calls == 2 and self.mode == "float64":
+            return h.double(), torch.tanh(h).double()
+        return h, torch.tanh(h)
+
+
+def _step_then_leave(make) -> dict:
+    """Run one step of the executor ``make()`` builds (with its inputs and targets); a rank
+    whose own error stopped it then leaves at once, as a process that exits on the error
+    would: its executor, transport and process group go while its peers still run their
+    step. The error each rank saw and how long its step took."""
+    executor, inputs, targets = make()
+    start = time.monotonic()
+    outcome = None
+    try:
+        executor.step(inputs, targets)
+    except ExecutorError as error:
+        outcome = _outcome(error)
+    elapsed = time.monotonic() - start
+    if outcome is not None and outcome["type"] == "ExecutorError":
+        group = executor.transport.group
+        del executor
+        gc.collect()  # the executor holds cycles; its transport keeps the sends in flight
+        dist.destroy_process_group(group)
+        del group
+        gc.collect()
+    dist.barrier()
+    return {"outcome": outcome, "elapsed": elapsed}
+
+
+def _mismatch_then_leave(rank, world_size, mode, failing_timeout=RECV_TIMEOUT_S):
+    """Stage 0 sends a message stage 1 cannot take on microbatch 1 (``mode``); stage 1 fails
+    and leaves, while stage 0 is still busy with microbatch 0's backward."""
+
+    def make():
+        group = dist.new_group([0, 1], timeout=GROUP_TIMEOUT)
+        schedule = build("1f1b", 2, MICROBATCHES)
+        module = LaterMismatch(mode) if rank == 0 else Consumer()
+        stage = Stage(module, rank, 2, loss_fn=mean_square if rank == 1 else None)
+        executor = Executor(schedule, {rank: stage}, pp_rank=rank, pipeline_ranks=[0, 1],
+                            transport=P2PTransport(group),
+                            recv_timeout=failing_timeout if rank == 1 else RECV_TIMEOUT_S)
+        inputs, targets = data()
+        return executor, inputs if rank == 0 else None, targets if rank == 1 else None
+
+    return _step_then_leave(make)
+
+
+@pytest.mark.parametrize("mode,cause", [
+    ("triple", "does not fit the module's forward"),
+    ("float64", "got Double and Float"),
+])
+def test_a_mismatch_on_a_later_microbatch_stops_the_peer_though_the_failing_rank_leaves(
+        mode, cause):
+    """The failing rank waits until its peer took the stop notice before it raises, so a
+    process that exits (or destroys its group) on the error does not cut the notice off:
+    the peer raises PeerFailedError naming the rank and the cause, not gloo's "Connection
+    closed by peer", and promptly."""
+    first, second = run_distributed(2, _mismatch_then_leave, mode, timeout=HARNESS_TIMEOUT_S)
+    _check_failing_rank(second["outcome"], "global rank 1", "1F1", "microbatch 1", cause)
+    _check_stopped_by(first["outcome"], 1, "global rank 0", "0B1",
+                      "'stage 1 -> 0, microbatch 1, backward' from global rank 1", cause)
+    assert first["outcome"]["peer"] == 1
+    assert first["elapsed"] < RECV_TIMEOUT_S / 2, first
+
+
+def test_a_peer_that_takes_longer_than_the_failing_rank_waits_still_gets_peer_failed_error():
+    """The failing rank waits for its notices only briefly (here 0.1 s, its receive timeout,
+    while the peer is busy for 0.5 s) and leaves: the peer finds the connection closed and
+    raises PeerFailedError naming that rank, instead of the transport's error."""
+    first, second = run_distributed(2, _mismatch_then_leave, "triple", failing_timeout=0.1,
+                                    timeout=HARNESS_TIMEOUT_S)
+    _check_failing_rank(second["outcome"], "global rank 1", "1F1", "does not fit")
+    _check_stopped_by(first["outcome"], 1, "global rank 0", "0B1", "closed its connection",
+                      "see global rank 1's error")
+    assert first["outcome"]["peer"] == 1
+    assert first["elapsed"] < RECV_TIMEOUT_S / 2, first
+
+
+def _swapped_microbatches(schedule):
+    """``schedule`` with microbatches 0 and 1 swapped on every rank: a valid schedule that
+    posts its messages in another order than the original."""
+    swap = {0: 1, 1: 0}
+    ranks = [[Action(a.kind, a.stage, swap.get(a.microbatch, a.microbatch)) for a in actions]
+             for actions in schedule.ranks]
+    return Schedule(schedule.num_ranks, schedule.num_stages, schedule.num_microbatches,
+                    schedule.placement, ranks, name="swapped")
+
+
+def _label_mismatch_then_leave(rank, world_size):
+    """Rank 1 runs its microbatches in another order than its neighbours: its first receive
+    gets a message whose label is not the one it expects (MessageMismatchError)."""
+
+    def make():
+        group = dist.new_group([0, 1, 2], timeout=GROUP_TIMEOUT)
+        schedule = lower(build("1f1b", 3, 3))
+        if rank == 1:
+            schedule = _swapped_microbatches(schedule)
+        module = Producer() if rank == 0 else Consumer() if rank == 2 else FailsOnCall(0)
+        stage = Stage(module, rank, 3, loss_fn=mean_square if rank == 2 else None)
+        executor = Executor(schedule, {rank: stage}, pp_rank=rank, pipeline_ranks=[0, 1, 2],
+                            transport=P2PTransport(group), recv_timeout=RECV_TIMEOUT_S)
+        generator = torch.Generator().manual_seed(2)
+        inputs = [torch.randn(2, DIM, generator=generator) for _ in range(3)]
+        targets = [torch.randn(2, DIM, generator=generator) for _ in range(3)]
+        return executor, inputs if rank == 0 else None, targets if rank == 2 else None
+
+    return _step_then_leave(make)
+
+
+def test_a_label_mismatch_stops_both_neighbours_with_peer_failed_error():
+    """The stop notices of a rank that failed on a label mismatch come in its own (wrong)
+    order: the neighbours take them as notices, not as one more label mismatch."""
+    outcomes = run_distributed(3, _label_mismatch_then_leave, timeout=HARNESS_TIMEOUT_S)
+    _check_failing_rank(outcomes[1]["outcome"], "global rank 1", "carries a different label")
+    for rank in (0, 2):
+        _check_stopped_by(outcomes[rank]["outcome"], 1, f"global rank {rank}",
+                          "carries a different label")
+        assert outcomes[rank]["outcome"]["peer"] == 1
+        assert outcomes[rank]["elapsed"] < RECV_TIMEOUT_S / 2, outcomes[rank]
 
 
 # ---------------------------------------------------------------- construction

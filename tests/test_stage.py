@@ -719,6 +719,72 @@ def test_last_stage_rejects_output_grads_and_other_stages_reject_a_loss():
         Stage(Residual(), 0, 3, loss_fn=lambda out, target: out.sum())
 
 
+class ModifiesSavedInPlace(Residual):
+    """Changes a tensor autograd saved for backward, so every backward through it fails."""
+
+    def forward(self, x):
+        saved = torch.sigmoid(self.linear(x))
+        out = saved * 2
+        saved.mul_(1)
+        return out
+
+
+def _sigmoid_then_in_place(out, target):
+    saved = torch.sigmoid(out)
+    loss = saved.sum()
+    saved.mul_(1)
+    return loss
+
+
+def _sum_loss(out, target):
+    return out.sum()
+
+
+STEP_INPUTS = "inputs given to Executor.step(inputs=...)"
+
+
+@pytest.mark.parametrize("message", [(torch.randn(2, 8), torch.randn(2, 8)),   # arity
+                                     torch.randn(2, 8, dtype=torch.float64),   # dtype
+                                     torch.randn(2, 5)])                        # shape
+def test_a_bad_input_on_the_first_stage_points_at_the_step_inputs(message):
+    """Stage 0's input is the user's data, not a previous stage's output."""
+    error = _error(lambda: Stage(Residual(), 0, 3).forward(0, message))
+    assert STEP_INPUTS in str(error) and "first chunk" in str(error)
+    assert "previous stage" not in str(error)
+
+
+@pytest.mark.parametrize("message", [(torch.randn(2, 8), torch.randn(2, 8)),
+                                     torch.randn(2, 8, dtype=torch.float64),
+                                     torch.randn(2, 5)])
+def test_a_bad_input_on_a_later_stage_points_at_the_previous_stage(message):
+    for stage in (Stage(Residual(), 1, 3), Stage(Residual(), 2, 3, loss_fn=_sum_loss)):
+        error = _error(lambda: stage.forward(0, message, target=0))
+        assert "previous stage" in str(error) and "Executor.step" not in str(error)
+
+
+def test_a_failing_backward_points_at_the_next_stage_or_at_the_loss():
+    middle = Stage(ModifiesSavedInPlace(), 1, 3)
+    middle.forward(0, torch.randn(2, 8))
+    error = _error(lambda: middle.backward(0, torch.ones(2, 8)))
+    assert "autograd failed" in str(error)
+    assert "check the output gradients received from the next stage" in str(error)
+    middle.forward(1, torch.randn(2, 8))
+    missing = _error(lambda: middle.backward(1))
+    assert "pass the gradients received from the next stage" in str(missing)
+
+    last = Stage(Residual(), 2, 3, loss_fn=_sigmoid_then_in_place)
+    last.forward(0, torch.randn(2, 8), target=0)
+    error = _error(lambda: last.backward(0))
+    assert "autograd failed" in str(error) and "next stage" not in str(error)
+    assert "backward starts from its loss: check loss_fn" in str(error)
+
+    # A last stage without a loss_fn (forward kept for backward through the Stage API).
+    no_loss = Stage(Residual(), 2, 3)
+    no_loss.forward(0, torch.randn(2, 8))
+    error = _error(lambda: no_loss.backward(0))
+    assert "no loss_fn" in str(error) and "next stage" not in str(error)
+
+
 class ReentrantCheckpoint(nn.Module):
     """An embedding (first stage) or the stage input, then a reentrant-checkpointed block."""
 

@@ -53,7 +53,9 @@ Ranks are **global** ranks throughout (``dist.get_rank()`` numbering), also when
 is given. All posting is non-blocking; only ``wait`` blocks. Waits time out through gloo,
 which then closes the connection to that peer: a timed-out wait raises
 :class:`P2PTimeoutError` naming the peer and the message, and every later receive from
-that peer fails at once with an error naming the first failure.
+that peer fails at once with an error naming the first failure. An operation with a peer
+that closed the connection itself (it exited, crashed or destroyed the group) raises
+:class:`P2PConnectionError` naming that peer (``.peer``).
 
 Transports built on this one (:mod:`meshpipe.comm.vtp`) use its public hooks only:
 :meth:`P2PTransport.deadline`, :meth:`~P2PTransport.wait_work`,
@@ -104,11 +106,32 @@ MODES = ("async", "batched")
 
 
 class P2PError(RuntimeError):
-    """A pipeline message could not be delivered or did not match what was expected."""
+    """A pipeline message could not be delivered or did not match what was expected.
+
+    ``peer`` is the global rank on the other end, where the error is about one."""
+
+    def __init__(self, message: str, *, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 class P2PTimeoutError(P2PError, TimeoutError):
     """A wait ran out of time; the message names the peer and the label."""
+
+
+class P2PConnectionError(P2PError):
+    """The peer closed the connection (its process exited or crashed, or it destroyed the
+    process group), so nothing more travels to or from it; ``peer`` names it."""
+
+
+# How gloo reports a connection that the other end closed (its process exited or crashed,
+# or it destroyed the group), as opposed to one this rank closed itself after a timeout.
+_CLOSED_BY_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def _closed_by_peer(cause: BaseException) -> bool:
+    text = str(cause).lower()
+    return any(sign in text for sign in _CLOSED_BY_PEER)
 
 
 class MessageMismatchError(P2PError):
@@ -467,7 +490,13 @@ class P2PTransport:
                     send = _PostedSend(None, peer, part.group, part.name)
                     self._queued.append(_Queued(True, part.tensor, peer, part.group, send))
                 else:
-                    work = dist.isend(part.tensor, dst=peer, group=part.group, tag=part.tag)
+                    try:
+                        work = dist.isend(part.tensor, dst=peer, group=part.group,
+                                          tag=part.tag)
+                    except RuntimeError as cause:
+                        raise self._failure(cause, peer, f"posting the {part.name} of "
+                                            f"{describe_label(label)} to rank {peer}"
+                                            ) from cause
                     send = _PostedSend(work, peer, part.group, part.name)
                 sends.append(send)
                 keep_alive.append(part.tensor)
@@ -542,7 +571,13 @@ class P2PTransport:
         for (group, _), items in batches.items():
             ops = [dist.P2POp(_c10d.isend if item.is_send else _c10d.irecv, item.tensor,
                               item.peer, group=group, tag=STEADY_TAG) for item in items]
-            works = list(dist.batch_isend_irecv(ops))
+            try:
+                works = list(dist.batch_isend_irecv(ops))
+            except RuntimeError as cause:
+                peers = sorted({item.peer for item in items})
+                raise self._failure(cause, peers[0] if len(peers) == 1 else None,
+                                    f"posting a batch of {len(items)} operations with ranks "
+                                    f"{peers}") from cause
             if len(works) != len(items):  # a coalescing backend (NCCL): one work per batch
                 shared = works[0] if len(works) == 1 else _AllOf(works)
                 works = [shared] * len(items)
@@ -592,8 +627,13 @@ class P2PTransport:
             self._queued.append(_Queued(False, incoming.buffer, incoming.peer, incoming.group,
                                         incoming))
         else:
-            incoming.work = dist.irecv(incoming.buffer, src=incoming.peer,
-                                       group=incoming.group, tag=STEADY_TAG)
+            try:
+                incoming.work = dist.irecv(incoming.buffer, src=incoming.peer,
+                                           group=incoming.group, tag=STEADY_TAG)
+            except RuntimeError as cause:
+                raise self._failure(cause, incoming.peer, f"posting the receive of "
+                                    f"{describe_label(incoming.label)} from rank "
+                                    f"{incoming.peer}") from cause
         state.outstanding += 1
         self.stats.recvs_posted += 1
 
@@ -702,7 +742,12 @@ class P2PTransport:
     def _fetch_slow(self, head: _Incoming, buffer: torch.Tensor, part: str,
                     deadline: float | None) -> torch.Tensor:
         """Receive one slow-path follow-up of ``head`` into the CPU ``buffer``."""
-        work = dist.irecv(buffer, src=head.peer, group=head.meta_group, tag=SLOW_TAG)
+        try:
+            work = dist.irecv(buffer, src=head.peer, group=head.meta_group, tag=SLOW_TAG)
+        except RuntimeError as cause:
+            raise self._failure(cause, head.peer, f"posting the receive of the {part} of "
+                                f"{describe_label(head.label)} from rank {head.peer}"
+                                ) from cause
         self.count(recvs_posted=1)
         self.wait_work(work, deadline, head.meta_group, head.peer,
                        lambda: f"the {part} of {describe_label(head.label)} from rank "
@@ -737,9 +782,9 @@ class P2PTransport:
                     f"rank {self.rank} timed out waiting for {describe()}: rank {peer} did "
                     "not post the matching operation in time; check that both ranks run "
                     f"matching schedules and that rank {peer} is alive. The connection to "
-                    f"rank {peer} is unusable now")
+                    f"rank {peer} is unusable now", peer=peer)
             else:
-                error = P2PError(f"rank {self.rank} failed waiting for {describe()}: {cause}")
+                error = self._failure(cause, peer, f"waiting for {describe()}")
             if on_failure is not None:
                 on_failure(error)
             raise error from cause
@@ -823,10 +868,22 @@ class P2PTransport:
 
     def _raise_if_failed(self, inbox: _Inbox, label: str) -> None:
         if inbox.failure is not None:
-            raise P2PError(
+            kind = (P2PConnectionError if isinstance(inbox.failure, P2PConnectionError)
+                    else P2PError)
+            raise kind(
                 f"rank {self.rank}: cannot receive {describe_label(label)} from rank "
-                f"{inbox.peer}: receiving from it failed earlier ({inbox.failure})"
-            ) from inbox.failure
+                f"{inbox.peer}: receiving from it failed earlier ({inbox.failure})",
+                peer=inbox.peer) from inbox.failure
+
+    def _failure(self, cause: BaseException, peer: int | None, doing: str) -> P2PError:
+        """The error for an operation with ``peer`` that torch.distributed refused or failed
+        (not a timeout): a :class:`P2PConnectionError` where the peer closed the connection."""
+        if peer is not None and _closed_by_peer(cause):
+            return P2PConnectionError(
+                f"rank {self.rank} failed {doing}: rank {peer} closed the connection (its "
+                f"process exited or crashed, or it destroyed the process group): {cause}",
+                peer=peer)
+        return P2PError(f"rank {self.rank} failed {doing}: {cause}", peer=peer)
 
 
 # -- averaging several sources' messages ---------------------------------------------------

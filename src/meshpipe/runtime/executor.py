@@ -18,21 +18,26 @@ state"; it dispatches each action to a handler:
   ``OverlapHooks`` run before and after each half.
 
 When an action fails, the rank tells every pipeline peer it still owes messages: each
-owed send is posted as a small *stop notice* under the label the real message would have
-had, so a peer waiting for it raises :class:`PeerFailedError` (naming the rank that failed
+owed send is posted as a small *stop notice* on the channel the real message would have
+taken, so a peer waiting for it raises :class:`PeerFailedError` (naming the rank that failed
 first and why) at once instead of waiting out its receive timeout, and passes the notice on
-to its own peers. A peer that never receives (a dead process) is still bounded by the
-receive timeout.
+to its own peers. Notices must outlive the error: a process that exits on it would close its
+connections before the peers read them, so the transport is kept alive until each peer took
+its first notice (a few seconds at most). A peer that finds the connection closed anyway
+raises PeerFailedError naming the rank that closed it. A peer that never receives (a dead
+process) is still bounded by the receive timeout.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from meshpipe.comm.p2p import P2PTransport
+from meshpipe.comm.p2p import P2PConnectionError, P2PTransport
+from meshpipe.runtime import activity
 from meshpipe.runtime.stage import Stage, Task
 from meshpipe.runtime.substeps import co_schedule, drain
 from meshpipe.schedules.actions import Action, Kind, Schedule
@@ -91,6 +96,20 @@ class _PeerStopped(Exception):
 
 def _is_stop_notice(message: Any) -> bool:
     return isinstance(message, dict) and message.keys() == {_STOP_KEY}
+
+
+def _await_stop_notices(first_notices: dict[int, Any], skip: set[int], patience: float) -> None:
+    """Wait, up to ``patience`` seconds in all, until the peers other than ``skip`` took their
+    first stop notice (the handles keep the transport, and so the connections, alive). A wait
+    that runs out closes that connection (gloo): the peer then finds it closed."""
+    deadline = time.monotonic() + patience
+    for peer, handle in first_notices.items():
+        if peer in skip:
+            continue
+        try:
+            handle.wait(max(deadline - time.monotonic(), 0.001))
+        except Exception:  # noqa: BLE001 - the peer is gone or not listening
+            continue
 
 
 class _Message(NamedTuple):
@@ -264,11 +283,37 @@ class Executor:
                 self._run(index, action)
             self._wait_for_sends()
         except Exception as error:
-            self._fail(error)
-            raise
+            stopped = self._peer_gone(error)
+            self._fail(stopped or error)
+            if stopped is None:
+                raise
+            raise stopped from error
         finally:
             self._inputs = self._targets = None
         return self._result
+
+    def _peer_gone(self, error: Exception) -> PeerFailedError | None:
+        """``error`` as a PeerFailedError where it only says that a peer closed its connection.
+
+        A rank that fails or is stopped waits a few seconds for its peers to take its stop
+        notices, then may exit (or destroy its process group); a peer that reaches the notice
+        only later finds the connection closed. The peer that closed it failed or was stopped,
+        so this rank reports it as the failed rank, and passes the stop on with its notices.
+        """
+        if isinstance(error, PeerFailedError):
+            return None
+        cause: BaseException | None = error
+        while cause is not None and not isinstance(cause, P2PConnectionError):
+            cause = cause.__cause__
+        if cause is None or cause.peer is None:
+            return None
+        peer = cause.peer
+        reason = (f"global rank {peer} closed its connection before its stop notice reached "
+                  f"global rank {self.pipeline_ranks[self.pp_rank]}: it failed, or was "
+                  "stopped by another rank's failure, and exited or destroyed its process "
+                  f"group; see global rank {peer}'s error for the cause")
+        return PeerFailedError(f"{error} ({reason})", peer=peer, failed_rank=peer,
+                               reason=reason)
 
     def _fail(self, error: Exception) -> None:
         """Stop the peers, drop what the stages hold for this step, refuse later steps."""
@@ -302,9 +347,11 @@ class Executor:
     def _run(self, index: int, action: Action) -> None:
         """Dispatch one action; any failure becomes an error naming where it happened."""
         try:
-            self._handlers[action.kind](action)
-            if self._flush is not None and index in self._flush_after:
-                self._flush()
+            with activity.doing(str(action), stage=action.stage, microbatch=action.microbatch,
+                                action=str(action)):
+                self._handlers[action.kind](action)
+                if self._flush is not None and index in self._flush_after:
+                    self._flush()
         except _PeerStopped as stop:
             raise PeerFailedError(self._describe(index, action) + f": {stop}", peer=stop.peer,
                                   failed_rank=stop.failed_rank, reason=stop.reason) from None
@@ -313,7 +360,8 @@ class Executor:
 
     def _wait_for_sends(self) -> None:
         try:
-            self.transport.wait_sends(self.recv_timeout)
+            with activity.waiting("the peers to take this step's sends"):
+                self.transport.wait_sends(self.recv_timeout)
         except Exception as error:
             raise ExecutorError(f"{self._where()} at the end of the step, waiting for its "
                                 f"sends to be received: {error}") from error
@@ -321,19 +369,29 @@ class Executor:
     def _stop_peers(self, error: Exception) -> None:
         """Post a stop notice in place of every message this step still owed its peers.
 
-        The rank whose own error started the stop raises at once, so that its error is the
-        first one reported (launchers name the first rank that failed). A rank stopped by a
-        notice first waits, up to its receive timeout, until each peer that is still running
-        took the first notice owed to it, so the stop travels on even if this process exits
-        right after. Notices still in flight stay posted as long as the transport lives.
+        Each peer still running must take the first notice owed to it before this process
+        drops the transport (exits, or frees its process group): a notice cut off that way
+        reaches the peer as a closed connection. The rank whose own error started the stop
+        raises at once, so that its error is the first one reported (launchers name the first
+        rank that failed), and waits for its notices in a background thread, which holds the
+        transport and which the interpreter waits for at exit. A rank stopped by a notice
+        waits before raising, except for the ranks the stop came from. The wait is short
+        (``_stop_notice_patience``); notices still in flight after it stay posted as long as
+        the transport lives.
         """
         if isinstance(error, PeerFailedError):
             notice = {_STOP_KEY: {"rank": error.failed_rank, "reason": error.reason}}
-            first_notices = self._post_stop_notices(notice)
-            self._await_stop_notices(first_notices, skip={error.peer, error.failed_rank})
-        else:
-            self._post_stop_notices({_STOP_KEY: {"rank": self.pipeline_ranks[self.pp_rank],
-                                                 "reason": self._failure}})
+            _await_stop_notices(self._post_stop_notices(notice),
+                                skip={error.peer, error.failed_rank},
+                                patience=self._stop_notice_patience())
+            return
+        notice = {_STOP_KEY: {"rank": self.pipeline_ranks[self.pp_rank],
+                              "reason": self._failure}}
+        first_notices = self._post_stop_notices(notice)
+        if first_notices:
+            threading.Thread(target=_await_stop_notices, name="meshpipe-stop-notices",
+                             args=(first_notices, set(), self._stop_notice_patience()),
+                             daemon=False).start()
 
     def _post_stop_notices(self, notice: dict) -> dict[int, Any]:
         """Post ``notice`` for every owed send; the handle of the first one to each peer."""
@@ -344,7 +402,10 @@ class Executor:
             if peer in unreachable:
                 continue
             try:
-                handle = self.transport.post_send(notice, peer, label=message.label,
+                # No label: a notice stands in for whatever message the peer awaits next on
+                # the channel, and a label check must not turn it into a MessageMismatchError
+                # where the two ranks disagree on the order (the very error being reported).
+                handle = self.transport.post_send(notice, peer, label="",
                                                   channel=message.channel)
             except Exception:  # noqa: BLE001 - best effort: the error being raised matters
                 unreachable.add(peer)
@@ -357,19 +418,12 @@ class Executor:
                 pass
         return first_notices
 
-    def _await_stop_notices(self, first_notices: dict[int, Any], skip: set[int]) -> None:
-        """Wait, within the receive timeout, until peers other than ``skip`` took them."""
+    def _stop_notice_patience(self) -> float:
+        """How long to wait for the peers to take the stop notices: a few seconds, at most
+        the receive timeout."""
         transport_timeout = getattr(self.transport, "timeout", None)  # VTPTransport has none
-        patience = min(_STOP_NOTICE_DELIVERY_S,
-                       self.recv_timeout or transport_timeout or _STOP_NOTICE_DELIVERY_S)
-        deadline = time.monotonic() + patience
-        for peer, handle in first_notices.items():
-            if peer in skip:
-                continue
-            try:
-                handle.wait(max(deadline - time.monotonic(), 0.001))
-            except Exception:  # noqa: BLE001 - the peer is gone or not listening
-                continue
+        return min(_STOP_NOTICE_DELIVERY_S,
+                   self.recv_timeout or transport_timeout or _STOP_NOTICE_DELIVERY_S)
 
     def _owed_sends(self) -> list[_Message]:
         """Every message of this step not sent yet, in order."""
@@ -425,7 +479,9 @@ class Executor:
         item = inbox.pop(key)
         if not isinstance(item, _PendingReceive):
             return item
-        message = item.handle.wait(self.recv_timeout)
+        with activity.waiting(f"{what} of stage {key[0]} microbatch {key[1]}", peer=item.peer,
+                              label=item.label):
+            message = item.handle.wait(self.recv_timeout)
         if _is_stop_notice(message):
             stopped = message[_STOP_KEY]
             raise _PeerStopped(item.peer, item.label, stopped["rank"], stopped["reason"])

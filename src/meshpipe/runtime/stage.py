@@ -221,6 +221,29 @@ class Stage:
         return StageError(problem, stage=self.index, microbatch=microbatch, action=action,
                           hint=hint)
 
+    def _input_hint(self, fits: str, otherwise: str) -> str:
+        """Where to fix a forward input that does not fit: on the first stage the data (the
+        microbatch's entry of the step's inputs), which must be ``fits``; elsewhere the
+        previous stage's output (``otherwise``)."""
+        if self.is_first:
+            return ("the first stage takes the data itself: check this microbatch's entry of "
+                    "the inputs given to Executor.step(inputs=...) (a tuple or list is "
+                    f"unpacked into positional arguments); it must be {fits}")
+        return otherwise
+
+    def _output_grads_hint(self, check: str) -> str:
+        """Where to fix the gradients a backward starts from: the loss on the last stage, the
+        gradients received from the next stage elsewhere."""
+        if self.is_last:
+            if self.loss_fn is None:
+                return ("this last stage has no loss_fn, so its backward needs the "
+                        "gradients of its outputs: give it Stage(..., loss_fn=...), or pass "
+                        "output_grads shaped like its output")
+            return ("the last stage's backward starts from its loss: check loss_fn (and "
+                    "what it returns) and the chunk's forward, e.g. for an in-place change "
+                    "to a tensor autograd saved")
+        return check
+
     # ----------------------------------------------------------------- forward
 
     def forward(self, microbatch: int, message: Any, *, target: Any = None,
@@ -317,7 +340,9 @@ class Stage:
             raise self._error(
                 f"the message {_describe(list(args))} does not fit the module's forward"
                 f"{self._signature} ({exc})", microbatch, "forward",
-                "make the previous stage return exactly the values this chunk takes") from None
+                self._input_hint("exactly the values the first chunk's forward takes",
+                                 "make the previous stage return exactly the values this "
+                                 "chunk takes")) from None
 
     def _call_module(self, args: tuple, microbatch: int) -> Any:
         try:
@@ -329,8 +354,9 @@ class Stage:
         return self._error(
             f"the module raised {type(exc).__name__}: {exc} (message was "
             f"{_describe(list(args))})", microbatch, "forward",
-            "check that the previous stage's output matches what this chunk expects "
-            "(count, dtypes, shapes)")
+            self._input_hint("what the first chunk expects (count, dtypes, shapes)",
+                             "check that the previous stage's output matches what this chunk "
+                             "expects (count, dtypes, shapes)"))
 
     def _loss(self, output: Any, target: Any, loss_scale: float,
               microbatch: int) -> tuple[Tensor, Tensor]:
@@ -451,7 +477,8 @@ class Stage:
         pieces the reverse exchange is posted and the task yields until it returns.
         Returns the gradients of the stage's float inputs."""
         label = f"{'B' if action == 'backward' else 'I'}{self.index},{microbatch}"
-        hint = "check the output gradients received from the next stage"
+        hint = self._output_grads_hint("check the output gradients received from the next "
+                                       "stage")
         for boundary in reversed(saved.boundaries):
             record_event("run", label)
             leaves = boundary.leaves
@@ -537,8 +564,8 @@ class Stage:
         if output_grads is None:
             if saved.roots:
                 raise self._error("no output gradients given for outputs that require grad",
-                                  microbatch, action,
-                                  "pass the gradients received from the next stage")
+                                  microbatch, action, self._output_grads_hint(
+                                      "pass the gradients received from the next stage"))
             return [None] * n_outputs
         if isinstance(output_grads, Tensor) and len(saved.roots) == 1:
             grad_leaves = [None] * n_outputs
