@@ -297,9 +297,11 @@ def _train(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _train_and_report(config: TrainConfig) -> int:
-    """Train; exit status 1 if a rank failed or the --check parity comparison failed."""
+    """Train; exit status 1 if a rank failed or the --check parity comparison failed, 128 +
+    the signal's number if a signal stopped it. A failure is one line (the tracebacks are in
+    the out-dir's logs)."""
     # Imported here: torch loads in seconds, and the schedule commands do not need it.
-    from meshpipe.train.launch import LaunchError
+    from meshpipe.train.launch import Interrupted, LaunchError
     from meshpipe.train.trainer import run as run_training
 
     try:
@@ -307,6 +309,9 @@ def _train_and_report(config: TrainConfig) -> int:
     except LaunchError as error:
         print(f"meshpipe: training failed: {error}", file=sys.stderr)
         return 1
+    except Interrupted as stop:
+        print(f"meshpipe: training {stop}; resume with --resume", file=sys.stderr)
+        return stop.exit_code
     check = (metrics or {}).get("check")
     return 1 if check and not check["passed"] else 0
 

@@ -7,17 +7,26 @@ data-parallel replicas or another tensor-parallel size (replicated entries are w
 Tensor-parallel shards are gathered into the whole tensor for writing, and each rank keeps
 its own slice of what it reads.
 
-Every save goes to its own ``step-NNNNNN`` directory; the file ``latest`` names the newest
-complete one and is only rewritten after the save finished, so an interrupted save never
-damages the checkpoint a resume would use. The two newest checkpoints are kept.
+A checkpoint cannot be torn: every save writes into ``step-NNNNNN.partial-<run id>``, rank 0
+adds ``meta.json`` (step, run id, time, the config) once every rank's part is on disk, and
+only then renames the directory to ``step-NNNNNN``. A directory of that name holding both
+``meta.json`` and dcp's ``.metadata`` is complete by construction; anything else under the
+checkpoint root (a save killed half-way, junk) is ignored, and partial directories are removed
+by the next save. There is no pointer file: the checkpoint to resume from is the complete one
+saved last (``newest``), which is what a new, shorter run into a reused directory needs.
+Each run rotates only its own checkpoints (``keep`` newest); other runs' are left alone.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Sequence
-
+import json
+import os
+import re
 import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,9 +35,15 @@ import torch.distributed.checkpoint as dcp
 from meshpipe.parallel import shard_dim, tp_rank_and_size
 from meshpipe.runtime.precision import DynamicLossScaler
 
+FORMAT = 1
+META_FILE = "meta.json"
+DCP_METADATA = ".metadata"  # written last by dcp's coordinator: the data files are complete
+PARTIAL_MARK = ".partial-"
+_COMPLETE_NAME = re.compile(r"step-(\d{6,})")
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]+")
+
 NamedParameters = Sequence[tuple[str, torch.nn.Parameter]]
 _ADAM_STATE = ("exp_avg", "exp_avg_sq")
-KEEP_LAST = 2
 
 
 def _adam_state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) -> dict:
@@ -104,55 +119,203 @@ def _scaler_entries(scaler: DynamicLossScaler) -> dict[str, torch.Tensor]:
             for key, value in scaler.state_dict().items()}
 
 
+def step_name(step: int) -> str:
+    """The directory name of the complete checkpoint of ``step``."""
+    return f"step-{step:06d}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint: its directory and what its ``meta.json`` records."""
+
+    directory: Path
+    step: int
+    run_id: str
+    saved_at: float
+    config: dict[str, Any]
+
+
+def read_info(directory: Path) -> CheckpointInfo | None:
+    """The checkpoint in ``directory`` if it is complete (a ``step-NNNNNN`` directory with a
+    readable ``meta.json`` and dcp's ``.metadata``), else None."""
+    directory = Path(directory)
+    if not _COMPLETE_NAME.fullmatch(directory.name) or not directory.is_dir():
+        return None
+    if not (directory / DCP_METADATA).is_file():
+        return None
+    try:
+        meta = json.loads((directory / META_FILE).read_text())
+        return CheckpointInfo(directory=directory, step=int(meta["step"]),
+                              run_id=str(meta["run_id"]), saved_at=float(meta["saved_at"]),
+                              config=dict(meta["config"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def complete_checkpoints(root: Path) -> list[CheckpointInfo]:
+    """Every complete checkpoint under ``root``, oldest save first (partial directories,
+    directories without ``meta.json`` or ``.metadata`` and other files are left out)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = (read_info(path) for path in root.iterdir())
+    return sorted((info for info in found if info is not None),
+                  key=lambda info: (info.saved_at, info.step))
+
+
+def newest(root: Path) -> CheckpointInfo | None:
+    """The complete checkpoint saved last under ``root`` (by time, not step: a new, shorter
+    run into a reused directory resumes from its own newest save), or None."""
+    checkpoints = complete_checkpoints(root)
+    return checkpoints[-1] if checkpoints else None
+
+
+def incomplete_checkpoints(root: Path) -> list[Path]:
+    """Directories under ``root`` that look like checkpoints but are not complete: saves that
+    were interrupted (``*.partial-*``) or ``step-NNNNNN`` without ``meta.json``/``.metadata``."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(path for path in root.iterdir() if path.is_dir() and (
+        PARTIAL_MARK in path.name and path.name.startswith("step-")
+        or _COMPLETE_NAME.fullmatch(path.name) and read_info(path) is None))
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable (where the platform allows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems do not fsync directories; the rename still happened
+    finally:
+        os.close(fd)
+
+
+def _write_json_durably(path: Path, value: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as stream:
+        json.dump(value, stream, indent=2)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(tmp, path)
+    _fsync_directory(path.parent)
+
+
+def remove_partial(root: Path) -> list[Path]:
+    """Delete the directories of interrupted saves under ``root`` (any run's); return them.
+    Only safe while no save into ``root`` is under way (saves are collective, so at the
+    start of one every earlier save of the job has ended)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = [path for path in root.iterdir()
+               if path.name.startswith("step-") and PARTIAL_MARK in path.name]
+    for path in removed:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return removed
+
+
+def _discard(directory: Path, why: str, run_id: str) -> None:
+    """Delete a complete checkpoint without ever leaving a torn one: it is first renamed to
+    a partial name (atomic), so a crash half-way through the deletion leaves a directory that
+    nothing resumes from and the next save removes."""
+    doomed = directory.with_name(f"{directory.name}{PARTIAL_MARK}{run_id}.{why}")
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.replace(directory, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _publish(partial: Path, final: Path, run_id: str) -> None:
+    """Rename the finished ``partial`` to ``final``; a ``final`` already there (another run
+    that reached the same step) is moved aside first and deleted after the rename."""
+    aside = None
+    if final.exists():
+        aside = final.with_name(f"{final.name}{PARTIAL_MARK}{run_id}.replaced")
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.replace(final, aside)
+    os.replace(partial, final)
+    _fsync_directory(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _rotate(root: Path, run_id: str, keep: int) -> list[Path]:
+    """Delete this run's checkpoints older than its ``keep`` newest; return them."""
+    own = [info for info in complete_checkpoints(root) if info.run_id == run_id]
+    expired = [info.directory for info in own[:-keep]]
+    for directory in expired:
+        _discard(directory, "expired", run_id)
+    return expired
+
+
 def save(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimizer,
          step: int, tp_group: dist.ProcessGroup | None = None,
-         scaler: DynamicLossScaler | None = None) -> Path:
-    """Write the checkpoint of ``step`` under ``root`` (a collective call on every rank).
+         scaler: DynamicLossScaler | None = None, *, config: dict[str, Any], run_id: str,
+         keep: int = 2, after_write: Callable[[], None] | None = None) -> Path:
+    """Write the checkpoint of ``step`` under ``root`` whole or not at all (a collective
+    call on every rank); return its directory ``root/step-NNNNNN``.
 
     ``tp_group`` is this rank's tensor-parallel group when its parameters are shards;
-    ``scaler`` the fp16 loss scaler whose state a resume continues from.
+    ``scaler`` the fp16 loss scaler whose state a resume continues from. ``config`` (the
+    run's TrainConfig as a dict) and ``run_id`` are recorded in ``meta.json``; of the
+    checkpoints of ``run_id`` the ``keep`` newest stay, other runs' are never deleted.
+    ``after_write`` runs on every rank once its part is written, before the checkpoint is
+    published (fault injection: a save that dies there leaves only a partial directory).
     """
+    if not _RUN_ID.fullmatch(run_id):
+        raise ValueError(f"run_id {run_id!r} must be letters, digits, '-' or '_' (it is part "
+                         "of a directory name)")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (the checkpoint just written), got {keep}")
     root = Path(root)
-    directory = root / f"step-{step:06d}"
+    final = root / step_name(step)
+    partial = final.with_name(f"{final.name}{PARTIAL_MARK}{run_id}")
+    is_main = dist.get_rank() == 0
+    if is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_partial(root)
     state = _state_dict(parameters, optimizer, step, tp_group, for_loading=False)
     if scaler is not None:
         state.update(_scaler_entries(scaler))
-    dcp.save(state, checkpoint_id=str(directory))
+    dist.barrier()  # the leftovers are gone before any rank writes
+    # Into a fresh directory: dcp warns on every rank when it overwrites a checkpoint (what
+    # saving a step again after a resume did when saves went straight to step-NNNNNN).
+    dcp.save(state, checkpoint_id=str(partial))
+    if after_write is not None:
+        after_write()
     dist.barrier()
-    if dist.get_rank() == 0:
-        pointer = root / "latest.tmp"
-        pointer.write_text(directory.name)
-        pointer.replace(root / "latest")
-        for old in expired(root):
-            shutil.rmtree(old)
+    if is_main:
+        _write_json_durably(partial / META_FILE, {
+            "step": step, "run_id": run_id, "saved_at": time.time(), "config": config,
+            "format": FORMAT})
+        _publish(partial, final, run_id)
+        _rotate(root, run_id, keep)
     dist.barrier()
-    return directory
+    return final
 
 
-def expired(root: Path, keep: int = KEEP_LAST) -> list[Path]:
-    """Checkpoint directories older than the ``keep`` newest (by step number, not name)."""
-    by_step = sorted(Path(root).glob("step-*"), key=lambda path: int(path.name.split("-")[1]))
-    return by_step[:-keep]
-
-
-def latest(root: Path) -> Path | None:
-    """The newest complete checkpoint under ``root``, or None."""
-    pointer = Path(root) / "latest"
-    return Path(root) / pointer.read_text().strip() if pointer.exists() else None
-
-
-def load(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimizer,
+def load(directory: Path, parameters: NamedParameters, optimizer: torch.optim.Optimizer,
          tp_group: dist.ProcessGroup | None = None,
          scaler: DynamicLossScaler | None = None) -> int:
-    """Fill parameters and optimizer state in place from the newest checkpoint; return its step.
+    """Fill parameters and optimizer state in place from the checkpoint in ``directory``
+    (pick it with ``newest``); return its step.
 
     A ``scaler`` continues from the saved loss-scaler state when the checkpoint has one (an
     fp16 run resumed from an fp32 or bf16 checkpoint starts at the scaler's initial scale).
     """
-    directory = latest(root)
-    if directory is None:
-        raise FileNotFoundError(f"no checkpoint in {root}: run once without --resume, "
-                                f"or point --out-dir at the run to continue")
+    directory = Path(directory)
+    if not (directory / DCP_METADATA).is_file():
+        raise FileNotFoundError(f"{directory} is not a complete checkpoint (no {DCP_METADATA}): "
+                                "resume from one that checkpoint.newest() lists")
     state = _state_dict(parameters, optimizer, -1, tp_group, for_loading=True)
     saved_keys = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     scaler_entries = _scaler_entries(scaler) if scaler is not None else {}

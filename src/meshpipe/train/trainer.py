@@ -15,8 +15,15 @@
    sequence-parallel ones summed over tensor parallelism, tied weights summed across the
    stages that hold them, (fp16: unscaled, and the step skipped on inf/NaN), global-norm
    clipping, AdamW;
-4. rank 0 shows progress, writes metrics, draws the measured timeline of one step, and
-   with ``--check`` compares the first step with a single-process run of the same model.
+4. rank 0 shows progress, appends each step's metrics to ``metrics.jsonl``, draws the
+   measured timeline of one step, and with ``--check`` compares the first step with a
+   single-process run of the same model.
+
+Faults: the launcher supervises the ranks (``launch``); every rank marks what it does
+(``runtime.activity``) so a hang is explained; a step whose loss or gradients are not
+finite is caught by every rank at once and skipped (``--skip-nonfinite``) or stops the run
+before anything reaches the weights; checkpoints are written whole or not at all and record
+the config, which ``--resume`` checks before any process starts.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,41 +52,93 @@ from meshpipe.models.moe import is_expert_param
 from meshpipe.models.transformer import check_tensor_parallel_sizes
 from meshpipe.parallel import (is_sequence_parallel_param, shard_dim, unshard,
                                vocab_parallel_cross_entropy)
-from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, Stage,
+from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, Stage, activity,
                               all_reduce_gradients, autocast, low_precision_tolerance)
 from meshpipe.schedules import Schedule, build
 from meshpipe.schedules.placement import wraparound_placement
 from meshpipe.schedules.render import to_png, write_chrome_trace
 from meshpipe.schedules.simulate import Timeline
 from meshpipe.topology import Topology, new_groups
-from meshpipe.train import checkpoint
+from meshpipe.train import checkpoint, faults
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, encode, load_corpus
-from meshpipe.train.launch import (PROCESS_GROUP_TIMEOUT_S, device_for_this_rank, launch,
-                                   under_torchrun)
+from meshpipe.train.metrics import FILE_NAME as METRICS_FILE
+from meshpipe.train.metrics import MetricsLog, dumps
+from meshpipe.train.metrics import read as read_metrics
+from meshpipe.train.launch import (PROCESS_GROUP_TIMEOUT_S, Supervision, device_for_this_rank,
+                                   launch, under_torchrun)
+from meshpipe.train.resume import ResumePlan, plan_resume
 
-RECV_TIMEOUT_S = 60.0
 # With --check, the other ranks wait while rank 0 recomputes the whole step in one process.
 CHECK_TIMEOUT_S = 900.0
+# A checkpoint save may take this many hang timeouts before it counts as a hang.
+SAVE_PATIENCE = 10
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradients were not finite more often in a row than allowed.
+    ``blamed_rank`` is the first rank where it showed; ``where`` the step and stage."""
+
+    def __init__(self, message: str, blamed_rank: int, where: str):
+        super().__init__(message)
+        self.blamed_rank = blamed_rank
+        self.where = where
 
 
 def run(config: TrainConfig) -> dict[str, Any] | None:
     """Train with ``config`` on ``config.world_size`` local processes (or under torchrun).
 
-    The layout is checked here, before any process starts. Returns rank 0's metrics (None
-    on the other ranks of a torchrun job).
+    The layout, the output directory and the checkpoint a ``--resume`` continues from are
+    checked here, before any process starts (one-line ValueErrors). Returns rank 0's
+    metrics (None on the other ranks of a torchrun job).
     """
     check_model_layout(config, build_schedule(config))
-    timeout = CHECK_TIMEOUT_S if config.check else PROCESS_GROUP_TIMEOUT_S
-    launch(_fit_on_this_rank, config.world_size, config, timeout_s=timeout)
-    if under_torchrun() and int(os.environ["RANK"]) != 0:
+    out = check_out_dir(config.out_dir)
+    plan = plan_resume(config) if config.resume else None
+    is_main = not under_torchrun() or int(os.environ["RANK"]) == 0
+    if plan is not None and is_main:
+        for note in plan.notes:
+            print(f"meshpipe: {note}", flush=True)
+    launch(_fit_on_this_rank, config.world_size, config, plan, uuid.uuid4().hex[:12],
+           timeout_s=process_group_timeout(config),
+           supervision=Supervision(hang_timeout=config.hang_timeout, log_dir=out / "logs",
+                                   checkpoint_on_signal=config.checkpoint_on_signal))
+    if not is_main:
         return None
-    metrics_file = Path(config.out_dir) / "metrics.json"
+    metrics_file = out / "metrics.json"
     return json.loads(metrics_file.read_text()) if metrics_file.exists() else None
 
 
-def _fit_on_this_rank(config: TrainConfig) -> None:
-    Trainer(config).fit()
+def process_group_timeout(config: TrainConfig) -> float:
+    """Longer than the hang timeout, so the launcher explains a hang before a collective or
+    a receive gives up on its own (and longer still while --check runs on rank 0)."""
+    timeout = max(PROCESS_GROUP_TIMEOUT_S, 2 * config.hang_timeout + 30)
+    return max(timeout, CHECK_TIMEOUT_S) if config.check else timeout
+
+
+def check_out_dir(out_dir: str) -> Path:
+    """The output directory, created; a one-line ValueError if it cannot hold the run's
+    files (a file in its place, no permission, a full disk) instead of failing at the first
+    write after hours of training."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out-dir {out} is a file, not a directory: give a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".meshpipe-write-probe-{os.getpid()}"
+        with open(probe, "wb") as stream:
+            stream.write(b"\0" * 65536)
+            stream.flush()
+            os.fsync(stream.fileno())
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"--out-dir {out} is not writable ({error.strerror or error}): give a "
+                         "directory this user can write, on a disk with free space") from None
+    return out
+
+
+def _fit_on_this_rank(config: TrainConfig, plan: ResumePlan | None, run_id: str) -> None:
+    Trainer(config, resume=plan, run_id=run_id).fit()
 
 
 def build_schedule(config: TrainConfig, forward_only: bool = False) -> Schedule:
@@ -150,13 +211,21 @@ class StepStats:
     seconds: float
     skipped: bool = False
     moe: dict[str, float] | None = None
+    nonfinite: bool = False  # the loss or a gradient was inf/NaN: the step was skipped
 
 
 class Trainer:
-    """One rank of a training run."""
+    """One rank of a training run. ``resume`` is the checkpoint to continue from (checked
+    by ``plan_resume`` before the processes started; with ``config.resume`` and none given,
+    the newest complete one); ``run_id`` names this run's own checkpoints, the only ones it
+    rotates."""
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, resume: ResumePlan | None = None,
+                 run_id: str = "local"):
         self.config = config
+        self.resume = resume if resume is not None or not config.resume else plan_resume(config)
+        self.run_id = run_id
+        self.step = -1
         self.device = device_for_this_rank()
         self.topology = Topology.build(config.layout, device_type=self.device.type)
         self.rank = self.topology.rank
@@ -193,7 +262,7 @@ class Trainer:
         transport = self._transport()
         executor_args = dict(pp_rank=self.topology.pp_rank,
                              pipeline_ranks=self.topology.pipeline_ranks, transport=transport,
-                             recv_timeout=RECV_TIMEOUT_S)
+                             recv_timeout=process_group_timeout(config))
         self.executor = Executor(self.schedule, self.stages, **executor_args)
         self.eval_executor = Executor(build_schedule(config, forward_only=True), self.stages,
                                       **executor_args)
@@ -203,6 +272,14 @@ class Trainer:
                                           config.cp_ulysses, coords["cp_ulysses"])
         self._device_positions = self.positions.to(self.device)
         self._tokens_per_microbatch = config.microbatch_size * config.seq_len
+        self.fault = faults.from_environment(self.rank)
+        if self.fault is not None:
+            faults.install(self.fault, self.stages, lambda: self.step)
+        self._nonfinite_in_a_row = 0
+
+    def _fire_fault(self, place: str) -> None:
+        if self.fault is not None and self.fault.at == place and self.fault.due(self.step):
+            self.fault.fire()
 
     def _in_precision(self, chunk: torch.nn.Module) -> torch.nn.Module:
         """The chunk, its forward under autocast for bf16/fp16 (weights stay float32)."""
@@ -221,7 +298,7 @@ class Trainer:
         meta_group = dist.new_group(backend="gloo") if on_gpu else None
         reverse_group = dist.new_group(backend="nccl") if on_gpu else None
         options = dict(reverse_group=reverse_group, meta_group=meta_group, device=self.device,
-                       timeout=RECV_TIMEOUT_S, mode=self.config.p2p)
+                       timeout=process_group_timeout(self.config), mode=self.config.p2p)
         layout = self.config.layout
         if self.config.link is None:
             return P2PTransport(**options)
@@ -297,32 +374,94 @@ class Trainer:
         inputs = [(t, self._device_positions, None) for t in tokens.split(size)]
         return inputs, list(targets.split(size))
 
+    def _collective(self, what: str):
+        """Mark waiting in a collective of the whole job (hang reports name who is missing)."""
+        return activity.waiting(what, peers=list(range(dist.get_world_size())))
+
     def _global_loss(self, local_mean: float | None) -> float:
         """Mean loss over the whole step: CP shares add up, DP replicas average."""
+        return self._global_loss_and_flag(local_mean, False)[0]
+
+    def _global_loss_and_flag(self, local_mean: float | None, flag: bool) -> tuple[float, bool]:
+        """The step's mean loss, and whether any rank raised ``flag`` (one all-reduce)."""
         counted = local_mean if self.counts_loss else None
-        value = torch.tensor([counted or 0.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(value)
-        return value.item() / self.config.dp
+        value = torch.tensor([counted or 0.0, float(flag)], dtype=torch.float64,
+                             device=self.device)
+        with self._collective("the loss all-reduce"):
+            dist.all_reduce(value)
+        return value[0].item() / self.config.dp, value[1].item() > 0
 
     def train_step(self, step: int) -> StepStats:
         start = time.perf_counter()
         inputs, targets = self.microbatches(self.train_data, step)
         self._take_moe_stats()
         self.last_result = self.executor.step(inputs, targets)
-        moe = self._moe_metrics()
-        self._reduce_gradients()
-        skipped = self.scaler is not None and self.scaler.unscale_(
+        with self._collective("the expert statistics all-reduce"):
+            moe = self._moe_metrics()
+        local_finite = self._local_finiteness()
+        with self._collective("the gradient reduction"):
+            self._reduce_gradients()
+        overflow = self.scaler is not None and self.scaler.unscale_(
             [p for _, p in self.parameters])
         if self.scaler is not None:
-            self.scaler.update(skipped)
-        grad_norm = None if skipped else self._clip_gradients()
+            self.scaler.update(overflow)
+        with self._collective("the gradient norm all-reduce"):
+            grad_norm = None if overflow else self._grad_norm()
+        bad_norm = grad_norm is not None and not math.isfinite(grad_norm)
+        loss, bad_norm = self._global_loss_and_flag(self.last_result.loss, bad_norm)
+        nonfinite = bad_norm or not math.isfinite(loss)
+        if nonfinite:
+            self._skip_or_stop(step, local_finite, loss, grad_norm)
+        else:
+            self._nonfinite_in_a_row = 0
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.config, step)
-        if not skipped:
+        if not (overflow or nonfinite):
+            self._clip(grad_norm)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._global_loss(self.last_result.loss)
-        return StepStats(loss, grad_norm, time.perf_counter() - start, skipped, moe)
+        return StepStats(loss, grad_norm, time.perf_counter() - start, overflow or nonfinite,
+                         moe, nonfinite)
+
+    def _local_finiteness(self) -> tuple[bool, bool]:
+        """Whether this rank's own loss and gradients are finite, before the reductions mix
+        every rank's in (so a report can say where a NaN came from). Under fp16 overflowing
+        gradients are the loss scaler's business, so only the loss counts."""
+        loss = self.last_result.loss
+        loss_ok = loss is None or math.isfinite(loss)
+        grads = [p.grad for _, p in self.parameters if p.grad is not None]
+        if self.scaler is not None or not grads:
+            return loss_ok, True
+        norms = torch._foreach_norm(grads)
+        return loss_ok, bool(torch.isfinite(torch.stack(norms).sum()))
+
+    def _skip_or_stop(self, step: int, local_finite: tuple[bool, bool], loss: float,
+                      grad_norm: float | None) -> None:
+        """A non-finite step: every rank learns where it showed first; skip the step, or
+        stop the run once more than ``--skip-nonfinite`` happened in a row."""
+        flags = torch.tensor([not local_finite[0], not local_finite[1]], dtype=torch.int32,
+                             device=self.device)
+        gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
+        with self._collective("the non-finite report"):
+            dist.all_gather(gathered, flags)
+        bad_loss = [r for r, f in enumerate(gathered) if f[0]]
+        bad_grads = [r for r, f in enumerate(gathered) if f[1]]
+        what, value = ("loss", loss) if bad_loss or not math.isfinite(loss) else (
+            "gradient norm", grad_norm)
+        blamed = (bad_loss or bad_grads or [0])[0]
+        stages = list(self.schedule.stages_of(self.config.layout.coords(blamed)["pp"]))
+        where = f"step {step}, stage {stages[0] if len(stages) == 1 else stages}"
+        message = f"step {step}: the {what} is {value} (first seen on rank {blamed}, {where})"
+        self._nonfinite_in_a_row += 1
+        allowed = self.config.skip_nonfinite
+        if self._nonfinite_in_a_row > allowed:
+            raise NonFiniteError(
+                f"{message}; stopped before it reached the weights or a checkpoint (the last "
+                f"checkpoint is intact): find the cause, or let --skip-nonfinite N skip up to N "
+                f"such steps in a row", blamed, where)
+        if self.is_main:
+            tqdm.write(f"meshpipe: {message}; step skipped ({self._nonfinite_in_a_row} in a "
+                       f"row, --skip-nonfinite {allowed})")
 
     def _take_moe_stats(self) -> list[tuple[int, Any]]:
         """Each local expert layer's stats since the last call (global layer index, stats)."""
@@ -372,7 +511,7 @@ class Trainer:
             return False
         return shard_dim(param) is not None or self.topology.tp_rank == 0
 
-    def _clip_gradients(self) -> float:
+    def _grad_norm(self) -> float:
         """Global gradient norm over the whole model (each weight counted once; experts
         are spread over the expert-parallel ranks)."""
         def sum_of_squares(experts: bool) -> torch.Tensor:
@@ -390,79 +529,142 @@ class Trainer:
         else:
             total += sum_of_squares(experts=True)
         dist.all_reduce(total, group=self.topology.model_group)
-        norm = math.sqrt(total.item())
+        return math.sqrt(total.item())
+
+    def _clip(self, norm: float) -> None:
         if self.config.grad_clip > 0 and norm > self.config.grad_clip:
             for _, p in self.parameters:
                 if p.grad is not None:
                     p.grad.mul_(self.config.grad_clip / (norm + 1e-6))
-        return norm
 
     def evaluate(self, step: int) -> float:
-        inputs, targets = self.microbatches(self.val_data, step)
-        result = self.eval_executor.step(inputs, targets)
-        return self._global_loss(result.loss)
+        with activity.doing(f"evaluation after step {step}"):
+            inputs, targets = self.microbatches(self.val_data, step)
+            result = self.eval_executor.step(inputs, targets)
+            return self._global_loss(result.loss)
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank was asked to stop (a signal, --checkpoint-on-signal): every rank
+        agrees, at the start of a step. This all-reduce is also the step's barrier."""
+        flag = torch.tensor([float(activity.stop_requested())], device=self.device)
+        with self._collective("the start of the step"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
+
+    def _save(self, step: int) -> None:
+        """The checkpoint of ``step`` (written whole or not at all; see checkpoint.save)."""
+        patience = SAVE_PATIENCE * self.config.hang_timeout
+        with activity.doing(f"saving the checkpoint of step {step}", limit=patience,
+                            action="checkpoint save"):
+            checkpoint.save(Path(self.config.out_dir) / "checkpoint", self.parameters,
+                            self.optimizer, step, self.tp_group, self.scaler,
+                            config=self.config.to_dict(), run_id=self.run_id,
+                            keep=self.config.keep_checkpoints,
+                            after_write=lambda: self._fire_fault("save"))
+        self._saved_step = step
 
     def fit(self) -> dict[str, Any]:
+        """Train; return the metrics: on rank 0 the whole history (the steps before a
+        resume included, from metrics.jsonl), on the other ranks this run's steps."""
         config = self.config
         out = Path(config.out_dir)
         start_step = 0
-        if config.resume:
-            start_step = checkpoint.load(out / "checkpoint", self.parameters, self.optimizer,
-                                         self.tp_group, self.scaler) + 1
+        if self.resume is not None:
+            with activity.doing("loading the checkpoint",
+                                limit=SAVE_PATIENCE * config.hang_timeout):
+                checkpoint.load(self.resume.checkpoint.directory, self.parameters,
+                                self.optimizer, self.tp_group, self.scaler)
+            start_step = self.resume.start_step
+        self._saved_step = start_step - 1
+        log = MetricsLog(out, start_step) if self.is_main else None
         metrics: dict[str, Any] = {"config": config.to_dict(), "world_size": config.world_size,
-                                   "schedule": str(self.schedule.name), "history": [],
-                                   "eval": [], "resumed_from": start_step or None}
+                                   "schedule": str(self.schedule.name),
+                                   "resumed_from": start_step or None, "history": [],
+                                   "eval": []}
         if config.check and start_step == 0:
-            metrics["check"] = self._parity_check()
+            with activity.doing("the --check step in one process", limit=CHECK_TIMEOUT_S):
+                metrics["check"] = self._parity_check()
+        # A thread lock: tqdm's default is a process-shared semaphore, which a rank stopped
+        # by the launcher leaves behind (and the resource tracker then warns about).
+        tqdm.set_lock(threading.RLock())
         bar = tqdm(total=config.steps, initial=start_step, unit="step", dynamic_ncols=True,
                    disable=not (self.is_main and config.progress))
         for step in range(start_step, config.steps):
-            dist.barrier()
-            stats = self.train_step(step)
-            tokens_per_s = config.tokens_per_step / stats.seconds
-            record = {"step": step, "loss": stats.loss, "lr": lr_at(config, step),
-                      "grad_norm": stats.grad_norm, "step_seconds": stats.seconds,
-                      "tokens_per_s": tokens_per_s}
-            if self.scaler is not None:
-                record.update(skipped=stats.skipped, loss_scale=self.scaler.scale)
-            postfix = f"loss {stats.loss:.3f} | {tokens_per_s:,.0f} tok/s"
-            if stats.moe is not None:
-                record.update(stats.moe)
-                postfix += (f" | aux {stats.moe['moe_aux_loss']:.3f} | experts "
-                            f"{stats.moe['min_tokens_per_expert']}-"
-                            f"{stats.moe['max_tokens_per_expert']} tok"
-                            + (f", {stats.moe['dropped_tokens']} dropped"
-                               if self.config.moe_capacity_factor else ""))
-            metrics["history"].append(record)
-            bar.set_postfix_str(postfix)
-            bar.update()
-            if step + 1 == config.timeline_step:
-                metrics["timeline"] = self._draw_timeline(out)
-            if config.eval_every and (step + 1) % config.eval_every == 0:
-                metrics["eval"].append({"step": step, "val_loss": self.evaluate(step)})
-            is_last = step == config.steps - 1
-            if is_last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0):
-                checkpoint.save(out / "checkpoint", self.parameters, self.optimizer, step,
-                                self.tp_group, self.scaler)
+            self.step = step
+            with activity.doing(f"step {step}", step=step):
+                self._fire_fault("step")
+                if self._stop_requested():
+                    metrics["stopped_at_step"] = step
+                    if config.checkpoint_on_signal and self._saved_step < step - 1:
+                        self._save(step - 1)
+                    break
+                self._run_step(step, out, bar, log, metrics)
         bar.close()
-        if self.is_main:
+        if log is not None:
+            log.close()
             self._write_metrics(out, metrics)
         return metrics
 
+    def _run_step(self, step: int, out: Path, bar: tqdm, log: Any,
+                  metrics: dict[str, Any]) -> None:
+        """One training step and what follows it: metrics, timeline, evaluation, checkpoint."""
+        config = self.config
+        stats = self.train_step(step)
+        tokens_per_s = config.tokens_per_step / stats.seconds
+        record = {"step": step, "loss": stats.loss, "lr": lr_at(config, step),
+                  "grad_norm": stats.grad_norm, "step_seconds": stats.seconds,
+                  "tokens_per_s": tokens_per_s}
+        if self.scaler is not None:
+            record.update(skipped=stats.skipped, loss_scale=self.scaler.scale)
+        if stats.nonfinite:
+            record.update(skipped=True, nonfinite=True)
+        postfix = f"loss {stats.loss:.3f} | {tokens_per_s:,.0f} tok/s"
+        if stats.moe is not None:
+            record.update(stats.moe)
+            postfix += (f" | aux {stats.moe['moe_aux_loss']:.3f} | experts "
+                        f"{stats.moe['min_tokens_per_expert']}-"
+                        f"{stats.moe['max_tokens_per_expert']} tok"
+                        + (f", {stats.moe['dropped_tokens']} dropped"
+                           if self.config.moe_capacity_factor else ""))
+        if log is not None:
+            log.append(record)
+        metrics["history"].append(record)
+        bar.set_postfix_str(postfix)
+        bar.update()
+        if step + 1 == config.timeline_step:
+            with self._collective("the timeline gather"):
+                metrics["timeline"] = self._draw_timeline(out)
+        if config.eval_every and (step + 1) % config.eval_every == 0:
+            val_loss = self.evaluate(step)
+            metrics["eval"].append({"step": step, "val_loss": val_loss})
+            if log is not None:
+                log.append(metrics["eval"][-1])
+        if step == config.steps - 1 or (config.checkpoint_every
+                                         and (step + 1) % config.checkpoint_every == 0):
+            self._save(step)
+
     def _write_metrics(self, out: Path, metrics: dict[str, Any]) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        history = metrics["history"]
+        """metrics.json: the whole history (earlier runs of a resumed one included), the
+        evaluations and a summary; the summary line on the terminal."""
+        records = read_metrics(out / METRICS_FILE)
+        history = [r for r in records if "loss" in r]
+        metrics["history"] = history
+        metrics["eval"] = [r for r in records if "val_loss" in r]
         if history:
             steady = [h["tokens_per_s"] for h in history[1:]] or [history[0]["tokens_per_s"]]
-            metrics["summary"] = {"first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
+            metrics["summary"] = {"first_loss": history[0]["loss"],
+                                  "last_loss": history[-1]["loss"],
                                   "median_tokens_per_s": sorted(steady)[len(steady) // 2],
-                                  "skipped_steps": sum(bool(h.get("skipped")) for h in history)}
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+                                  "skipped_steps": sum(bool(h.get("skipped")) for h in history),
+                                  "nonfinite_steps": sum(bool(h.get("nonfinite"))
+                                                         for h in history)}
+        (out / "metrics.json").write_text(dumps(metrics, indent=2))
         summary = metrics.get("summary")
         if summary:
-            print(f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} over "
-                  f"{len(history)} steps, {summary['median_tokens_per_s']:,.0f} tokens/s; "
-                  f"metrics in {out / 'metrics.json'}")
+            first, last = summary["first_loss"], summary["last_loss"]
+            print(f"loss {_number(first)} -> {_number(last)} over {len(history)} steps, "
+                  f"{summary['median_tokens_per_s']:,.0f} tokens/s; metrics in "
+                  f"{out / 'metrics.json'}")
 
     def _draw_timeline(self, out: Path) -> str | None:
         """Gather the last step's measured action times of rank 0's pipeline and draw them."""
@@ -503,6 +705,10 @@ class Trainer:
             return None
         return compare_with_single_process(self.config, loss, whole_gradients(
             self.config.layout, gathered))
+
+
+def _number(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.3f}"
 
 
 @dataclass

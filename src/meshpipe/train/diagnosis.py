@@ -1,0 +1,175 @@
+"""Turning what the ranks reported into one line: which rank failed first, where and why;
+or, for a hang, who waits on whom and the rank, the death or the cycle at the end of it.
+
+Pure functions over the launcher's control files (``error-<rank>.json`` written by a rank
+that raised, ``status-<rank>.json`` written by each rank's activity reporter), so they are
+tested without processes.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+from meshpipe.runtime.activity import describe, hang_line
+
+
+def read_statuses(control: Path, world_size: int) -> dict[int, dict[str, Any]]:
+    """Every rank's last reported activity (ranks that never reported are missing)."""
+    statuses = {}
+    for rank in range(world_size):
+        try:
+            statuses[rank] = json.loads((control / f"status-{rank}.json").read_text())
+        except (OSError, ValueError):
+            continue
+    return statuses
+
+
+def failure_report(records: list[dict], unrecorded: dict[int, dict], world_size: int
+                   ) -> tuple[str, int, str]:
+    """(one line, the rank that failed first, the details) of a failed job.
+
+    ``records`` are the errors ranks recorded; ``unrecorded`` the ranks that ended without
+    one (killed, os._exit), with their exit code and last status. A recorded error that only
+    reports another rank's failure (a stop notice, a closed connection) is a consequence:
+    the first real error wins, then a rank that died, then the first consequence.
+    """
+    causes = sorted((r for r in records if not r["consequence"]), key=lambda r: r["time"])
+    consequences = sorted((r for r in records if r["consequence"]), key=lambda r: r["time"])
+    details = "\n".join(f"--- rank {r['rank']} ---\n{r['traceback']}"
+                        for r in causes + consequences)
+    if causes:
+        first = causes[0]
+        line = f"rank {first['rank']} failed at {first['where']}: {first['cause']}"
+        rank = first["rank"]
+        line += _also(first, causes[1:])
+    elif unrecorded:
+        rank = min(unrecorded, key=lambda r: unrecorded[r]["time"])
+        death = unrecorded[rank]
+        status = death["status"]
+        place = death.get("where") or (describe(status) if status else None)
+        where = f"at {place}" if place else "before it reported any activity"
+        line = f"rank {rank} {_how_it_ended(death['exit_code'])} {where}"
+    elif consequences:
+        first = consequences[0]
+        rank = first["rank"]
+        line = f"rank {rank} failed at {first['where']}: {first['cause']}"
+    else:
+        return f"the job failed on {world_size} ranks without a report", 0, details
+    log = next((r["log"] for r in causes + consequences if r["rank"] == rank and r["log"]), None)
+    if log:
+        line += f" (traceback in {log})"
+    return line, rank, details
+
+
+def _also(first: dict, others: list[dict]) -> str:
+    """The other ranks that failed on their own, in a few words."""
+    others = [r for r in others if r["rank"] != first["rank"]]
+    same = sorted({r["rank"] for r in others if r["cause"] == first["cause"]})
+    different = [r for r in others if r["cause"] != first["cause"]]
+    notes = []
+    if same:
+        notes.append(f"{_ranks_word(same)} {_join(same)} failed the same way")
+    if different:
+        notes.append(f"{_ranks_word(different)} {_join([r['rank'] for r in different])} also "
+                     f"failed ({different[0]['cause'][:80]})")
+    return f"; {'; '.join(notes)}" if notes else ""
+
+
+def _how_it_ended(exit_code: int) -> str:
+    if exit_code < 0:
+        name = signal.Signals(-exit_code).name
+        hint = " (out of memory, or killed from outside)" if name == "SIGKILL" else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with status {exit_code} without reporting an error"
+
+
+def hang_report(statuses: dict[int, dict], now: float, hang_timeout: float,
+                exit_codes: list[int | None], *, always: bool = False
+                ) -> tuple[str, str, int] | None:
+    """(picture, one line, the rank to blame) when some rank's activity has outlived its
+    limit (``hang_timeout`` unless the activity set a longer one); None otherwise. With
+    ``always`` the picture is drawn anyway (an on-demand dump)."""
+    world_size = len(exit_codes)
+    ages = {rank: now - status["since"] for rank, status in statuses.items()}
+    running = [rank for rank in range(world_size) if exit_codes[rank] is None]
+    overdue = [rank for rank in running if rank in statuses
+               and ages[rank] > (statuses[rank].get("limit") or hang_timeout)]
+    if not overdue and not always:
+        return None
+    blocked_by = {rank: _blocker(rank, statuses) for rank in running if rank in statuses}
+    ends = {rank: _chain_end(rank, blocked_by) for rank in overdue}
+    lines = [f"meshpipe: {'hang' if overdue else 'status'}: {len(overdue)} of {world_size} ranks "
+             f"have not moved for longer than their limit (--hang-timeout "
+             f"{hang_timeout:g} s); who waits on whom:"]
+    for rank in range(world_size):
+        lines.append(f"  rank {rank}: {_state(rank, statuses, ages, exit_codes, blocked_by)}")
+    if not overdue:
+        return "\n".join(lines), "", -1
+    culprit, cycle = max(ends.values(), key=lambda end: sum(e == end for e in ends.values()))
+    waiters = sorted(rank for rank, end in ends.items() if end[0] == culprit and rank != culprit)
+    waiting = f"; {_ranks_word(waiters)} {_join(waiters)} wait{'s' if len(waiters) == 1 else ''} on it" if waiters else ""
+    if cycle:
+        line = (f"ranks {' -> '.join(str(r) for r in cycle)} wait on each other (a deadlock): "
+                f"rank {culprit} {hang_line(statuses[culprit], ages[culprit])}")
+    elif culprit not in statuses:
+        line = f"rank {culprit} never reported what it does (stuck while starting?){waiting}"
+    elif exit_codes[culprit] is not None:
+        ended = ("finished" if exit_codes[culprit] == 0
+                 else _how_it_ended(exit_codes[culprit]))
+        line = f"rank {culprit} {ended} while other ranks still wait for it{waiting}"
+    else:
+        line = f"rank {culprit} hangs: {hang_line(statuses[culprit], ages[culprit])}{waiting}"
+    return "\n".join(lines), line, culprit
+
+
+def _blocker(rank: int, statuses: dict[int, dict]) -> int | None:
+    """The rank that ``rank`` waits on: its peer, or for a collective the first member not
+    waiting in the same collective; None when it is not waiting."""
+    status = statuses[rank]
+    if not status.get("waiting"):
+        return None
+    if "peer" in status:
+        return status["peer"]
+    for peer in status.get("peers", []):
+        other = statuses.get(peer)
+        in_same = other is not None and other.get("waiting") and (
+            other.get("what"), other.get("peers")) == (status.get("what"), status.get("peers"))
+        if peer != rank and not in_same:
+            return peer
+    return None
+
+
+def _chain_end(rank: int, blocked_by: dict[int, int | None]) -> tuple[int, tuple[int, ...]]:
+    """Follow who waits on whom from ``rank``: the rank at the end, and the cycle if the
+    chain closes on itself (empty otherwise)."""
+    path = [rank]
+    while True:
+        nxt = blocked_by.get(path[-1])
+        if nxt is None:
+            return path[-1], ()
+        if nxt in path:
+            cycle = path[path.index(nxt):] + [nxt]
+            return min(cycle), tuple(cycle)
+        path.append(nxt)
+
+
+def _state(rank: int, statuses: dict, ages: dict, exit_codes: list, blocked_by: dict) -> str:
+    code = exit_codes[rank]
+    if code is not None:
+        return "finished" if code == 0 else _how_it_ended(code)
+    if rank not in statuses:
+        return "has not reported yet"
+    text = hang_line(statuses[rank], ages[rank])
+    blocker = blocked_by.get(rank)
+    return text + (f" -> rank {blocker}" if blocker is not None else "")
+
+
+def _ranks_word(ranks: list) -> str:
+    return "rank" if len(ranks) == 1 else "ranks"
+
+
+def _join(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)

@@ -1,0 +1,83 @@
+"""Fault injection: every fault stops the whole job, with one line naming the rank, and
+leaves no process behind (the catalogue is tests/fault_cases.py; benchmarks/faults.py
+prints the same cases as a table)."""
+
+import json
+import re
+import signal
+import subprocess
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from fault_cases import CASES, command, run_case
+from meshpipe.train import checkpoint
+
+# Generous: a hang is stopped after --hang-timeout 5 s; everything else within seconds.
+STOP_BOUND_S = 45
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_fault_stops_the_job_with_one_line(case, tmp_path):
+    outcome = run_case(case, tmp_path)
+    context = f"{case.name}: exit {outcome.status}, last line {outcome.last_line!r}\n" \
+              f"{outcome.stderr[-3000:]}"
+    assert outcome.status == case.status, context
+    assert outcome.leftovers == [], context
+    if case.status not in (0, -signal.SIGKILL):
+        assert "Traceback" not in outcome.stderr, context
+    if case.says:
+        assert re.search(case.says, outcome.last_line), context
+    if case.rank is not None:
+        assert outcome.named_rank == case.rank, context
+    if case.status in (1, 130, 143):
+        assert outcome.seconds < STOP_BOUND_S, context
+    if case.status == 1:
+        logs = outcome.out_dir / "logs"
+        assert (logs / "failure.txt").exists() or (logs / "hang.txt").exists(), context
+
+
+def _losses(out_dir):
+    lines = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in lines if "loss" in r]
+
+
+def test_kill_during_a_save_resumes_from_the_previous_checkpoint_exactly(tmp_path):
+    """Acceptance: kill -9 of one worker during a save, then --resume, equals a straight
+    run, bit for bit; the torn save is not used."""
+    kill = next(c for c in CASES if c.name == "kill during a checkpoint save")
+    killed = run_case(kill, tmp_path / "killed")
+    assert killed.status == 1 and killed.leftovers == []
+    saved = [c.step for c in checkpoint.complete_checkpoints(killed.out_dir / "checkpoint")]
+    assert sorted(saved) == [0, 1]
+    resumed = subprocess.run(command((*kill.args, "--resume"), killed.out_dir),
+                             capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step-000001" in resumed.stdout
+    straight_dir = tmp_path / "straight"
+    straight = subprocess.run(command(kill.args, straight_dir), capture_output=True,
+                              text=True, timeout=240)
+    assert straight.returncode == 0, straight.stderr
+    assert _losses(killed.out_dir) == _losses(straight_dir)
+    assert len(_losses(straight_dir)) == 4
+
+
+def test_a_skipped_non_finite_step_keeps_nan_out_of_the_weights(tmp_path):
+    skip = next(c for c in CASES if c.name == "non-finite loss, skipped")
+    outcome = run_case(skip, tmp_path)
+    assert outcome.status == 0, outcome.stderr
+    records = [json.loads(line) for line in
+               (outcome.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("nonfinite", False) for r in records] == [False, True, False]
+    assert records[1]["loss"] is None  # strict JSON: no bare NaN
+    assert all(r["loss"] is not None for r in (records[0], records[2]))
+    metrics = json.loads((outcome.out_dir / "metrics.json").read_text())
+    assert metrics["summary"]["nonfinite_steps"] == 1
+    newest = checkpoint.newest(outcome.out_dir / "checkpoint")
+    assert newest.step == 2
+    whole = tmp_path / "whole.pt"
+    dcp_to_torch_save(newest.directory, whole)
+    weights = {k: v for k, v in torch.load(whole, weights_only=False).items()
+               if k.startswith("model.")}
+    assert weights and all(torch.isfinite(v).all() for v in weights.values())
