@@ -141,7 +141,7 @@ def run_case(case: Case, workdir: Path, timeout: float = 240) -> Outcome:
     process = subprocess.Popen(command(case.args, out), env=env, stderr=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
     if case.send_signal is not None:
-        _wait_for_training(out / "metrics.jsonl", process, timeout)
+        wait_for_training(out / "metrics.jsonl", process, timeout)
         start = time.time()
         process.send_signal(case.send_signal)
     try:
@@ -159,7 +159,7 @@ def run_case(case: Case, workdir: Path, timeout: float = 240) -> Outcome:
                    "\n".join(lines), _leftovers(tag), out)
 
 
-def _wait_for_training(metrics: Path, process: subprocess.Popen, timeout: float) -> None:
+def wait_for_training(metrics: Path, process: subprocess.Popen, timeout: float) -> None:
     """Until the first step's line is in metrics.jsonl (the workers are training)."""
     deadline = time.time() + timeout
     while time.time() < deadline and process.poll() is None:

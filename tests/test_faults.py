@@ -3,15 +3,18 @@ leaves no process behind (the catalogue is tests/fault_cases.py; benchmarks/faul
 prints the same cases as a table)."""
 
 import json
+import os
 import re
 import signal
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from fault_cases import CASES, command, run_case
+from fault_cases import CASES, PP2, wait_for_training, command, run_case
 from meshpipe.train import checkpoint
 
 # Generous: a hang is stopped after --hang-timeout 5 s; everything else within seconds.
@@ -81,3 +84,31 @@ def test_a_skipped_non_finite_step_keeps_nan_out_of_the_weights(tmp_path):
     weights = {k: v for k, v in torch.load(whole, weights_only=False).items()
                if k.startswith("model.")}
     assert weights and all(torch.isfinite(v).all() for v in weights.values())
+
+
+def test_sigusr1_prints_who_waits_on_whom_without_stopping(tmp_path):
+    out = tmp_path / "run"
+    process = subprocess.Popen(command(("--pp", "2", "--steps", "100000"), out),
+                               stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    wait_for_training(out / "metrics.jsonl", process, 240)
+    process.send_signal(signal.SIGUSR1)
+    time.sleep(1.5)
+    assert process.poll() is None  # still training
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert "who waits on whom" in stderr and "  rank 1: " in stderr, stderr
+
+
+def test_under_torchrun_every_rank_names_the_rank_that_failed(tmp_path):
+    """torchrun's own failure handling stops the job; each rank prints the same culprit."""
+    env = {**os.environ, "MESHPIPE_FAULT": "kind=raise,at=forward,rank=1,step=1"}
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           *command(PP2, tmp_path / "run")[1:]]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines()
+             if line.startswith("meshpipe: training failed:")]
+    assert len(lines) == 2, done.stderr[-3000:]
+    assert all(line.startswith("meshpipe: training failed: rank 1 failed") for line in lines)
+    assert all("injected fault at forward of step 1" in line for line in lines)

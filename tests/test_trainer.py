@@ -89,10 +89,22 @@ def test_learning_rate_warms_up_then_decays():
     (dict(lr=-1.0), "need 0 < --lr"),
     (dict(lr=1e-3, min_lr=1e-2), "--min-lr <= --lr"),
     (dict(steps=3, timeline_step=5), "--timeline-step 5 is after the last step 3"),
+    (dict(lr=float("inf")), "--lr must be a finite number, got inf"),
+    (dict(min_lr=float("nan")), "--min-lr must be a finite number, got nan"),
+    (dict(grad_clip=float("nan")), "--grad-clip must be a finite number, got nan"),
+    (dict(hang_timeout=0.0), "--hang-timeout must be > 0"),
+    (dict(keep_checkpoints=0), "--keep-checkpoints must be >= 1"),
+    (dict(schedule="zb-v", vpp=3), "zb-v places 2 stages per pipeline rank"),
 ])
 def test_bad_configuration_is_rejected_with_the_fix(bad, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**bad)
+
+
+def test_v_schedules_record_the_two_stages_per_rank_they_run():
+    for schedule in ("zb-v", "dualpipe-v"):
+        config = TrainConfig(schedule=schedule)
+        assert config.vpp == 2 and config.to_dict()["vpp"] == 2
 
 
 def test_cli_trains_and_writes_metrics(tmp_path):

@@ -27,12 +27,13 @@ def read_statuses(control: Path, world_size: int) -> dict[int, dict[str, Any]]:
     return statuses
 
 
-def failure_report(records: list[dict], unrecorded: dict[int, dict], world_size: int
-                   ) -> tuple[str, int, str]:
+def failure_report(records: list[dict], unrecorded: dict[int, dict], world_size: int,
+                   log_dir: Path | None = None) -> tuple[str, int, str]:
     """(one line, the rank that failed first, the details) of a failed job.
 
     ``records`` are the errors ranks recorded; ``unrecorded`` the ranks that ended without
-    one (killed, os._exit), with their exit code and last status. A recorded error that only
+    one (killed, os._exit), with their exit code and last status; ``log_dir`` holds each
+    rank's log (named in the line). A recorded error that only
     reports another rank's failure (a stop notice, a closed connection) is a consequence:
     the first real error wins, then a rank that died, then the first consequence.
     """
@@ -42,7 +43,7 @@ def failure_report(records: list[dict], unrecorded: dict[int, dict], world_size:
                         for r in causes + consequences)
     if causes:
         first = causes[0]
-        line = f"rank {first['rank']} failed at {first['where']}: {first['cause']}"
+        line = _failed(first)
         rank = first["rank"]
         line += _also(first, causes[1:])
     elif unrecorded:
@@ -52,16 +53,28 @@ def failure_report(records: list[dict], unrecorded: dict[int, dict], world_size:
         place = death.get("where") or (describe(status) if status else None)
         where = f"at {place}" if place else "before it reported any activity"
         line = f"rank {rank} {_how_it_ended(death['exit_code'])} {where}"
+        if log_dir is not None:
+            line += f" (its output is in {Path(log_dir) / f'rank-{rank}.log'})"
+        return line, rank, details
     elif consequences:
         first = consequences[0]
         rank = first["rank"]
-        line = f"rank {rank} failed at {first['where']}: {first['cause']}"
+        line = _failed(first)
     else:
         return f"the job failed on {world_size} ranks without a report", 0, details
     log = next((r["log"] for r in causes + consequences if r["rank"] == rank and r["log"]), None)
     if log:
         line += f" (traceback in {log})"
     return line, rank, details
+
+
+def _failed(record: dict) -> str:
+    """"rank R failed at <where>: <cause>", and who reported it when another rank did (a
+    stop notice names the rank that failed first)."""
+    where = f" at {record['where']}" if record.get("where") else ""
+    line = f"rank {record['rank']} failed{where}: {record['cause']}"
+    reporter = record.get("reported_by", record["rank"])
+    return line if reporter == record["rank"] else f"{line} (reported by rank {reporter})"
 
 
 def _also(first: dict, others: list[dict]) -> str:

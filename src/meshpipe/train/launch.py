@@ -143,6 +143,7 @@ def _launch_under_torchrun(fn, world_size, args, threads, timeout_s,
         _run_rank(rank, fn, args, None, world_size, threads, timeout_s, supervision, None, None)
     except BaseException as error:
         record = _failure_record(rank, error, supervision.log_dir)
+        _append_to_log(_rank_log(supervision.log_dir, rank), record["traceback"])
         raise LaunchError(failure_report([record], {}, world_size)[0], rank,
                           record["traceback"]) from None
 
@@ -192,7 +193,8 @@ def _supervise(processes: list, control: Path, supervision: Supervision,
             if code not in (None, 0) and rank not in deaths:
                 deaths[rank] = (now, code)
         records = _error_records(control)
-        if records and not deaths and all(r["consequence"] for r in records):
+        silent_deaths = set(deaths) - {r["reported_by"] for r in records}
+        if records and not silent_deaths and all(r["consequence"] for r in records):
             # A peer's stop notice can be recorded before the error that caused it: give
             # the failing rank a moment to record its own before stopping everyone.
             first_consequence = first_consequence or now
@@ -204,7 +206,8 @@ def _supervise(processes: list, control: Path, supervision: Supervision,
             records = _error_records(control)
             statuses = read_statuses(control, world_size)
             died = _unrecorded(deaths, records, statuses, control)
-            line, rank, details = failure_report(records, died, world_size)
+            line, rank, details = failure_report(records, died, world_size,
+                                                 supervision.log_dir)
             _keep_log(supervision.log_dir, "failure.txt", details + "\n" + line)
             raise LaunchError(line, rank, details)
         if signals.stops:
@@ -228,8 +231,8 @@ def _supervise(processes: list, control: Path, supervision: Supervision,
             raise LaunchError(line, rank, picture)
         if signals.dump_requested:
             signals.dump_requested = False
-            print(hang_report(statuses, now, 0.0, codes, always=True)[0], file=sys.stderr,
-                  flush=True)
+            print(hang_report(statuses, now, supervision.hang_timeout, codes, always=True)[0],
+                  file=sys.stderr, flush=True)
         time.sleep(POLL_S)
 
 
@@ -296,26 +299,34 @@ def _failure_record(rank: int, error: BaseException, log_dir: Path | None) -> di
     rank and place to blame says so (``blamed_rank``, ``where``: a NaN every rank detects)."""
     where = getattr(error, "where", None) or activity.describe(
         activity.first_failure() or activity.snapshot())
+    blamed, cause = getattr(error, "blamed_rank", rank), activity.one_line(_root_cause(error))
+    if isinstance(error, PeerFailedError):  # a stop notice says who failed first, and why
+        blamed, cause, where = error.failed_rank, error.reason, None
     log = _rank_log(log_dir, rank)
-    return {"rank": getattr(error, "blamed_rank", rank), "reported_by": rank,
-            "time": time.time(), "traceback": traceback.format_exc(),
-            "consequence": _is_consequence(error),
-            "cause": activity.one_line(_root_cause(error))[:400],
-            "where": where, "log": str(log) if log else None}
+    return {"rank": blamed, "reported_by": rank, "time": time.time(),
+            "traceback": traceback.format_exc(), "consequence": _is_consequence(error),
+            "cause": cause[:400], "where": where, "log": str(log) if log else None}
+
+
+def _append_to_log(log: Path | None, text: str) -> None:
+    if log is not None:
+        with open(log, "a", encoding="utf-8") as stream:
+            stream.write(text)
 
 
 def _rank_log(log_dir: Path | None, rank: int) -> Path | None:
     return Path(log_dir) / f"rank-{rank}.log" if log_dir is not None else None
 
 
-def _send_output_to_log(log: Path, rank: int) -> None:
+def _send_output_to_log(log: Path, keep_terminal: bool) -> None:
     """Everything this rank writes to stderr (C++ warnings too) and Python warnings go to
-    its log; rank 0 keeps the terminal for its progress bar."""
+    its log; with ``keep_terminal`` Python's own stderr (a progress bar, the one-line report
+    of a failure) still reaches the terminal."""
     log.parent.mkdir(parents=True, exist_ok=True)
     stream = open(log, "a", buffering=1, encoding="utf-8")
     terminal = os.dup(2)
     os.dup2(stream.fileno(), 2)
-    sys.stderr = os.fdopen(terminal, "w", buffering=1) if rank == 0 else stream
+    sys.stderr = os.fdopen(terminal, "w", buffering=1) if keep_terminal else stream
     warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: (
         stream.write(warnings.formatwarning(message, category, filename, lineno, line)))
 
@@ -329,7 +340,8 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str |
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which decides
     log = _rank_log(supervision.log_dir, rank)
     if log is not None:
-        _send_output_to_log(log, rank)
+        # Under torchrun each rank reports its own failure in one line on the terminal.
+        _send_output_to_log(log, keep_terminal=rank == 0 or control is None)
     reporter = activity.Reporter(rank, control, supervision.hang_timeout,
                                  parent_pid=launcher_pid, judge_hangs=control is None).start()
     device = device_for_this_rank()
@@ -345,9 +357,7 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str |
         if control is None:
             raise
         record = _failure_record(rank, error, supervision.log_dir)
-        if log is not None:
-            with open(log, "a", encoding="utf-8") as stream:
-                stream.write(record["traceback"])
+        _append_to_log(log, record["traceback"])
         temporary = control / f"error-{rank}.tmp"
         temporary.write_text(json.dumps(record))
         os.replace(temporary, control / f"error-{rank}.json")

@@ -62,16 +62,17 @@ from meshpipe.topology import Topology, new_groups
 from meshpipe.train import checkpoint, faults
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, encode, load_corpus
+from meshpipe.train.launch import (PROCESS_GROUP_TIMEOUT_S, Supervision, device_for_this_rank,
+                                   launch, under_torchrun)
 from meshpipe.train.metrics import FILE_NAME as METRICS_FILE
 from meshpipe.train.metrics import MetricsLog, dumps
 from meshpipe.train.metrics import read as read_metrics
-from meshpipe.train.launch import (PROCESS_GROUP_TIMEOUT_S, Supervision, device_for_this_rank,
-                                   launch, under_torchrun)
 from meshpipe.train.resume import ResumePlan, plan_resume
 
 # With --check, the other ranks wait while rank 0 recomputes the whole step in one process.
 CHECK_TIMEOUT_S = 900.0
-# A checkpoint save may take this many hang timeouts before it counts as a hang.
+# Setting up, saving or loading a checkpoint may take this many hang timeouts before it
+# counts as a hang.
 SAVE_PATIENCE = 10
 
 
@@ -96,8 +97,8 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
     out = check_out_dir(config.out_dir)
     plan = plan_resume(config) if config.resume else None
     is_main = not under_torchrun() or int(os.environ["RANK"]) == 0
-    if plan is not None and is_main:
-        for note in plan.notes:
+    if is_main:
+        for note in plan.notes if plan is not None else _earlier_checkpoints_note(out):
             print(f"meshpipe: {note}", flush=True)
     launch(_fit_on_this_rank, config.world_size, config, plan, uuid.uuid4().hex[:12],
            timeout_s=process_group_timeout(config),
@@ -107,6 +108,16 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
         return None
     metrics_file = out / "metrics.json"
     return json.loads(metrics_file.read_text()) if metrics_file.exists() else None
+
+
+def _earlier_checkpoints_note(out: Path) -> list[str]:
+    """A fresh run leaves the checkpoints of earlier runs in its --out-dir alone: say so."""
+    earlier = checkpoint.complete_checkpoints(out / "checkpoint")
+    if not earlier:
+        return []
+    return [f"{out / 'checkpoint'} holds {len(earlier)} checkpoint(s) of earlier runs; this "
+            "run leaves them (one of the same step is replaced) and --resume will take this "
+            "run's newest; remove them or use another --out-dir to free the space"]
 
 
 def process_group_timeout(config: TrainConfig) -> float:
@@ -138,7 +149,11 @@ def check_out_dir(out_dir: str) -> Path:
 
 
 def _fit_on_this_rank(config: TrainConfig, plan: ResumePlan | None, run_id: str) -> None:
-    Trainer(config, resume=plan, run_id=run_id).fit()
+    # Building a large model and its process groups may take a while: not a hang.
+    with activity.doing("setting up this rank's stages and groups",
+                        limit=SAVE_PATIENCE * config.hang_timeout):
+        trainer = Trainer(config, resume=plan, run_id=run_id)
+    trainer.fit()
 
 
 def build_schedule(config: TrainConfig, forward_only: bool = False) -> Schedule:
