@@ -46,13 +46,18 @@ def test_training_step_matches_single_process(layout):
     assert report["passed"], report
 
 
+def resume_plan(config, rewind_to):
+    """A plan resuming from the checkpoint directory ``rewind_to`` (not the newest); None
+    without one."""
+    if rewind_to is None:
+        return None
+    info = checkpoint.read_info(Path(config.out_dir) / "checkpoint" / rewind_to)
+    return ResumePlan(checkpoint=info, start_step=info.step + 1)
+
+
 def _train(rank, world_size, config, rewind_to=None):
-    """Train; with ``rewind_to``, resume from that checkpoint directory (not the newest)."""
-    plan = None
-    if rewind_to is not None:
-        info = checkpoint.read_info(Path(config.out_dir) / "checkpoint" / rewind_to)
-        plan = ResumePlan(checkpoint=info, start_step=info.step + 1)
-    metrics = Trainer(config, resume=plan).fit()
+    """Train; with ``rewind_to``, resume from that checkpoint directory."""
+    metrics = Trainer(config, resume=resume_plan(config, rewind_to)).fit()
     return [h["loss"] for h in metrics["history"]]
 
 

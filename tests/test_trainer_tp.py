@@ -5,18 +5,15 @@ in one process on rank 0 (in the run's precision) and compares loss and every gr
 with the tensor-parallel shards put back together.
 """
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from meshpipe.testing import run_distributed
-from meshpipe.train import checkpoint
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.resume import ResumePlan
 from meshpipe.train.trainer import Trainer, run as run_training
 
-from test_trainer import SMALL, _check_first_step, _train
+from test_trainer import SMALL, _check_first_step, _train, resume_plan
 
 LAYOUTS = {
     "pp2-tp2": dict(pp=2, tp=2),
@@ -97,11 +94,7 @@ def test_resume_a_tensor_parallel_run_without_tensor_parallelism(tmp_path):
 
 
 def _train_fp16_and_report_scale(rank, world_size, config, rewind_to=None):
-    plan = None
-    if rewind_to is not None:
-        info = checkpoint.read_info(Path(config.out_dir) / "checkpoint" / rewind_to)
-        plan = ResumePlan(checkpoint=info, start_step=info.step + 1)
-    trainer = Trainer(config, resume=plan)
+    trainer = Trainer(config, resume=resume_plan(config, rewind_to))
     metrics = trainer.fit()
     return [h["loss"] for h in metrics["history"]], trainer.scaler.state_dict()
 

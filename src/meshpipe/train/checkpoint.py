@@ -19,6 +19,7 @@ Each run rotates only its own checkpoints (``keep`` newest); other runs' are lef
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -187,12 +188,10 @@ def _fsync_directory(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
-    try:
+    # Some filesystems do not fsync directories; the rename happened all the same.
+    with contextlib.suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass  # some filesystems do not fsync directories; the rename still happened
-    finally:
-        os.close(fd)
+    os.close(fd)
 
 
 def _write_json_durably(path: Path, value: Any) -> None:

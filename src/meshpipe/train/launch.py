@@ -22,6 +22,7 @@ Locally it spawns ``world_size`` processes (gloo, CPU, one thread each) and supe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -274,11 +275,10 @@ def _stop_all(processes: list) -> None:
 def _keep_log(log_dir: Path | None, name: str, text: str) -> None:
     if log_dir is None:
         return
-    try:
+    # The report is printed anyway: a full disk must not hide it behind an OSError.
+    with contextlib.suppress(OSError):
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         (Path(log_dir) / name).write_text(text + "\n")
-    except OSError:
-        pass  # the report is printed anyway; a full disk must not hide it
 
 
 def _is_consequence(error: BaseException) -> bool:
