@@ -2,6 +2,7 @@
 
 import json
 import math
+import time
 
 import pytest
 
@@ -89,19 +90,20 @@ def test_activity_snapshot_nests_and_remembers_where_the_first_error_was():
 
 
 def test_the_reporter_writes_status_files_the_launcher_reads(tmp_path):
+    """Read the status while the activity lasts: once it ends the reporter writes 'idle'."""
     activity.reset()
     reporter = activity.Reporter(0, tmp_path, 30.0, interval_s=0.01).start()
+    seen = {}
     try:
         with activity.doing("3F0", stage=3):
-            import time
             deadline = time.time() + 5
-            while time.time() < deadline and "stage" not in read_statuses(tmp_path, 1).get(
-                    0, {}):
+            while time.time() < deadline and "stage" not in seen:
+                seen = read_statuses(tmp_path, 1).get(0, {})
                 time.sleep(0.01)
     finally:
         reporter.stop()
         activity.reset()
-    assert read_statuses(tmp_path, 1)[0]["stage"] == 3
+    assert seen["stage"] == 3
 
 
 def test_metrics_lines_are_strict_json_and_a_resume_continues_the_history(tmp_path):
