@@ -1,0 +1,382 @@
+"""Hugging Face decoders (Llama, Mistral, Qwen2) as meshpipe pipeline stages.
+
+The modeling code is transformers' own: the model is built from its ``config.json`` on the
+meta device (no memory, no initialisation), cut into chunks of consecutive decoder layers
+like the reference transformer (``meshpipe.models.split``), and only the chunks a rank runs
+are materialised, from just their tensors in the safetensors files. No rank reads the whole
+model.
+
+Attention goes through transformers' attention-function registry: the name ``"meshpipe"``
+maps to an adapter that hands the rotated q, k, v to a meshpipe attention (local, Ulysses,
+ring, hybrid) with the token positions and document ids of meshpipe's shard layout, which
+travel to it as keyword arguments of the decoder layers. RoPE is computed by the model's own
+rotary embedding from those positions, so a zigzag or packed shard rotates correctly.
+
+Parameter names are the model's own (``model.layers.3.self_attn.q_proj.weight``), which is
+what checkpoints record and what ``export_model`` writes back as safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from meshpipe.context.interface import Attention
+from meshpipe.context.local import LocalAttention
+from meshpipe.models.transformer import _maybe_checkpoint, default_positions
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ATTENTION_NAME = "meshpipe"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Files of a model directory that describe it beside its weights; export copies them.
+DESCRIPTION_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                     "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                     "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def _transformers():
+    """transformers, or a one-line error saying how to install it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("--model needs the Hugging Face extra: pip install 'meshpipe[hf]' "
+                         "(transformers, safetensors, tokenizers)") from None
+    return transformers
+
+
+@dataclass(frozen=True)
+class HFModelInfo:
+    """What the launcher checks of a model directory before any process starts."""
+
+    directory: Path
+    model_type: str
+    num_layers: int
+    vocab_size: int
+    max_positions: int
+    tie_embeddings: bool
+    weight_files: tuple[Path, ...]
+
+
+def inspect_model(directory: str | Path) -> HFModelInfo:
+    """Read ``config.json`` and find the safetensors files; one-line ValueErrors for a
+    directory meshpipe cannot train."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"--model {path} is not a directory: give a Hugging Face model "
+                         "directory (config.json + *.safetensors, as save_pretrained writes)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"--model {path} has no config.json: give the directory "
+                         "save_pretrained wrote")
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{config_file} is not valid JSON ({error})") from None
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"--model {path} is a {model_type!r} model; meshpipe trains these "
+                         f"decoder architectures: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    config = load_config(path)
+    if getattr(config, "attention_dropout", 0.0):
+        raise ValueError(f"--model {path} has attention_dropout {config.attention_dropout}; "
+                         "meshpipe's attention has no dropout: set it to 0.0 in config.json")
+    return HFModelInfo(directory=path, model_type=model_type,
+                       num_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
+                       max_positions=config.max_position_embeddings,
+                       tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                       weight_files=weight_files(path))
+
+
+def load_config(directory: str | Path):
+    """The model's transformers config (read offline)."""
+    transformers = _transformers()
+    return transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+
+
+def weight_files(directory: Path) -> tuple[Path, ...]:
+    """The safetensors files of a model directory (sharded or single)."""
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = tuple(directory / name for name in sorted(set(weight_map.values())))
+    else:
+        files = tuple(sorted(directory.glob("*.safetensors")))
+    if not files:
+        other = sorted(p.name for p in directory.glob("*.bin"))
+        hint = (f" (it has {', '.join(other)}: save it again with safe_serialization=True)"
+                if other else "")
+        raise ValueError(f"--model {directory} has no *.safetensors weights{hint}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"--model {directory}: {SAFETENSORS_INDEX} names missing weight files "
+                         f"{', '.join(missing)}")
+    return files
+
+
+def check_sequence_length(info: HFModelInfo, seq_len: int) -> None:
+    """A sequence longer than the model's positions, or than a sliding window meshpipe's
+    attention does not apply, is refused before training."""
+    if seq_len > info.max_positions:
+        raise ValueError(f"--seq-len {seq_len} is above the model's max_position_embeddings "
+                         f"{info.max_positions}: use --seq-len {info.max_positions} or less")
+    config = load_config(info.directory)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    slides = window is not None and (info.model_type == "mistral"
+                                     or "sliding_attention" in layer_types)
+    if slides and window < seq_len:
+        raise ValueError(f"--seq-len {seq_len} is longer than the model's sliding window "
+                         f"{window}, which meshpipe's attention does not apply: use --seq-len "
+                         f"{window} or less")
+
+
+def _attention_adapter(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                       attention_mask: Tensor | None, dropout: float = 0.0,
+                       scaling: float | None = None, meshpipe_attention: Attention | None = None,
+                       meshpipe_positions: Tensor | None = None,
+                       meshpipe_doc_ids: Tensor | None = None,
+                       **_: Any) -> tuple[Tensor, None]:
+    """transformers' attention-function signature over a meshpipe attention.
+
+    transformers hands q ``[batch, heads, seq, head_dim]`` and k, v with the key/value heads;
+    meshpipe's attentions take ``[batch, seq, heads, head_dim]`` and do grouped-query
+    attention themselves. The mask is meshpipe's (positions and document ids), never a
+    materialised one.
+    """
+    if meshpipe_attention is None:
+        raise RuntimeError("the 'meshpipe' attention runs only inside meshpipe's HFChunk, which "
+                           "passes the attention and the token positions to every layer")
+    head_dim = query.shape[-1]
+    if scaling is not None and not math.isclose(scaling, head_dim ** -0.5, rel_tol=1e-6):
+        raise ValueError(f"{type(module).__name__} scales attention by {scaling}, not "
+                         f"1/sqrt(head_dim); meshpipe's attention supports the standard scale")
+    if dropout:
+        raise ValueError("meshpipe's attention has no dropout: set attention_dropout to 0.0")
+    out = meshpipe_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                             positions=meshpipe_positions, doc_ids=meshpipe_doc_ids, causal=True)
+    return out, None
+
+
+def register_attention() -> None:
+    """Make ``attn_implementation="meshpipe"`` known to transformers (idempotent)."""
+    _transformers().AttentionInterface.register(ATTENTION_NAME, _attention_adapter)
+
+
+def build_skeleton(directory: str | Path) -> nn.Module:
+    """The whole causal LM on the meta device: modules and names, no memory, no weights;
+    only the rotary embedding is real (its small tables are computed, not stored)."""
+    transformers = _transformers()
+    register_attention()
+    config = load_config(directory)
+    config._attn_implementation = ATTENTION_NAME
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config,
+                                                              attn_implementation=ATTENTION_NAME)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    return model
+
+
+class HFChunk(nn.Module):
+    """Decoder layers ``[start, stop)`` of a Hugging Face causal LM, with the embedding if
+    first and the final norm and head if last; it speaks the pipeline messages of
+    ``meshpipe.models.split`` (``(tokens, positions, doc_ids)`` in, ``(hidden, positions,
+    doc_ids)`` between stages, logits out of the last)."""
+
+    def __init__(self, model: nn.Module, start: int, stop: int, *, first: bool, last: bool,
+                 attention: Attention, recompute: bool = False):
+        super().__init__()
+        base = model.model
+        self.is_first = first
+        self.is_last = last
+        self.layer_range = (start, stop)
+        self.attention = attention
+        self.recompute = recompute
+        if first:
+            self.embed_tokens = base.embed_tokens
+        self.layers = nn.ModuleDict({str(i): base.layers[i] for i in range(start, stop)})
+        if last:
+            self.norm = base.norm
+            self.lm_head = model.lm_head
+        self.rotary_emb = base.rotary_emb
+
+    def forward(self, x: Tensor, positions: Tensor | None = None,
+                doc_ids: Tensor | None = None) -> Any:
+        hidden = self.embed_tokens(x) if self.is_first else x
+        layer_positions = default_positions(x, positions, check_values=self.is_first)
+        position_ids = layer_positions.unsqueeze(0).expand(hidden.shape[0], -1)
+        rotary = self.rotary_emb(hidden, position_ids)
+        for layer in self.layers.values():
+            hidden = _maybe_checkpoint(self.recompute, self._layer, layer, hidden, rotary,
+                                       position_ids, layer_positions, doc_ids)
+        if self.is_last:
+            return self.lm_head(self.norm(hidden))
+        return hidden, positions, doc_ids
+
+    def _layer(self, layer: nn.Module, hidden: Tensor, rotary: tuple[Tensor, Tensor],
+               position_ids: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+        out = layer(hidden, position_embeddings=rotary, position_ids=position_ids,
+                    meshpipe_attention=self.attention, meshpipe_positions=positions,
+                    meshpipe_doc_ids=doc_ids)
+        return out[0] if isinstance(out, tuple) else out
+
+    def extra_repr(self) -> str:
+        start, stop = self.layer_range
+        return f"layers=[{start}, {stop}), first={self.is_first}, last={self.is_last}"
+
+
+def split_model(model: nn.Module, layers_per_stage: list[int], attention: Attention | None = None,
+                *, recompute: bool = False) -> list[HFChunk]:
+    """Chunks of consecutive decoder layers, ``layers_per_stage[s]`` on stage ``s`` (zeros
+    allowed), the embedding on the first and the head on the last."""
+    n_layers = len(model.model.layers)
+    if sum(layers_per_stage) != n_layers or min(layers_per_stage) < 0:
+        raise ValueError(f"layers_per_stage {layers_per_stage} must be non-negative and sum to "
+                         f"the model's {n_layers} layers")
+    attention = LocalAttention() if attention is None else attention
+    chunks, start = [], 0
+    for stage, count in enumerate(layers_per_stage):
+        chunks.append(HFChunk(model, start, start + count, first=stage == 0,
+                              last=stage == len(layers_per_stage) - 1, attention=attention,
+                              recompute=recompute))
+        start += count
+    return chunks
+
+
+class _WeightReader:
+    """Tensors by name from a model directory's safetensors files, read one at a time."""
+
+    def __init__(self, files: Iterable[Path]):
+        from safetensors import safe_open
+
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: handle for handle in self._handles for name in handle.keys()}
+        self.read: list[str] = []
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> Tensor:
+        self.read.append(name)
+        return self._where[name].get_tensor(name)
+
+
+def materialize(model: nn.Module, modules: Iterable[nn.Module], directory: str | Path,
+                device: torch.device | str = "cpu") -> dict[int, nn.Parameter]:
+    """Give ``modules`` (parts of ``model`` on the meta device) their weights from the model
+    directory, in float32 on ``device``; returns each real parameter by the id of the meta
+    parameter it replaced (whose name in ``full_names`` is its name).
+
+    A parameter shared by several names (tied embeddings) becomes one real parameter on this
+    rank, read under whichever of its names the files hold (tied checkpoints store only the
+    embedding). Only these modules' tensors are read from the files.
+    """
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    reader = _WeightReader(weight_files(Path(directory)))
+    real: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for owner in module.modules():
+            for attribute, param in list(owner.named_parameters(recurse=False)):
+                if id(param) in names_of and id(param) not in real:
+                    real[id(param)] = _read_parameter(reader, names_of[id(param)], param, device)
+                if id(param) in real:
+                    setattr(owner, attribute, real[id(param)])
+    return real
+
+
+def _read_parameter(reader: _WeightReader, names: list[str], param: nn.Parameter,
+                    device: torch.device | str) -> nn.Parameter:
+    name = next((n for n in names if reader.has(n)), None)
+    if name is None:
+        raise ValueError(f"the model's weights have no tensor {names[0]}: the safetensors "
+                         "files do not match config.json")
+    tensor = reader.get(name)
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"weight {name} has shape {tuple(tensor.shape)} where config.json "
+                         f"implies {tuple(param.shape)}")
+    return nn.Parameter(tensor.to(device=device, dtype=torch.float32),
+                        requires_grad=param.requires_grad)
+
+
+def full_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's name in the whole model (a tied head is the embedding)."""
+    return {id(param): name for name, param in model.named_parameters()}
+
+
+def export_model(state: dict[str, Tensor], model_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write ``state`` (full-model names, float32) as a directory transformers loads: the
+    model directory's config (in float32) and tokenizer files, and one safetensors file."""
+    from safetensors.torch import save_file
+
+    source, out = Path(model_dir), Path(out_dir)
+    config = load_config(source)
+    expected = {name for name, _ in build_skeleton(source).named_parameters()}
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} of the model's weights "
+                         f"({', '.join(missing[:3])}...): it was not written for {source}")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in DESCRIPTION_FILES:
+        if (source / name).is_file() and name != "config.json":
+            shutil.copyfile(source / name, out / name)
+    config.dtype = torch.float32
+    config.save_pretrained(str(out))
+    tensors = {name: state[name].detach().to("cpu", torch.float32).contiguous()
+               for name in sorted(expected)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+# The reference transformer's names, and the Llama names of the same weights.
+_LLAMA_NAMES = (("embedding.", "model.embed_tokens."), ("attention_norm.", "input_layernorm."),
+                ("mlp_norm.", "post_attention_layernorm."), ("attention.wq.", "self_attn.q_proj."),
+                ("attention.wk.", "self_attn.k_proj."), ("attention.wv.", "self_attn.v_proj."),
+                ("attention.wo.", "self_attn.o_proj."), ("mlp.w_gate.", "mlp.gate_proj."),
+                ("mlp.w_up.", "mlp.up_proj."), ("mlp.w_down.", "mlp.down_proj."))
+
+
+def llama_name(name: str) -> str:
+    """The transformers Llama name of a reference-transformer weight."""
+    if name.startswith("layers."):
+        name = "model." + name
+    elif name.startswith("norm."):
+        return "model." + name
+    elif name.startswith("head."):
+        return "lm_head." + name.removeprefix("head.")
+    for ours, theirs in _LLAMA_NAMES:
+        name = name.replace(ours, theirs)
+    return name
+
+
+def export_reference(state: dict[str, Tensor], config, out_dir: str | Path) -> Path:
+    """The reference transformer (a ``TransformerConfig`` without experts) as the
+    LlamaForCausalLM it is: same RMSNorm, rotary pairing, grouped-query attention, SwiGLU."""
+    transformers = _transformers()
+    from safetensors.torch import save_file
+
+    llama = transformers.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.dim,
+        intermediate_size=config.ffn_width, num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads, num_key_value_heads=config.kv_heads,
+        head_dim=config.head_dim, max_position_embeddings=config.max_seq_len,
+        rope_theta=config.rope_theta, rms_norm_eps=config.norm_eps,
+        tie_word_embeddings=config.tie_embeddings, attention_bias=False, mlp_bias=False)
+    tensors = {llama_name(name): tensor.detach().to("cpu", torch.float32).contiguous()
+               for name, tensor in state.items()}
+    if config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    llama.architectures = ["LlamaForCausalLM"]
+    llama.save_pretrained(str(out))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -1,0 +1,62 @@
+"""Tiny random Hugging Face decoders saved with save_pretrained, for tests (nothing is
+downloaded). ``transformers`` is imported lazily so that collecting tests does not need it."""
+
+from pathlib import Path
+
+import torch
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def tiny_config(arch: str, **overrides):
+    import transformers
+
+    sizes = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if arch == "mistral":
+        sizes["sliding_window"] = None
+    config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                    "qwen2": transformers.Qwen2Config}[arch]
+    return config_class(**{**sizes, **overrides})
+
+
+def save_tiny_model(directory: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random ``arch`` model of tiny sizes in ``directory`` (config.json + safetensors)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    config = tiny_config(arch, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(directory))
+    return Path(directory)
+
+
+def save_tiny_tokenizer(directory: Path, vocab_size: int = 300) -> Path:
+    """A byte-level BPE tokenizer of about ``vocab_size`` tokens (any text encodes), with
+    BOS/EOS, trained offline on a few sentences and saved with save_pretrained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20,
+                                  trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
+                            eos_token="</s>").save_pretrained(str(directory))
+    return Path(directory)
+
+
+def write_documents(path: Path, count: int = 60, seed: int = 0, max_words: int = 40) -> Path:
+    """A .txt of ``count`` documents of 1 to ``max_words`` words, separated by blank lines."""
+    import random
+
+    words = "the quick brown fox jumps over a lazy dog while pipelines overlap".split()
+    rng = random.Random(seed)
+    documents = [" ".join(rng.choice(words) for _ in range(rng.randint(1, max_words))) + "."
+                 for _ in range(count)]
+    path.write_text("\n\n".join(documents), encoding="utf-8")
+    return path

@@ -1,0 +1,140 @@
+"""Hugging Face decoders as meshpipe stages, in one process: the chunks are the upstream
+model, a rank reads only its stage's tensors, bad model directories fail in one line, and
+exports load back in transformers with the same logits."""
+
+import json
+
+import pytest
+import torch
+
+from hf_models import ARCHITECTURES, save_tiny_model
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()
+
+from meshpipe.context import LocalAttention  # noqa: E402
+from meshpipe.models import hf  # noqa: E402
+from meshpipe.models.transformer import Transformer, TransformerConfig  # noqa: E402
+
+
+def _upstream(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+
+
+def _chunks(directory, layers):
+    """Every stage's chunk with its weights, and the real parameters by full-model name."""
+    skeleton = hf.build_skeleton(directory)
+    chunks = hf.split_model(skeleton, layers, LocalAttention())
+    names = hf.full_names(skeleton)  # before materialising: keyed by the meta parameters
+    real = hf.materialize(skeleton, chunks, directory)
+    return chunks, {names[meta]: param for meta, param in real.items()}
+
+
+def _run(chunks, tokens, positions=None, doc_ids=None):
+    message = (tokens, positions, doc_ids)
+    for chunk in chunks[:-1]:
+        message = chunk(*message)
+    return chunks[-1](*message)
+
+
+@pytest.mark.parametrize("arch,tied", [(a, False) for a in ARCHITECTURES] + [("llama", True)])
+def test_stages_compute_the_upstream_logits(tmp_path, arch, tied):
+    directory = save_tiny_model(tmp_path, arch, tie_word_embeddings=tied)
+    chunks, _ = _chunks(directory, [1, 2, 1])
+    tokens = torch.randint(0, 256, (2, 24))
+    torch.testing.assert_close(_run(chunks, tokens), _upstream(directory)(tokens).logits)
+
+
+def test_packed_documents_attend_only_inside_themselves(tmp_path):
+    """Positions restart and document ids separate: a pack equals its documents run alone."""
+    directory = save_tiny_model(tmp_path)
+    chunks, _ = _chunks(directory, [2, 2])
+    tokens = torch.randint(0, 256, (1, 20))
+    lengths = [7, 13]
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+    packed = _run(chunks, tokens, positions, doc_ids)
+    upstream = _upstream(directory)
+    alone = torch.cat([upstream(piece).logits for piece in tokens.split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(packed, alone)
+
+
+def test_a_rank_reads_only_its_stage_tensors(tmp_path):
+    directory = save_tiny_model(tmp_path, tie_word_embeddings=True)
+    skeleton = hf.build_skeleton(directory)
+    chunks = hf.split_model(skeleton, [2, 2])
+    names = hf.full_names(skeleton)
+    read = []
+    original = hf._WeightReader.get
+
+    def spy(reader, name):
+        read.append(name)
+        return original(reader, name)
+
+    hf._WeightReader.get = spy
+    try:
+        real = hf.materialize(skeleton, [chunks[1]], directory)
+    finally:
+        hf._WeightReader.get = original
+    assert read and all(name.startswith(("model.layers.2.", "model.layers.3.", "model.norm."))
+                        or name == "model.embed_tokens.weight" for name in read)
+    assert not any(name.startswith(("model.layers.0.", "model.layers.1.")) for name in read)
+    # The tied head is read from the embedding tensor (tied checkpoints store only that)
+    # and keeps the embedding's name.
+    head = chunks[1].lm_head.weight
+    assert [names[meta] for meta, p in real.items() if p is head] == ["model.embed_tokens.weight"]
+    assert all(p.device.type == "meta" for p in chunks[0].parameters())
+
+
+def test_model_directories_meshpipe_cannot_train_fail_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match="is not a directory"):
+        hf.inspect_model(tmp_path / "missing")
+    with pytest.raises(ValueError, match="has no config.json"):
+        hf.inspect_model(tmp_path)
+    directory = save_tiny_model(tmp_path / "llama")
+    for weights in directory.glob("*.safetensors"):
+        weights.unlink()
+    (directory / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="no \\*.safetensors weights .*safe_serialization"):
+        hf.inspect_model(directory)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="'gpt2' model; meshpipe trains .*llama, mistral, qwen2"):
+        hf.inspect_model(gpt2)
+
+
+def test_sequences_the_model_cannot_take_are_refused(tmp_path):
+    info = hf.inspect_model(save_tiny_model(tmp_path / "a", max_position_embeddings=64))
+    hf.check_sequence_length(info, 64)
+    with pytest.raises(ValueError, match="--seq-len 65 is above .*max_position_embeddings 64"):
+        hf.check_sequence_length(info, 65)
+    windowed = hf.inspect_model(save_tiny_model(tmp_path / "b", "mistral", sliding_window=32))
+    hf.check_sequence_length(windowed, 32)
+    with pytest.raises(ValueError, match="longer than the model's sliding window 32"):
+        hf.check_sequence_length(windowed, 48)
+
+
+def test_an_export_loads_in_transformers_with_the_trained_weights(tmp_path):
+    directory = save_tiny_model(tmp_path / "model", "qwen2")
+    chunks, state = _chunks(directory, [2, 2])
+    with torch.no_grad():
+        for param in state.values():
+            param.add_(torch.randn_like(param) * 0.01)  # "trained"
+    exported = hf.export_model(state, directory, tmp_path / "export")
+    tokens = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(_upstream(exported)(tokens).logits, _run(chunks, tokens))
+    with pytest.raises(ValueError, match="lacks 1 of the model's weights"):
+        hf.export_model({k: v for k, v in state.items() if k != "model.norm.weight"}, directory,
+                        tmp_path / "bad")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_reference_transformer_exports_as_the_llama_it_is(tmp_path, tied):
+    config = TransformerConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                               tie_embeddings=tied)
+    model = Transformer(config)
+    state = {name: param.detach() for name, param in model.named_parameters()}
+    exported = hf.export_reference(state, config, tmp_path)
+    tokens = torch.randint(0, 256, (2, 32))
+    torch.testing.assert_close(_upstream(exported)(tokens).logits, model(tokens))
