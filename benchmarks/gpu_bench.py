@@ -46,7 +46,8 @@ from meshpipe.models import Transformer, causal_lm_loss
 from meshpipe.runtime import autocast
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.launch import backend_for
-from meshpipe.train.trainer import Trainer, model_config
+from meshpipe.train.sources import model_config
+from meshpipe.train.trainer import Trainer
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -16,7 +16,8 @@ from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
 from meshpipe.train import checkpoint
 from meshpipe.train.resume import ResumePlan
-from meshpipe.train.trainer import Trainer, compare_with_single_process, lr_at, reference_gradients
+from meshpipe.train.sources import reference_step as reference_gradients
+from meshpipe.train.trainer import Trainer, compare_with_single_process, lr_at
 
 SMALL = dict(dim=32, layers=4, heads=4, kv_heads=2, seq_len=16, microbatch_size=2, steps=4,
              eval_every=0, timeline_step=0, progress=False)

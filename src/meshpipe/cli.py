@@ -2,7 +2,8 @@
 
 ``meshpipe schedule show`` builds, validates, simulates and draws one schedule;
 ``meshpipe schedule compare`` tabulates every schedule under one cost model;
-``meshpipe train`` trains the reference transformer (every flag is a TrainConfig field);
+``meshpipe train`` trains the reference transformer (every flag is a TrainConfig field, and
+``--config run.toml`` gives them as a file);
 ``meshpipe demo`` runs the project's showcase. Bad input prints one line and exits 2; a
 failed training run (a rank raised, or --check found a difference) exits 1.
 """
@@ -190,12 +191,29 @@ def _parser() -> _Parser:
     comparison.set_defaults(handler=_compare)
 
     train = commands.add_parser(
-        "train", help="train the reference transformer on the shipped corpus",
-        description="Train the reference transformer with any pipeline schedule and "
-        "context-parallel layout: local CPU processes by default, or the processes torchrun "
-        "started. Every flag is a field of meshpipe.train.TrainConfig.")
+        "train", help="train the reference transformer or a Hugging Face decoder (--model) on "
+        "the shipped corpus or your text (--data)",
+        description="Train the reference transformer, or a Hugging Face Llama, Mistral or "
+        "Qwen2 directory (--model), with any pipeline schedule and context-parallel layout, "
+        "on the shipped corpus or your own text (--data): local CPU processes by default, or "
+        "the processes torchrun started. Every flag is a field of meshpipe.train.TrainConfig; --config run.toml "
+        "gives them as a TOML file, and the flags given on the command line override it.")
     add_train_arguments(train)
     train.set_defaults(handler=_train)
+
+    export = commands.add_parser(
+        "export", help="write a checkpoint as a directory transformers loads",
+        description="Write a checkpoint as a Hugging Face directory (config.json + "
+        "safetensors) that transformers.AutoModelForCausalLM.from_pretrained loads: a --model "
+        "run in its own architecture and names, a reference-transformer run as a Llama.")
+    export.add_argument("--checkpoint", type=Path, required=True,
+                        help="a checkpoint directory (<out-dir>/checkpoint/step-NNNNNN), or a "
+                        "run's out-dir or checkpoint root (its newest complete checkpoint)")
+    export.add_argument("--out", type=Path, required=True, help="directory to write")
+    export.add_argument("--model", default=None,
+                        help="the Hugging Face model directory the run trained (default: the "
+                        "one its checkpoint records)")
+    export.set_defaults(handler=_export)
 
     demo = commands.add_parser("demo", help="the showcase: train PP=2 x CP=2 on 4 processes, "
                                "then compare the schedules and draw one")
@@ -314,6 +332,16 @@ def _train_and_report(config: TrainConfig) -> int:
         return stop.exit_code
     check = (metrics or {}).get("check")
     return 1 if check and not check["passed"] else 0
+
+
+def _export(args: argparse.Namespace, out: TextIO) -> int:
+    from meshpipe.train import checkpoint, sources
+
+    saved = checkpoint.find(args.checkpoint)
+    model = saved.config.get("model", "") if args.model is None else args.model
+    exported = sources.export(saved.directory, args.out, model)
+    out.write(f"exported step {saved.step} of {saved.directory} to {exported}\n")
+    return 0
 
 
 DEMO_CONFIG = TrainConfig(pp=2, cp_ring=2, schedule="1f1b", microbatches=4, microbatch_size=4,

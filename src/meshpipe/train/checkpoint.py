@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -327,3 +328,32 @@ def load(directory: Path, parameters: NamedParameters, optimizer: torch.optim.Op
         saved = {key.removeprefix(_SCALER_PREFIX): state[key].item() for key in scaler_entries}
         scaler.load_state_dict(saved)
     return int(state["meta.step"])
+
+
+def find(path: Path) -> CheckpointInfo:
+    """The complete checkpoint at ``path``: the checkpoint itself, or the newest under a
+    checkpoint root or a run's out-dir; a one-line ValueError if there is none."""
+    path = Path(path)
+    found = read_info(path) or newest(path) or newest(path / "checkpoint")
+    if found is None:
+        raise ValueError(f"{path} holds no complete checkpoint: give a step-NNNNNN directory, "
+                         "or the out-dir of a run that saved one")
+    return found
+
+
+def read_model_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every model weight of a complete checkpoint, whole, by full-model name, read in this
+    one process (no process group): what an export writes."""
+    directory = Path(directory)
+    if read_info(directory) is None:
+        raise ValueError(f"{directory} is not a complete checkpoint (no {META_FILE} and "
+                         f"{DCP_METADATA}): give a step-NNNNNN directory under "
+                         "<out-dir>/checkpoint")
+    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    state = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+             for key, entry in saved.items()
+             if key.startswith("model.") and hasattr(entry, "size")}
+    with warnings.catch_warnings():  # dcp warns that it loads in one process: the intent
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+    return {key.removeprefix("model."): tensor for key, tensor in state.items()}

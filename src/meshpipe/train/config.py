@@ -1,7 +1,8 @@
 """Training configuration: one dataclass, also the source of the ``meshpipe train`` flags.
 
 Every field becomes a ``--flag`` (underscores become dashes) with its default and the help
-text from ``FIELD_HELP``, so the CLI never drifts from the library.
+text from ``FIELD_HELP``, so the CLI never drifts from the library. ``--config run.toml``
+gives them as a TOML file (``meshpipe.train.toml_config``); the flags given override it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ STAGE_LINKS = ("root", "fanout")
 RECOMPUTE_MODES = ("none", "full", "selective")
 # Schedules whose placement is a V: two stages per pipeline rank whatever --vpp says.
 V_SCHEDULES = ("zb-v", "dualpipe-v")
+# Flags that describe the reference transformer: a --model directory's config.json says them.
+_REFERENCE_MODEL_FLAGS = ("dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts")
 # Flags that only mean something with --moe-experts > 0.
 _EXPERT_FLAGS = ("moe_top_k", "moe_every", "moe_aux_coef", "moe_capacity_factor", "ep")
 
@@ -45,6 +48,13 @@ class TrainConfig:
     microbatches: int = 4
     microbatch_size: int = 2
     seq_len: int = 64
+    # your model and data (empty: the reference transformer on the shipped corpus)
+    model: str = ""
+    data: str = ""
+    tokenizer: str = ""
+    pack: bool = False
+    data_cache: str = ""
+    export: str = ""
     # model
     dim: int = 64
     layers: int = 4
@@ -135,7 +145,35 @@ class TrainConfig:
                              f"divisible; use a multiple of {2 * self.cp_ring}")
         self._check_tensor_parallelism()
         self._check_experts()
+        self._check_model_and_data()
         self.layout  # noqa: B018 - raises on invalid sizes
+
+    def _check_model_and_data(self) -> None:
+        if self.model:
+            given = [f"--{_flag(field.name)}" for field in dataclasses.fields(self)
+                     if field.name in _REFERENCE_MODEL_FLAGS
+                     and getattr(self, field.name) != field.default]
+            if given:
+                raise ValueError(f"{', '.join(given)} describe the reference transformer; with "
+                                 f"--model {self.model} the sizes come from its config.json: "
+                                 "drop them")
+            if self.tp > 1 or self.stage_tp:
+                raise ValueError("--model does not run with tensor parallelism yet: use --tp 1 "
+                                 "and no --stage-tp (scale with --pp, --dp and context "
+                                 "parallelism)")
+            if self.recompute == "selective":
+                raise ValueError("--recompute selective recomputes the reference model's "
+                                 "attention core; with --model use --recompute full or none")
+        if self.pack and not self.data:
+            raise ValueError("--pack packs the documents of --data into sequences: give --data "
+                             "PATH (a .txt, a .jsonl or a folder of them)")
+        if self.pack and self.sequence_parallel:
+            raise ValueError("--pack gives each rank uneven pieces of every document, which "
+                             "--sequence-parallel cannot split evenly over the tp ranks: drop "
+                             "one of them")
+        if self.tokenizer and not self.data:
+            raise ValueError("--tokenizer tokenizes --data; the shipped corpus is byte-level: "
+                             "give --data PATH or drop --tokenizer")
 
     def _check_experts(self) -> None:
         if self.moe_experts == 0:
@@ -253,6 +291,18 @@ FIELD_HELP = {
     "microbatches": "microbatches per step (per data-parallel replica)",
     "microbatch_size": "sequences per microbatch",
     "seq_len": "tokens per sequence",
+    "model": "a Hugging Face model directory (config.json + safetensors) of a Llama, Mistral "
+             "or Qwen2 decoder to train (empty: the reference transformer)",
+    "data": "training text: a .txt file (documents separated by blank lines), a .jsonl file "
+            "with a text field, or a folder of them (empty: the shipped corpus)",
+    "tokenizer": "tokenizer directory for --data (transformers AutoTokenizer, offline); "
+                 "default: the --model directory's if it has one, else byte-level (vocab 256)",
+    "pack": "pack several documents into each sequence (document ids, block-diagonal causal "
+            "attention; a microbatch runs as one row of microbatch-size x seq-len tokens); "
+            "without it each document is cut into sequences and padding is not trained",
+    "data_cache": "directory of the tokenized --data cache (default: <out-dir>/tokens)",
+    "export": "at the end, write the trained model here as a Hugging Face directory "
+              "(config.json + safetensors) that transformers loads",
     "dim": "model width",
     "layers": "transformer layers (split across all stages)",
     "heads": "query heads",
@@ -297,18 +347,35 @@ FIELD_HELP = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per TrainConfig field."""
+    """``--config PATH`` and one ``--flag`` per TrainConfig field.
+
+    The field flags default to ``argparse.SUPPRESS``: the parsed namespace holds only the
+    flags given on the command line, so ``from_arguments`` knows which override the
+    ``--config`` file (``--steps 30`` does even though 30 is the default)."""
+    parser.add_argument("--config", metavar="PATH",
+                        help="a TOML file of these fields (seq_len = 128 or seq-len = 128, at "
+                        "the top level or under [train]); flags given here override it")
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + _flag(field.name)
+        help_text = f"{FIELD_HELP[field.name]} (default: {field.default})"
         if field.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                                default=field.default, help=FIELD_HELP[field.name])
+                                default=argparse.SUPPRESS, help=help_text)
         else:
             kind = {"int": int, "float": float, "str": str}[str(field.type)]
-            parser.add_argument(flag, type=kind, default=field.default, metavar=field.name.upper(),
-                                help=f"{FIELD_HELP[field.name]} (default: {field.default})")
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS,
+                                metavar=field.name.upper(), help=help_text)
 
 
 def from_arguments(args: argparse.Namespace) -> TrainConfig:
-    names = [field.name for field in dataclasses.fields(TrainConfig)]
-    return TrainConfig(**{name: getattr(args, name) for name in names})
+    """The TrainConfig of ``args``: its fields, over those of its ``config`` TOML file (if
+    any), over the defaults. A namespace built by hand may name every field or only some."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None) is not None:
+        # Imported here: toml_config builds on TrainConfig, so it imports this module.
+        from meshpipe.train.toml_config import read_toml
+        values = read_toml(args.config)
+    for field in dataclasses.fields(TrainConfig):
+        if hasattr(args, field.name):
+            values[field.name] = getattr(args, field.name)
+    return TrainConfig(**values)

@@ -28,16 +28,16 @@ from meshpipe.train.config import TrainConfig
 
 # Every TrainConfig field is in exactly one group (a test checks it, so a new field cannot be
 # forgotten here).
-MODEL_FIELDS = ("dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts",
+MODEL_FIELDS = ("model", "dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts",
                 "moe_top_k", "moe_every")
 SCHEDULE_FIELDS = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed",
                    "microbatches", "microbatch_size", "dp", "seq_len", "dtype", "moe_aux_coef",
-                   "moe_capacity_factor")
+                   "moe_capacity_factor", "data", "tokenizer", "pack")
 LAYOUT_FIELDS = ("pp", "vpp", "cp_ulysses", "cp_ring", "tp", "stage_tp", "stage_link",
                  "sequence_parallel", "schedule", "placement", "p2p", "recompute", "ep")
 IGNORED_FIELDS = ("out_dir", "resume", "check", "progress", "eval_every", "checkpoint_every",
                   "keep_checkpoints", "timeline_step", "hang_timeout", "skip_nonfinite",
-                  "checkpoint_on_signal", "allow_config_change")
+                  "checkpoint_on_signal", "allow_config_change", "data_cache", "export")
 
 
 @dataclass(frozen=True)

@@ -43,25 +43,23 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from meshpipe.comm.p2p import P2PTransport
-from meshpipe.comm.shards import hybrid_positions
+from meshpipe.comm.shards import hybrid_positions, packed_hybrid_positions
 from meshpipe.comm.vtp import FanoutTransport, VTPTransport
 from meshpipe.context import make_attention
-from meshpipe.models import (Transformer, TransformerConfig, balanced_layers, causal_lm_loss,
-                             shared_parameters, split)
+from meshpipe.models import balanced_layers, causal_lm_loss
 from meshpipe.models.moe import is_expert_param
 from meshpipe.models.transformer import check_tensor_parallel_sizes
 from meshpipe.parallel import (is_sequence_parallel_param, shard_dim, unshard,
                                vocab_parallel_cross_entropy)
 from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, Stage, activity,
-                              all_reduce_gradients, autocast, low_precision_tolerance)
+                              all_reduce_gradients, low_precision_tolerance)
 from meshpipe.schedules import Schedule, build
 from meshpipe.schedules.placement import wraparound_placement
 from meshpipe.schedules.render import to_png, write_chrome_trace
 from meshpipe.schedules.simulate import Timeline
 from meshpipe.topology import Topology, new_groups
-from meshpipe.train import checkpoint, faults
+from meshpipe.train import checkpoint, faults, sources
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, encode, load_corpus
 from meshpipe.train.launch import (PROCESS_GROUP_TIMEOUT_S, Supervision, device_for_this_rank,
                                    launch, under_torchrun)
 from meshpipe.train.metrics import FILE_NAME as METRICS_FILE
@@ -96,6 +94,7 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
     check_model_layout(config, build_schedule(config))
     out = check_out_dir(config.out_dir)
     plan = plan_resume(config) if config.resume else None
+    sources.check_sources(config)
     is_main = not under_torchrun() or int(os.environ["RANK"]) == 0
     if is_main:
         for note in plan.notes if plan is not None else _earlier_checkpoints_note(out):
@@ -106,8 +105,22 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
                                    checkpoint_on_signal=config.checkpoint_on_signal))
     if not is_main:
         return None
+    if config.export:
+        export_newest(config)
     metrics_file = out / "metrics.json"
     return json.loads(metrics_file.read_text()) if metrics_file.exists() else None
+
+
+def export_newest(config: TrainConfig) -> Path:
+    """``--export``: the run's last checkpoint as a directory transformers loads."""
+    saved = checkpoint.newest(Path(config.out_dir) / "checkpoint")
+    if saved is None:
+        raise ValueError(f"--export {config.export}: the run left no complete checkpoint in "
+                         f"{config.out_dir}/checkpoint to export")
+    exported = sources.export(saved.directory, config.export, config.model)
+    print(f"meshpipe: exported step {saved.step} to {exported} (transformers "
+          "AutoModelForCausalLM.from_pretrained loads it)", flush=True)
+    return exported
 
 
 def _earlier_checkpoints_note(out: Path) -> list[str]:
@@ -171,21 +184,25 @@ def layers_per_stage(config: TrainConfig, schedule: Schedule) -> list[int]:
     training: with fewer layers than stages, the layers go to the other stages."""
     stages = schedule.num_stages
     wraps_around = schedule.placement == wraparound_placement(schedule.num_ranks)
-    if config.layers >= stages:
-        return balanced_layers(config.layers, stages)
-    if wraps_around and config.layers >= stages - 1:
-        return balanced_layers(config.layers, stages - 1) + [0]
+    layers = sources.num_layers(config)
+    if layers >= stages:
+        return balanced_layers(layers, stages)
+    if wraps_around and layers >= stages - 1:
+        return balanced_layers(layers, stages - 1) + [0]
     needed = stages - 1 if wraps_around else stages
-    raise ValueError(f"--layers {config.layers} cannot fill the {stages} stages of "
-                     f"{config.schedule} at pp {config.pp} x vpp {config.vpp}; use at least "
-                     f"{needed} layers")
+    what = (f"the {layers} layers of --model {config.model}" if config.model
+            else f"--layers {layers}")
+    raise ValueError(f"{what} cannot fill the {stages} stages of {config.schedule} at pp "
+                     f"{config.pp} x vpp {config.vpp}; use at least {needed} layers, or fewer "
+                     "stages (--pp, --vpp)")
 
 
 def check_model_layout(config: TrainConfig, schedule: Schedule) -> None:
     """Fail before any process starts when the model cannot be split as the layout asks."""
     layout = config.layout
     for tp in sorted({layout.tp_of(p) for p in range(config.pp)}):
-        check_tensor_parallel_sizes(model_config(config), tp)
+        if tp > 1:
+            check_tensor_parallel_sizes(sources.model_config(config), tp)
     if config.tie_embeddings and config.stage_tp:
         first, last = schedule.placement[0], schedule.placement[-1]
         if layout.tp_of(first) != layout.tp_of(last):
@@ -193,22 +210,6 @@ def check_model_layout(config: TrainConfig, schedule: Schedule) -> None:
                 f"--tie-embeddings shares the embedding (pipeline rank {first}, --stage-tp "
                 f"{layout.tp_of(first)}) with the head (pipeline rank {last}, --stage-tp "
                 f"{layout.tp_of(last)}): give both the same tensor-parallel size")
-
-
-def model_config(config: TrainConfig) -> TransformerConfig:
-    return TransformerConfig(vocab_size=VOCAB_SIZE, dim=config.dim, n_layers=config.layers,
-                             n_heads=config.heads, n_kv_heads=config.kv_heads,
-                             max_seq_len=config.seq_len, tie_embeddings=config.tie_embeddings,
-                             init_seed=config.seed, moe_experts=config.moe_experts,
-                             moe_top_k=config.moe_top_k, moe_every=config.moe_every,
-                             moe_capacity_factor=config.moe_capacity_factor)
-
-
-def train_sampler(config: TrainConfig, dp_rank: int, split_name: str = "train") -> CorpusSampler:
-    """Data-parallel replica ``dp_rank``'s batches: microbatches x microbatch_size sequences."""
-    return CorpusSampler(encode(load_corpus()), config.seq_len,
-                         config.microbatches * config.microbatch_size,
-                         seed=config.seed * 7919 + dp_rank, split=split_name)
 
 
 def lr_at(config: TrainConfig, step: int) -> float:
@@ -250,26 +251,24 @@ class Trainer:
         self.schedule = build_schedule(config)
         num_stages = self.schedule.num_stages
         attention = make_attention(self.topology.cp_ulysses_group, self.topology.cp_ring_group)
-        model = Transformer(model_config(config), attention=attention, tp_group=self.tp_group,
-                            sequence_parallel=config.sequence_parallel,
-                            recompute=config.recompute, ep_group=self.topology.ep_group,
-                            token_group=(self.topology.cp_group if config.layout.cp > 1
-                                         else None))
+        my_stages = self.schedule.stages_of(self.topology.pp_rank)
+        parts = sources.build_chunks(
+            config, layers_per_stage(config, self.schedule), attention, my_stages,
+            tp_group=self.tp_group, ep_group=self.topology.ep_group,
+            token_group=self.topology.cp_group if config.layout.cp > 1 else None)
+        chunks = parts.chunks
         # Global layer index of each mixture-of-experts layer (its stats' place in a step).
-        self._moe_index = {id(layer.mlp): i for i, layer in enumerate(
-            l for l in model.layers if l.is_moe)}
+        self._moe_index = parts.moe_index
         # Full-model names (a tied head is the embedding) key checkpoints and --check.
-        self._names = {id(param): name for name, param in model.named_parameters()}
-        chunks = split(model, num_stages, layers_per_stage(config, self.schedule))
+        self._names = parts.names
         self.scaler = DynamicLossScaler() if config.dtype == "fp16" else None
         grad_scale_fn = self.scaler.scale_loss if self.scaler is not None else None
-        my_stages = self.schedule.stages_of(self.topology.pp_rank)
         self.stages = {s: Stage(self._in_precision(chunks[s].to(self.device)), s, num_stages,
                                 loss_fn=self._loss if s == num_stages - 1 else None,
                                 grad_scale_fn=grad_scale_fn if s == num_stages - 1 else None)
                        for s in my_stages}
         self.parameters = self._unique_parameters()
-        self._shared = self._shared_parameter_groups(chunks)
+        self._shared = self._shared_parameter_groups(chunks, parts.shared)
         # Tied weights held on several ranks: only the group's first rank counts in the norm.
         self._tied_copies = {id(p) for p, group in self._shared if dist.get_rank(group) != 0}
         self.optimizer = torch.optim.AdamW([p for _, p in self.parameters], lr=config.lr,
@@ -281,12 +280,13 @@ class Trainer:
         self.executor = Executor(self.schedule, self.stages, **executor_args)
         self.eval_executor = Executor(build_schedule(config, forward_only=True), self.stages,
                                       **executor_args)
-        self.train_data = train_sampler(config, self.dp_rank)
-        self.val_data = train_sampler(config, self.dp_rank, "val")
+        self.train_data, self.val_data = sources.samplers(config, self.dp_rank)
+        self._cp_coords = (coords["cp_ring"], coords["cp_ulysses"])
         self.positions = hybrid_positions(config.seq_len, config.cp_ring, coords["cp_ring"],
                                           config.cp_ulysses, coords["cp_ulysses"])
         self._device_positions = self.positions.to(self.device)
-        self._tokens_per_microbatch = config.microbatch_size * config.seq_len
+        # What a microbatch's summed loss is divided by (set per batch: see microbatches).
+        self._loss_denominator = float(config.microbatch_size * config.seq_len)
         self.fault = faults.from_environment(self.rank)
         if self.fault is not None:
             faults.install(self.fault, self.stages, lambda: self.step)
@@ -349,7 +349,7 @@ class Trainer:
             loss_sum = vocab_parallel_cross_entropy(logits, targets, self.tp_group).sum()
         else:
             loss_sum, _ = causal_lm_loss(logits, targets, reduction="sum")
-        return loss_sum / self._tokens_per_microbatch
+        return loss_sum / self._loss_denominator
 
     def _unique_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters once each, under their full-model names."""
@@ -359,13 +359,14 @@ class Trainer:
                 seen.setdefault(id(param), (self._names[id(param)], param))
         return list(seen.values())
 
-    def _shared_parameter_groups(self, chunks) -> list[tuple[torch.nn.Parameter, Any]]:
+    def _shared_parameter_groups(self, chunks, shared_parameters
+                                 ) -> list[tuple[torch.nn.Parameter, Any]]:
         """For each tied parameter split over pipeline ranks: this rank's copy and the group of
         the ranks holding a copy (created collectively, for every pipeline)."""
         mine = []
         placement = self.schedule.placement
         layout = self.config.layout
-        for shared in shared_parameters(chunks):
+        for shared in shared_parameters:
             positions = sorted({placement[stage] for stage in shared.stages})
             if len(positions) < 2:
                 continue
@@ -380,14 +381,40 @@ class Trainer:
                 mine.append((chunks[stage].get_parameter(name), group))
         return mine
 
-    def microbatches(self, sampler: CorpusSampler, step: int):
-        """This rank's stage-0 inputs and last-stage targets for batch ``step``."""
+    def microbatches(self, sampler: Any, step: int):
+        """This rank's stage-0 inputs and last-stage targets for batch ``step``.
+
+        Sets the loss denominator: the replica's counted targets per microbatch, so the
+        step's loss is the mean over every counted target of the batch (padding and each
+        document's last token do not count), as one process computes it.
+        """
         batch = sampler.batch(step)
+        counted = max(sources.counted_targets(batch.targets), 1)
+        self._loss_denominator = counted / self.config.microbatches
+        if getattr(batch, "doc_lens", None) is not None:
+            return self._packed_microbatches(batch)
         tokens = batch.tokens[:, self.positions].to(self.device)
         targets = batch.targets[:, self.positions].to(self.device)
         size = self.config.microbatch_size
         inputs = [(t, self._device_positions, None) for t in tokens.split(size)]
         return inputs, list(targets.split(size))
+
+    def _packed_microbatches(self, batch):
+        """Each microbatch one packed row (``sources.packed_rows``): this rank's piece of
+        every document (seed 004's packed split over the ring, then Ulysses), with each
+        token's position inside its document and its document id, so that attention applies
+        the block-diagonal causal mask without materialising it here."""
+        config = self.config
+        inputs, targets = [], []
+        for row_tokens, row_targets, lengths in sources.packed_rows(batch,
+                                                                    config.microbatch_size):
+            held = packed_hybrid_positions(lengths, config.cp_ring, self._cp_coords[0],
+                                           config.cp_ulysses, self._cp_coords[1])
+            positions, doc_ids = sources.packed_layout(lengths, held)
+            inputs.append((row_tokens[:, held].to(self.device), positions.to(self.device),
+                           doc_ids.to(self.device)))
+            targets.append(row_targets[:, held].to(self.device))
+        return inputs, targets
 
     def _collective(self, what: str):
         """Mark waiting in a collective of the whole job (hang reports name who is missing)."""
@@ -758,28 +785,6 @@ def whole_gradients(layout, gathered: list[dict[str, GradientPiece]]
     return whole
 
 
-def reference_gradients(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and gradients of step 0 computed by one process on the whole global batch, in
-    the run's precision (fp16 with the loss scale the run starts with)."""
-    model = Transformer(model_config(config))
-    scale = DynamicLossScaler().scale if config.dtype == "fp16" else 1.0
-    losses = []
-    with autocast(config.dtype, "cpu"):
-        for dp_rank in range(config.dp):
-            batch = train_sampler(config, dp_rank).batch(0)
-            if not config.moe_experts:
-                losses.append(causal_lm_loss(model(batch.tokens), batch.targets))
-                continue
-            # The load-balancing loss is one per microbatch: run them one by one.
-            for tokens, targets in zip(batch.tokens.split(config.microbatch_size),
-                                       batch.targets.split(config.microbatch_size)):
-                logits, aux = model(tokens)
-                losses.append(causal_lm_loss(logits, targets) + config.moe_aux_coef * aux)
-    loss = torch.stack(losses).mean()
-    (loss * scale).backward()
-    return loss.item(), {name: p.grad / scale for name, p in model.named_parameters()}
-
-
 def compare_with_single_process(config: TrainConfig, loss: float,
                                 gathered: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     """Compare a run's step-0 loss and gradients with one process in the same precision.
@@ -787,7 +792,7 @@ def compare_with_single_process(config: TrainConfig, loss: float,
     fp32 uses torch's default tolerances; bf16/fp16 scale the absolute tolerance with each
     gradient's largest magnitude (``low_precision_tolerance``), reported as ``atol_factor``.
     """
-    reference_loss, reference = reference_gradients(config)
+    reference_loss, reference = sources.reference_step(config)
     tolerance = low_precision_tolerance(config.dtype, 1.0)
     worst_grad, worst_name = 0.0, ""
     reported = {name for grads in gathered for name in grads}

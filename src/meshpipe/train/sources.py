@@ -1,0 +1,289 @@
+"""What a run trains, and on what: the reference transformer or a Hugging Face decoder
+(``--model``), on the shipped corpus or on the user's text (``--data``, ``--pack``).
+
+The launcher calls ``check_sources`` before any process starts: the model directory, the
+sequence length against the model's positions, the data path, the tokenizer against the
+model's vocabulary, and the tokenization itself (cached, so the ranks then only map the
+token file). Every rank then builds its stages with ``build_chunks`` and its batches with
+``samplers``; ``--check`` and ``--export`` use ``reference_step`` and ``export``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshpipe.comm.shards import document_ids, positions_in_document
+from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, causal_lm_loss,
+                             shared_parameters, split)
+from meshpipe.runtime import DynamicLossScaler, autocast
+from meshpipe.train.config import TrainConfig
+from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, encode, load_corpus
+
+VAL_FRACTION = 0.05
+
+
+@lru_cache(maxsize=None)
+def model_info(model_dir: str):
+    """The checked description of a ``--model`` directory."""
+    from meshpipe.models import hf
+
+    return hf.inspect_model(model_dir)
+
+
+def num_layers(config: TrainConfig) -> int:
+    return model_info(config.model).num_layers if config.model else config.layers
+
+
+@lru_cache(maxsize=None)
+def _tokenizer(model_dir: str, tokenizer_dir: str):
+    from meshpipe.train import text_data
+
+    return text_data.resolve_tokenizer(model_dir, tokenizer_dir)
+
+
+def tokenizer(config: TrainConfig):
+    """The tokenizer of ``--data``: ``--tokenizer``, the model's own, or byte-level."""
+    return _tokenizer(config.model, config.tokenizer)
+
+
+def data_cache(config: TrainConfig) -> Path:
+    return Path(config.data_cache or Path(config.out_dir) / "tokens")
+
+
+@lru_cache(maxsize=None)
+def _dataset(data: str, model_dir: str, tokenizer_dir: str, cache: str, progress: bool):
+    from meshpipe.train import text_data
+
+    tokenized = text_data.tokenize_dataset(data, _tokenizer(model_dir, tokenizer_dir), cache,
+                                           progress=progress)
+    return tokenized.split(VAL_FRACTION)
+
+
+def dataset(config: TrainConfig, progress: bool = False):
+    """``--data`` tokenized (from the cache when it is there): (train, validation) splits."""
+    return _dataset(config.data, config.model, config.tokenizer, str(data_cache(config)),
+                    progress)
+
+
+def vocab_size(config: TrainConfig) -> int:
+    """Rows of the model's embedding: the model's, the tokenizer's for the reference model
+    on ``--data``, else the byte-level 256."""
+    if config.model:
+        return model_info(config.model).vocab_size
+    if config.data:
+        return tokenizer(config).vocab_size
+    return VOCAB_SIZE
+
+
+def check_sources(config: TrainConfig) -> None:
+    """One-line ValueErrors, before any process starts, for a model or data the run cannot
+    use; tokenizes ``--data`` into the cache (with a progress bar on large inputs)."""
+    if config.model:
+        from meshpipe.models import hf
+
+        hf.check_sequence_length(model_info(config.model), config.seq_len)
+    if not config.data:
+        return
+    words = tokenizer(config)
+    if config.model and words.vocab_size > vocab_size(config):
+        raise ValueError(f"the tokenizer has {words.vocab_size} tokens but the model's embedding "
+                         f"has {vocab_size(config)} rows: use the model's own tokenizer "
+                         "(--tokenizer) or a model with a larger vocabulary")
+    dataset(config, progress=config.progress)
+
+
+def model_config(config: TrainConfig) -> TransformerConfig:
+    """The reference transformer of the run's flags."""
+    return TransformerConfig(vocab_size=vocab_size(config), dim=config.dim,
+                             n_layers=config.layers, n_heads=config.heads,
+                             n_kv_heads=config.kv_heads, max_seq_len=config.seq_len,
+                             tie_embeddings=config.tie_embeddings, init_seed=config.seed,
+                             moe_experts=config.moe_experts, moe_top_k=config.moe_top_k,
+                             moe_every=config.moe_every,
+                             moe_capacity_factor=config.moe_capacity_factor)
+
+
+def samplers(config: TrainConfig, dp_rank: int) -> tuple[Any, Any]:
+    """Data-parallel replica ``dp_rank``'s (train, validation) samplers: each batch holds
+    microbatches x microbatch_size sequences and is a pure function of the step."""
+    batch = config.microbatches * config.microbatch_size
+    seed = config.seed * 7919 + dp_rank
+    if not config.data:
+        tokens = encode(load_corpus())
+        return tuple(CorpusSampler(tokens, config.seq_len, batch, seed=seed, split=name)
+                     for name in ("train", "val"))
+    from meshpipe.train.text_data import TextSampler
+
+    train, val = dataset(config)
+    pad = tokenizer(config).pad_id
+    return (TextSampler(train, config.seq_len, batch, seed=seed, pack=config.pack, pad_id=pad),
+            TextSampler(val, config.seq_len, batch, seed=seed + 1_000_003, pack=config.pack,
+                        pad_id=pad))
+
+
+def packed_rows(batch, size: int) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    """With ``--pack``, each microbatch's ``size`` sequences as one row of ``size x seq_len``
+    tokens and the lengths of its documents (the THD layout). No document crosses a
+    sequence, so the row's block-diagonal attention is exactly the sequences' own, and one
+    document layout serves the whole microbatch."""
+    rows = []
+    for start in range(0, batch.tokens.shape[0], size):
+        lengths = [n for sequence in batch.doc_lens[start:start + size] for n in sequence]
+        rows.append((batch.tokens[start:start + size].reshape(1, -1),
+                     batch.targets[start:start + size].reshape(1, -1), lengths))
+    return rows
+
+
+def packed_layout(doc_lens, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's position inside its document and its document, for tokens at
+    ``positions`` of a pack of documents of lengths ``doc_lens``."""
+    return positions_in_document(doc_lens, positions), document_ids(doc_lens, positions)
+
+
+@dataclass
+class ModelParts:
+    """A rank's view of the model: every stage's chunk (only this rank's hold weights for
+    a ``--model``), each parameter's full-model name, the parameters stages share, and the
+    global index of each mixture-of-experts layer's MLP."""
+
+    chunks: list[nn.Module]
+    names: dict[int, str]
+    shared: list[SharedParameter]
+    moe_index: dict[int, int]
+
+
+def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
+                 **groups: Any) -> ModelParts:
+    """Cut the model into ``len(layers)`` stages. The reference transformer is built whole
+    (its initialisation is a pure function of the seed) and sharded over ``groups``
+    (tp_group, ep_group, token_group); a ``--model`` is built on the meta device and only
+    the chunks in ``my_stages`` read their weights."""
+    if config.model:
+        return _hf_parts(config, layers, attention, my_stages)
+    model = Transformer(model_config(config), attention=attention,
+                        sequence_parallel=config.sequence_parallel, recompute=config.recompute,
+                        **groups)
+    chunks = split(model, len(layers), layers)
+    moe = [layer for layer in model.layers if layer.is_moe]
+    return ModelParts(chunks=chunks,
+                      names={id(p): name for name, p in model.named_parameters()},
+                      shared=shared_parameters(chunks),
+                      moe_index={id(layer.mlp): i for i, layer in enumerate(moe)})
+
+
+def _hf_parts(config: TrainConfig, layers: list[int], attention, my_stages) -> ModelParts:
+    from meshpipe.models import hf
+
+    skeleton = hf.build_skeleton(config.model)
+    chunks = hf.split_model(skeleton, layers, attention, recompute=config.recompute == "full")
+    shared = shared_parameters(chunks)
+    meta_names = hf.full_names(skeleton)
+    real = hf.materialize(skeleton, [chunks[s] for s in my_stages], config.model)
+    return ModelParts(chunks=chunks,
+                      names={id(p): meta_names[meta] for meta, p in real.items()},
+                      shared=shared, moe_index={})
+
+
+def reference_step(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of step 0 computed by one process on the whole global batch, in
+    the run's precision (fp16 with the loss scale the run starts with). For a ``--model``
+    the process runs the unmodified transformers model, its own forward and loss."""
+    model = _reference_model(config)
+    scale = DynamicLossScaler().scale if config.dtype == "fp16" else 1.0
+    losses = []
+    with autocast(config.dtype, "cpu"):
+        for dp_rank in range(config.dp):
+            batch = samplers(config, dp_rank)[0].batch(0)
+            losses.append(_replica_loss(config, model, batch))
+    loss = torch.stack(losses).mean()
+    (loss * scale).backward()
+    return loss.item(), {name: p.grad / scale for name, p in model.named_parameters()
+                         if p.grad is not None}
+
+
+def _reference_model(config: TrainConfig) -> nn.Module:
+    if not config.model:
+        return Transformer(model_config(config))
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        config.model, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True)
+
+
+def counted_targets(targets: torch.Tensor) -> int:
+    """Targets that count in the loss (not padding, not a document's last token)."""
+    return int((targets != -100).sum())
+
+
+def _replica_loss(config: TrainConfig, model: nn.Module, batch) -> torch.Tensor:
+    """One data-parallel replica's loss: the mean over its counted targets (plus, with
+    experts, the mean load-balancing loss of its microbatches)."""
+    count = max(counted_targets(batch.targets), 1)
+    size = config.microbatch_size
+    if getattr(batch, "doc_lens", None) is not None:
+        microbatches = packed_rows(batch, size)
+    else:
+        microbatches = [(tokens, targets, None) for tokens, targets in
+                        zip(batch.tokens.split(size), batch.targets.split(size))]
+    total = torch.zeros(())
+    for tokens, targets, doc_lens in microbatches:
+        if config.model:
+            total = total + _upstream_loss(model, tokens, targets, doc_lens, count)
+            continue
+        positions = doc_ids = None
+        if doc_lens is not None:
+            positions, doc_ids = packed_layout(doc_lens, torch.arange(tokens.shape[1]))
+        output = model(tokens, positions, doc_ids)
+        logits, aux = output if isinstance(output, tuple) else (output, None)
+        total = total + causal_lm_loss(logits, targets, reduction="sum")[0] / count
+        if aux is not None:
+            total = total + config.moe_aux_coef * aux / config.microbatches
+    return total
+
+
+def _upstream_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
+                   doc_lens, count: int) -> torch.Tensor:
+    """transformers' own loss, summed over the microbatch's documents and divided by the
+    replica's counted targets (``num_items_in_batch``): a packed sequence's documents run
+    one by one, which is what the block-diagonal mask means."""
+    pieces = [(0, tokens.shape[1])] if doc_lens is None else [
+        (start, length) for start, length in zip(_starts(doc_lens), doc_lens)]
+    total = torch.zeros(())
+    for start, length in pieces:
+        piece_targets = targets[:, start:start + length]
+        out = model(input_ids=tokens[:, start:start + length], labels=piece_targets,
+                    shift_labels=piece_targets, num_items_in_batch=count)
+        total = total + out.loss
+    return total
+
+
+def _starts(lengths) -> list[int]:
+    starts, at = [], 0
+    for length in lengths:
+        starts.append(at)
+        at += length
+    return starts
+
+
+def export(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str = "") -> Path:
+    """A checkpoint as a directory transformers loads: a ``--model`` run in its own
+    architecture and names, a reference-transformer run as the Llama it is."""
+    from meshpipe.models import hf
+    from meshpipe.train.checkpoint import read_info, read_model_weights
+
+    weights = read_model_weights(Path(checkpoint_dir))
+    if model_dir:
+        return hf.export_model(weights, model_dir, out_dir)
+    info = read_info(Path(checkpoint_dir))
+    config = TrainConfig(**{**info.config, "resume": False, "check": False})
+    if config.moe_experts:
+        raise ValueError("a mixture-of-experts reference model has no transformers "
+                         "architecture to export to; export runs of dense models")
+    return hf.export_reference(weights, model_config(config), out_dir)

@@ -1,0 +1,88 @@
+"""Training Hugging Face decoders (``--model``) on pooled ranks: ``--check`` parity against the
+unmodified transformers model under pipeline and context-parallel layouts, resume, and the
+round trip of an export back into transformers."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_models import save_tiny_model
+from meshpipe.testing import run_distributed
+from meshpipe.train.config import TrainConfig
+from test_trainer import SMALL, _check_first_step, _train
+
+pytest.importorskip("transformers")
+
+HF = {key: value for key, value in SMALL.items() if key not in ("dim", "layers", "heads",
+                                                                 "kv_heads")}
+
+LAYOUTS = {
+    "llama-pp2-ring2": ("llama", {}, dict(pp=2, cp_ring=2)),
+    "mistral-pp2-ulysses2": ("mistral", {}, dict(pp=2, cp_ulysses=2)),
+    "qwen2-tied-hybrid2x2": ("qwen2", dict(tie_word_embeddings=True),
+                             dict(pp=1, schedule="none", cp_ring=2, cp_ulysses=2)),
+    "llama-tied-zbv-dp2": ("llama", dict(tie_word_embeddings=True),
+                           dict(pp=2, schedule="zb-v", dp=2)),
+    "qwen2-interleaved-recompute": ("qwen2", {}, dict(pp=2, vpp=2, schedule="interleaved",
+                                                      recompute="full")),
+}
+
+
+@pytest.mark.parametrize("arch,model,layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_training_step_matches_upstream_transformers(tmp_path, arch, model, layout):
+    directory = save_tiny_model(tmp_path / "model", arch, **model)
+    config = TrainConfig(**{**HF, **layout}, model=str(directory), out_dir=str(tmp_path))
+    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    assert report["mismatched"] == []
+    assert report["passed"], report
+    assert report["loss_difference"] < 1e-5
+
+
+def test_resume_continues_exactly_in_another_layout(tmp_path):
+    directory = save_tiny_model(tmp_path / "model", "qwen2", tie_word_embeddings=True)
+    (tmp_path / "run").mkdir()
+    base = dict(HF, model=str(directory), out_dir=str(tmp_path / "run"), checkpoint_every=2)
+    straight = run_distributed(2, _train, TrainConfig(**base, pp=2))[0]
+    other_layout = TrainConfig(**base, pp=1, schedule="none", cp_ulysses=2, resume=True)
+    resumed = run_distributed(2, _train, other_layout, rewind_to="step-000001")[0]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
+
+
+def _train_then_logits(rank, world_size, config, tokens):
+    """Train, export on rank 0, and return the trained stages' logits of ``tokens`` (from
+    the rank holding the last stage) through a forward-only step."""
+    import torch.distributed as dist
+
+    from meshpipe.train.trainer import Trainer, export_newest
+
+    trainer = Trainer(config)
+    trainer.fit()
+    if rank == 0:
+        export_newest(config)
+    dist.barrier()
+    inputs = [(tokens, None, None)] * config.microbatches
+    outputs = trainer.eval_executor.step(inputs, None).outputs
+    return outputs[0] if outputs else None
+
+
+def test_the_export_loads_in_transformers_with_the_trained_logits(tmp_path):
+    import transformers
+
+    directory = save_tiny_model(tmp_path / "model", "llama")
+    export = tmp_path / "export"
+    (tmp_path / "run").mkdir()
+    config = TrainConfig(**HF, pp=2, model=str(directory), out_dir=str(tmp_path / "run"),
+                         export=str(export))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    trained = [out for out in run_distributed(2, _train_then_logits, config, tokens)
+               if out is not None][0]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
+    untrained = transformers.AutoModelForCausalLM.from_pretrained(str(directory),
+                                                                   dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, trained)
+        assert not torch.allclose(untrained(tokens).logits, trained)  # training changed it
+    assert sorted(p.name for p in Path(export).iterdir()) == ["config.json",
+                                                              "generation_config.json",
+                                                              "model.safetensors"]
