@@ -51,10 +51,10 @@ gpu-check:
 	else \
 		py=$(GPU_VENV)/bin/python; \
 		if [ "$$(cat $(GPU_STAMP) 2>/dev/null)" != "$(TORCH_INDEX_URL)" ]; then \
-			echo "make gpu-check: installing torch==2.13.0 from $(TORCH_INDEX_URL), then meshpipe[test], into $(GPU_VENV)"; \
+			echo "make gpu-check: installing torch==2.13.0 from $(TORCH_INDEX_URL), then meshpipe[test,hf], into $(GPU_VENV)"; \
 			$(PYTHON) -m venv $(GPU_VENV); \
 			$$py -m pip install --quiet --index-url $(TORCH_INDEX_URL) torch==2.13.0; \
-			$$py -m pip install --quiet -e '.[test]'; \
+			$$py -m pip install --quiet -e '.[test,hf]'; \
 			echo "$(TORCH_INDEX_URL)" > $(GPU_STAMP); \
 		fi; \
 		if ! $$py -c '$(SEES_CUDA)'; then \

@@ -86,3 +86,27 @@ def test_the_export_loads_in_transformers_with_the_trained_logits(tmp_path):
     assert sorted(p.name for p in Path(export).iterdir()) == ["config.json",
                                                               "generation_config.json",
                                                               "model.safetensors"]
+
+
+def test_meshpipe_export_writes_a_reference_run_as_a_llama(tmp_path):
+    import transformers
+
+    from meshpipe.cli import main
+    from meshpipe.models import Transformer
+    from meshpipe.train.checkpoint import read_model_weights
+    from meshpipe.train.sources import model_config
+
+    config = TrainConfig(**SMALL, pp=2, out_dir=str(tmp_path), tie_embeddings=True)
+    run_distributed(2, _train, config)
+    assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "E")]) == 0
+    trained = Transformer(model_config(config))
+    weights = read_model_weights(tmp_path / "checkpoint" / "step-000003")
+    result = trained.load_state_dict(weights, strict=False)
+    assert result.missing_keys == ["head.weight"] and not result.unexpected_keys  # tied
+    assert torch.equal(trained.head.weight, weights["embedding.weight"])
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "E"))
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, trained(tokens))
+    assert main(["export", "--checkpoint", str(tmp_path / "nothing"), "--out",
+                 str(tmp_path / "F")]) == 2
