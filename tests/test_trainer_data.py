@@ -135,3 +135,16 @@ def test_the_issue_command_line_trains_checks_and_exports(tmp_path):
     assert exported.config.model_type == "llama"
     tokens = torch.randint(0, 256, (1, 8))
     assert torch.isfinite(exported(tokens).logits).all()
+
+
+def test_a_resumed_run_on_packed_data_continues_exactly(tmp_path):
+    from test_trainer import _train
+
+    data = write_documents(tmp_path / "docs.txt", max_words=4)
+    (tmp_path / "run").mkdir()
+    base = dict(DATA, steps=4, pp=1, schedule="none", data=str(data), pack=True,
+                out_dir=str(tmp_path / "run"), checkpoint_every=2)
+    straight = run_distributed(1, _train, TrainConfig(**base))[0]
+    resumed = run_distributed(1, _train, TrainConfig(**base, resume=True),
+                              rewind_to="step-000001")[0]
+    assert resumed == straight
