@@ -100,7 +100,7 @@ def _bad_inputs(tmp_path):
         (dict(data=str(latin)), "latin.txt is not UTF-8 at byte offset 3"),
         (dict(model=m, data=str(data), tokenizer=str(big_tokenizer)),
          "the tokenizer has 290 tokens but the model's embedding has 256 rows"),
-        (dict(model=m, dim=128), "--dim describe the reference transformer"),
+        (dict(model=m, dim=128), "--dim describes the reference transformer"),
         (dict(pack=True), "--pack packs the documents of --data"),
     ]
 

@@ -2,8 +2,9 @@
 
 ``meshpipe schedule show`` builds, validates, simulates and draws one schedule;
 ``meshpipe schedule compare`` tabulates every schedule under one cost model;
-``meshpipe train`` trains the reference transformer (every flag is a TrainConfig field, and
-``--config run.toml`` gives them as a file);
+``meshpipe train`` trains the reference transformer or a Hugging Face decoder (every flag is
+a TrainConfig field, and ``--config run.toml`` gives them as a file); ``meshpipe export``
+writes a checkpoint as a directory transformers loads;
 ``meshpipe demo`` runs the project's showcase. Bad input prints one line and exits 2; a
 failed training run (a rank raised, or --check found a difference) exits 1.
 """
@@ -196,8 +197,9 @@ def _parser() -> _Parser:
         description="Train the reference transformer, or a Hugging Face Llama, Mistral or "
         "Qwen2 directory (--model), with any pipeline schedule and context-parallel layout, "
         "on the shipped corpus or your own text (--data): local CPU processes by default, or "
-        "the processes torchrun started. Every flag is a field of meshpipe.train.TrainConfig; --config run.toml "
-        "gives them as a TOML file, and the flags given on the command line override it.")
+        "the processes torchrun started. Every flag is a field of meshpipe.train.TrainConfig; "
+        "--config run.toml gives them as a TOML file, and the flags given on the command line "
+        "override it.")
     add_train_arguments(train)
     train.set_defaults(handler=_train)
 

@@ -154,7 +154,8 @@ class TrainConfig:
                      if field.name in _REFERENCE_MODEL_FLAGS
                      and getattr(self, field.name) != field.default]
             if given:
-                raise ValueError(f"{', '.join(given)} describe the reference transformer; with "
+                verb = "describes" if len(given) == 1 else "describe"
+                raise ValueError(f"{', '.join(given)} {verb} the reference transformer; with "
                                  f"--model {self.model} the sizes come from its config.json: "
                                  "drop them")
             if self.tp > 1 or self.stage_tp:

@@ -1,4 +1,5 @@
-"""The training loop: a reference transformer on the shipped corpus, any layout, any schedule.
+"""The training loop: the reference transformer or a Hugging Face decoder, on the shipped
+corpus or the user's text (``sources``), any layout, any schedule.
 
 ``run(config)`` starts the processes (locally, or joins torchrun's) and every rank runs
 ``Trainer(config).fit()``:
@@ -7,14 +8,15 @@
    this rank's process groups;
 2. the schedule from the builders, and the stages it places on this pipeline rank, cut from
    one model that every rank initialises identically and then shards over tensor
-   parallelism; the pipeline transport for the layout (stages of different tensor-parallel
-   sizes talk through their roots, or fan out to every rank);
+   parallelism (a ``--model`` is cut on the meta device and each rank reads only its
+   stages' weights); the pipeline transport for the layout (stages of different
+   tensor-parallel sizes talk through their roots, or fan out to every rank);
 3. per step: the same batch on every rank of a context-parallel group, each rank keeping its
-   slice of the sequence (zigzag for ring attention), one Executor step in the run's
-   precision, gradients summed over context parallelism and averaged over data parallelism,
-   sequence-parallel ones summed over tensor parallelism, tied weights summed across the
-   stages that hold them, (fp16: unscaled, and the step skipped on inf/NaN), global-norm
-   clipping, AdamW;
+   slice of the sequence (zigzag for ring attention; its piece of every document of a
+   ``--pack`` row), one Executor step in the run's precision, gradients summed over context
+   parallelism and averaged over data parallelism, sequence-parallel ones summed over
+   tensor parallelism, tied weights summed across the stages that hold them, (fp16:
+   unscaled, and the step skipped on inf/NaN), global-norm clipping, AdamW;
 4. rank 0 shows progress, appends each step's metrics to ``metrics.jsonl``, draws the
    measured timeline of one step, and with ``--check`` compares the first step with a
    single-process run of the same model.
