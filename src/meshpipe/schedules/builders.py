@@ -3,8 +3,8 @@
 ``SCHEDULES`` names every builder for the CLI and the trainer, and ``build`` dispatches on
 those names. The closed-form orders of GPipe and 1F1B (one stage per rank) live here; see
 ``interleaved`` for interleaved and combined 1F1B, ``zero_bubble`` for ZB-H1, ZB-V and
-DualPipeV, and ``list_scheduler`` for GPipe and 1F1B on placements where a rank holds
-several stages.
+DualPipeV, and ``list_scheduler`` for 1F1B on placements where a rank holds several stages
+(GPipe runs those breadth first).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Sequence
 from meshpipe.schedules._building import check_count, make_schedule
 from meshpipe.schedules.actions import Action, B, F, Schedule
 from meshpipe.schedules.interleaved import combined_1f1b, interleaved_1f1b
-from meshpipe.schedules.list_scheduler import Policy, list_schedule
+from meshpipe.schedules.list_scheduler import list_schedule
 from meshpipe.schedules.placement import (check_placement, loop_placement, resolve_placement,
                                           v_placement)
 from meshpipe.schedules.validation import validate
@@ -46,9 +46,14 @@ def _placement_for(num_ranks: int, placement: Sequence[int] | None) -> tuple[int
                                                                                num_ranks)
 
 
-def _flush_order(stage: int, num_microbatches: int) -> list[Action]:
-    return ([F(stage, m) for m in range(num_microbatches)]
-            + [B(stage, m) for m in range(num_microbatches)])
+def _breadth_first_order(stages: Sequence[int], num_microbatches: int) -> list[Action]:
+    """GPipe on a rank holding ``stages``: every microbatch through one stage before the
+    next, in stage order; then the backwards, stages in reverse. It cannot deadlock: a
+    forward waits only on lower stages, a backward only on higher ones, which every rank
+    runs first."""
+    ordered = sorted(stages)
+    return ([F(stage, m) for stage in ordered for m in range(num_microbatches)]
+            + [B(stage, m) for stage in reversed(ordered) for m in range(num_microbatches)])
 
 
 def _one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
@@ -60,19 +65,28 @@ def _one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> li
     return order
 
 
-def _build_on_placement(name: str, policy: Policy, num_ranks: int, num_microbatches: int,
+def _stages_by_rank(placement: Sequence[int], num_ranks: int) -> list[list[int]]:
+    return [[stage for stage, rank in enumerate(placement) if rank == r]
+            for r in range(num_ranks)]
+
+
+def _build_on_placement(name: str, num_ranks: int, num_microbatches: int,
                         placement: Sequence[int] | None, forward_only: bool) -> Schedule:
     stages = _placement_for(num_ranks, placement)
     check_count("num_microbatches", num_microbatches)
-    if _one_stage_per_rank(stages):
-        orders: list[list[Action]] = [[] for _ in range(num_ranks)]
-        for stage, rank in enumerate(stages):
-            orders[rank] = (_flush_order(stage, num_microbatches) if policy == "gpipe"
-                            else _one_f_one_b_order(stage, len(stages), num_microbatches))
-        return make_schedule(name, num_ranks, num_microbatches, stages, orders, forward_only)
-    orders = list_schedule(stages, num_microbatches, policy=policy, forward_only=forward_only)
-    schedule = make_schedule(name, num_ranks, num_microbatches, stages, orders, False)
-    validate(schedule)
+    one_stage_per_rank = _one_stage_per_rank(stages)
+    if name == "gpipe":
+        orders = [_breadth_first_order(held, num_microbatches)
+                  for held in _stages_by_rank(stages, num_ranks)]
+    elif one_stage_per_rank:
+        orders = [_one_f_one_b_order(held[0], len(stages), num_microbatches)
+                  for held in _stages_by_rank(stages, num_ranks)]
+    else:
+        orders = list_schedule(stages, num_microbatches, forward_only=forward_only)
+        forward_only = False  # the list scheduler made forward-only orders already
+    schedule = make_schedule(name, num_ranks, num_microbatches, stages, orders, forward_only)
+    if not one_stage_per_rank:
+        validate(schedule)
     return schedule
 
 
@@ -80,17 +94,17 @@ def gpipe(num_ranks: int, num_microbatches: int, *, placement: Sequence[int] | N
           forward_only: bool = False) -> Schedule:
     """GPipe: every stage runs all its forwards, then all its backwards (microbatch order).
 
-    ``placement`` (default: stage r on rank r) may be any stage -> rank map. With one stage
-    per rank the order is the closed form above; where a rank holds several stages (e.g.
-    the wrap-around placement) its order comes from the greedy list scheduler (forwards
-    first, backwards after the rank's last forward; see ``list_scheduler``) and is validated.
+    ``placement`` (default: stage r on rank r) may be any stage -> rank map. A rank holding
+    several stages runs them breadth first (all microbatches through a stage before its next
+    stage; backwards in reverse stage order), which keeps every rank busy while the others
+    work on its earlier stages: at pp 8, 9 microbatches and 4 stages per rank the bubble is
+    16.3 % where depth-first orders leave 43.8 %. The order is validated.
 
     Bubble (one stage per rank, free communication, any F and B): ``(p-1) / (m+p-1)``;
     the simulation at F = I = W gives exactly that. Peak live activations: m on every rank.
     Any m >= 1.
     """
-    return _build_on_placement("gpipe", "gpipe", num_ranks, num_microbatches, placement,
-                               forward_only)
+    return _build_on_placement("gpipe", num_ranks, num_microbatches, placement, forward_only)
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int, *,
@@ -107,8 +121,7 @@ def one_f_one_b(num_ranks: int, num_microbatches: int, *,
     same as GPipe, with peak live activations ``min(p-r, m)`` on rank r instead of m. The
     simulation at F = I = W gives exactly that. Any m >= 1.
     """
-    return _build_on_placement("1f1b", "1f1b", num_ranks, num_microbatches, placement,
-                               forward_only)
+    return _build_on_placement("1f1b", num_ranks, num_microbatches, placement, forward_only)
 
 
 def _require_placement(name: str, placement: str | Sequence[int] | None,

@@ -1,7 +1,7 @@
-"""Greedy list scheduling of GPipe and 1F1B for placements where a rank holds several stages.
+"""Greedy list scheduling of 1F1B for placements where a rank holds several stages.
 
-With one stage per rank, GPipe and 1F1B have closed-form orders. When a rank holds several
-stages (the wrap-around layout, loop placements with several rounds, any explicit map), the
+With one stage per rank, 1F1B has a closed-form order (and GPipe always has one: breadth
+first, see ``builders.gpipe``). When a rank holds several stages (the wrap-around layout, loop placements with several rounds, any explicit map), the
 order of its work is found by simulating the pipeline at unit costs and letting each idle
 rank start the best *ready* action:
 
@@ -9,11 +9,9 @@ rank start the best *ready* action:
 - a forward F(s, m) is ready once F(s-1, m) has finished; a backward B(s, m) once F(s, m)
   and B(s+1, m) have finished; every stage runs its forwards, and its backwards, in
   microbatch order;
-- ``"1f1b"``: a ready backward goes before a ready forward, and stage s keeps at most
+- a ready backward goes before a ready forward, and stage s keeps at most
   ``num_stages - s`` microbatches in flight (forwarded, not yet backwarded), the in-flight
   limit of classic 1F1B (forward-only runs have no limit: nothing is ever backwarded);
-- ``"gpipe"``: a ready forward goes before a ready backward, and a rank starts backwards only
-  after it has run all of its forwards (a flush per rank, as in GPipe);
 - ties go to the lowest microbatch, then the highest stage (depth first: the microbatch that
   is furthest along, or for backwards the stage that feeds the most remaining work).
 
@@ -26,14 +24,13 @@ stage's in-flight limit is at least 1.
 from __future__ import annotations
 
 import heapq
-from typing import Literal, Sequence
+from typing import Sequence
 
 from meshpipe.schedules.actions import Action, Kind
 
 FORWARD_COST = 1
 BACKWARD_COST = 2
 
-Policy = Literal["gpipe", "1f1b"]
 _NEVER = float("inf")
 
 
@@ -41,11 +38,10 @@ class _Pipeline:
     """The simulated state: which forwards and backwards each stage has started, and when
     each one ends."""
 
-    def __init__(self, placement: Sequence[int], num_microbatches: int, policy: Policy,
+    def __init__(self, placement: Sequence[int], num_microbatches: int,
                  forward_only: bool) -> None:
         self.num_stages = len(placement)
         self.num_microbatches = num_microbatches
-        self.policy = policy
         self.forward_only = forward_only
         num_ranks = max(placement) + 1
         self.stages_of = [[s for s, r in enumerate(placement) if r == rank]
@@ -54,12 +50,11 @@ class _Pipeline:
         self.next_backward = [0] * self.num_stages
         self.forward_end = [[_NEVER] * num_microbatches for _ in range(self.num_stages)]
         self.backward_end = [[_NEVER] * num_microbatches for _ in range(self.num_stages)]
-        self.forwards_left = [len(stages) * num_microbatches for stages in self.stages_of]
 
     def in_flight_limit(self, stage: int) -> int | None:
         """1F1B's cap on microbatches forwarded but not yet backwarded (none without
         backwards)."""
-        if self.policy == "1f1b" and not self.forward_only:
+        if not self.forward_only:
             return self.num_stages - stage
         return None
 
@@ -74,10 +69,8 @@ class _Pipeline:
             return None
         return microbatch
 
-    def ready_backward(self, rank: int, stage: int, now: float) -> int | None:
+    def ready_backward(self, stage: int, now: float) -> int | None:
         if self.forward_only:
-            return None
-        if self.policy == "gpipe" and self.forwards_left[rank]:
             return None
         microbatch = self.next_backward[stage]
         if microbatch >= self.next_forward[stage] or self.forward_end[stage][microbatch] > now:
@@ -93,27 +86,25 @@ class _Pipeline:
         for stage in self.stages_of[rank]:
             if (microbatch := self.ready_forward(stage, now)) is not None:
                 forwards.append((microbatch, -stage))
-            if (microbatch := self.ready_backward(rank, stage, now)) is not None:
+            if (microbatch := self.ready_backward(stage, now)) is not None:
                 backwards.append((microbatch, -stage))
-        first, second = (backwards, forwards) if self.policy == "1f1b" else (forwards, backwards)
-        if first:
-            microbatch, negative_stage = min(first)
-            kind = Kind.B if first is backwards else Kind.F
-        elif second:
-            microbatch, negative_stage = min(second)
-            kind = Kind.B if second is backwards else Kind.F
+        if backwards:
+            microbatch, negative_stage = min(backwards)
+            kind = Kind.B
+        elif forwards:
+            microbatch, negative_stage = min(forwards)
+            kind = Kind.F
         else:
             return None
         return Action(kind, -negative_stage, microbatch)
 
-    def start(self, rank: int, action: Action, now: float) -> float:
-        """Record ``action`` as started at ``now`` on ``rank``; returns its end time."""
+    def start(self, action: Action, now: float) -> float:
+        """Record ``action`` as started at ``now``; returns its end time."""
         stage, microbatch = action.stage, action.microbatch
         if action.kind is Kind.F:
             end = now + FORWARD_COST
             self.forward_end[stage][microbatch] = end
             self.next_forward[stage] += 1
-            self.forwards_left[rank] -= 1
         else:
             end = now + BACKWARD_COST
             self.backward_end[stage][microbatch] = end
@@ -121,10 +112,10 @@ class _Pipeline:
         return end
 
 
-def list_schedule(placement: Sequence[int], num_microbatches: int, *, policy: Policy,
+def list_schedule(placement: Sequence[int], num_microbatches: int, *,
                   forward_only: bool = False) -> list[list[Action]]:
-    """Per-rank action orders of GPipe or 1F1B on ``placement``, by the greedy rule above."""
-    pipeline = _Pipeline(placement, num_microbatches, policy, forward_only)
+    """Per-rank action orders of 1F1B on ``placement``, by the greedy rule above."""
+    pipeline = _Pipeline(placement, num_microbatches, forward_only)
     num_ranks = len(pipeline.stages_of)
     per_stage = 1 if forward_only else 2
     remaining = pipeline.num_stages * num_microbatches * per_stage
@@ -135,13 +126,13 @@ def list_schedule(placement: Sequence[int], num_microbatches: int, *, policy: Po
     while remaining:
         for rank in range(num_ranks):
             if busy_until[rank] <= now and (action := pipeline.pick(rank, now)) is not None:
-                end = pipeline.start(rank, action, now)
+                end = pipeline.start(action, now)
                 busy_until[rank] = end
                 heapq.heappush(ends, end)
                 orders[rank].append(action)
                 remaining -= 1
         if remaining and not ends:
-            raise RuntimeError(f"{policy} list scheduler stalled at time {now} on placement "
+            raise RuntimeError(f"1f1b list scheduler stalled at time {now} on placement "
                                f"{tuple(placement)} with {num_microbatches} microbatches; "
                                f"this is a bug in meshpipe, please report it")
         if remaining:
