@@ -15,6 +15,7 @@ from meshpipe.schedules.simulate import (
     SimulationDeadlock,
     TimedAction,
     Timeline,
+    fit_costs,
     recompute_compute_fraction,
     recompute_memory_fraction,
     simulate,
@@ -376,3 +377,16 @@ def test_with_recompute_follows_per_stage_costs_and_keeps_the_split_invariant():
     # recompute then split into stages == split into stages then recompute
     assert CostModel(forward=2, activation_bytes=1).with_recompute("full").scaled(0.5) == \
         CostModel(forward=2, activation_bytes=1).scaled(0.5).with_recompute("full")
+
+
+@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("zb-v", 2), ("interleaved", 2),
+                                      ("combined-1f1b", 2)])
+def test_costs_fitted_from_a_timeline_give_back_its_costs_and_bubble(name, vpp):
+    schedule = build(name, 4, 8, stages_per_rank=vpp)
+    costs = CostModel(forward=tuple(1.0 + 0.1 * s for s in range(schedule.num_stages)),
+                      backward_input=0.7, backward_weight=0.5)
+    simulation = simulate(schedule, costs)
+    fitted = fit_costs(simulation.timeline, schedule.num_stages)
+    assert fitted.forward == pytest.approx(costs.forward)
+    assert fitted.backward == pytest.approx((1.2,) * schedule.num_stages)
+    assert simulate(schedule, fitted).bubble_ratio == pytest.approx(simulation.bubble_ratio)

@@ -123,6 +123,9 @@ def test_cli_trains_and_writes_metrics(tmp_path):
     assert len(metrics["history"]) == 3 and len(metrics["eval"]) == 1
     assert (tmp_path / "timeline.png").stat().st_size > 1000
     assert "tokens/s" in done.stdout
+    bubble = metrics["bubble"]  # of the timeline step, beside the simulated one
+    assert bubble["step"] == 1 and 0 <= bubble["simulated"] < 1 and 0 <= bubble["measured"] < 1
+    assert f"bubble {100 * bubble['measured']:.1f}% measured" in done.stdout
 
 
 def test_cli_reports_a_bad_layout_in_one_line(tmp_path):

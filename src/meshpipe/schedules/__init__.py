@@ -9,7 +9,7 @@ from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.placement import (PLACEMENTS, loop_placement, resolve_placement,
                                           v_placement, wraparound_placement)
 from meshpipe.schedules.simulate import (RECOMPUTE_MODES, BackwardCostMismatch, CostModel,
-                                         Simulation, Timeline, TimedAction,
+                                         Simulation, Timeline, TimedAction, fit_costs,
                                          recompute_compute_fraction, recompute_memory_fraction,
                                          simulate)
 from meshpipe.schedules.validation import ScheduleError, validate
@@ -18,7 +18,7 @@ __all__ = [
     "RECOMPUTE_MODES", "Action", "BackwardCostMismatch", "Comparison", "CostModel", "Kind", "PLACEMENTS",
     "SCHEDULES", "Schedule", "ScheduleError", "Simulation", "TimedAction", "Timeline", "build",
     "combined_1f1b", "compare", "dualpipe_v", "gpipe", "interleaved_1f1b", "loop_placement",
-    "lower", "no_pipelining", "one_f_one_b", "recompute_compute_fraction",
+    "fit_costs", "lower", "no_pipelining", "one_f_one_b", "recompute_compute_fraction",
     "recompute_memory_fraction", "resolve_placement", "simulate", "v_placement",
     "validate", "wraparound_placement", "zb_h1", "zb_v",
 ]

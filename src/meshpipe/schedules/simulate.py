@@ -11,6 +11,7 @@ activations) and every picture drawn from it (``render``) works the same for bot
 from __future__ import annotations
 
 import math
+import statistics
 from array import array
 from numbers import Real
 from collections.abc import Iterable, Iterator, Sequence
@@ -627,6 +628,35 @@ class Simulation:
 # Token spaces of the simulation: what a finished action makes available.
 _FORWARD_DONE, _GRAD_DONE, _INPUT_GRAD_DONE = 0, 1, 2
 _TOKEN_NAMES = {_FORWARD_DONE: "F", _GRAD_DONE: "B or I", _INPUT_GRAD_DONE: "I"}
+
+
+def fit_costs(timeline: Timeline, num_stages: int) -> CostModel:
+    """The costs a measured step shows: per stage, the median duration of each kind of
+    compute action in ``timeline`` (a stage with no action of a kind gets the median over
+    the stages that have one). Messages cost 0: the measured time a rank waits for one is
+    what the simulated bubble of these costs leaves out, so the two bubbles side by side
+    say how much of the measured one is communication and runtime overhead."""
+    durations: dict[tuple[Kind, int], list[float]] = {}
+    for rank in timeline.ranks:
+        for timed in rank:
+            key = (timed.action.kind, timed.action.stage)
+            durations.setdefault(key, []).append(timed.end - timed.start)
+
+    def per_stage(kind: Kind) -> tuple[float, ...] | None:
+        medians = {stage: statistics.median(values) for (k, stage), values in durations.items()
+                   if k is kind}
+        if not medians:
+            return None
+        fallback = statistics.median(medians.values())
+        return tuple(medians.get(stage, fallback) for stage in range(num_stages))
+
+    halves = per_stage(Kind.I), per_stage(Kind.W)
+    split = halves[0] is not None and halves[1] is not None
+    return CostModel(forward=per_stage(Kind.F) or 0.0,
+                     backward=None if split else per_stage(Kind.B),
+                     backward_input=halves[0] if split else None,
+                     backward_weight=halves[1] if split else None,
+                     overlap=per_stage(Kind.OVERLAP))
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> Simulation:

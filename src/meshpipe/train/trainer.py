@@ -58,7 +58,7 @@ from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, Stage,
 from meshpipe.schedules import Schedule, build
 from meshpipe.schedules.placement import wraparound_placement
 from meshpipe.schedules.render import to_png, write_chrome_trace
-from meshpipe.schedules.simulate import Timeline
+from meshpipe.schedules.simulate import Timeline, fit_costs, simulate
 from meshpipe.topology import Topology, new_groups
 from meshpipe.train import checkpoint, faults, sources
 from meshpipe.train.config import TrainConfig
@@ -677,7 +677,10 @@ class Trainer:
         bar.update()
         if step + 1 == config.timeline_step:
             with self._collective("the timeline gather"):
-                metrics["timeline"] = self._draw_timeline(out)
+                timeline = self._gather_timeline()
+            if timeline is not None:
+                metrics["timeline"] = self._draw_timeline(timeline, out)
+                metrics["bubble"] = measured_bubble(timeline, self.schedule, step)
         if config.eval_every and (step + 1) % config.eval_every == 0:
             val_loss = self.evaluate(step)
             metrics["eval"].append({"step": step, "val_loss": val_loss})
@@ -706,12 +709,15 @@ class Trainer:
         summary = metrics.get("summary")
         if summary:
             first, last = summary["first_loss"], summary["last_loss"]
+            bubble = metrics.get("bubble")
+            bubbles = (f", bubble {100 * bubble['measured']:.1f}% measured vs "
+                       f"{100 * bubble['simulated']:.1f}% simulated" if bubble else "")
             print(f"loss {_number(first)} -> {_number(last)} over {len(history)} steps, "
-                  f"{summary['median_tokens_per_s']:,.0f} tokens/s; metrics in "
+                  f"{summary['median_tokens_per_s']:,.0f} tokens/s{bubbles}; metrics in "
                   f"{out / 'metrics.json'}")
 
-    def _draw_timeline(self, out: Path) -> str | None:
-        """Gather the last step's measured action times of rank 0's pipeline and draw them."""
+    def _gather_timeline(self) -> Timeline | None:
+        """The last step's measured action times of rank 0's pipeline, on rank 0."""
         records = [(self.topology.pp_rank, t.action, t.start, t.end)
                    for t in self.last_result.timeline]
         gathered: list[Any] = [None] * dist.get_world_size() if self.is_main else None
@@ -719,8 +725,11 @@ class Trainer:
         if not self.is_main:
             return None
         pipeline = self.topology.pipeline_ranks
-        timeline = Timeline.from_records([r for rank in pipeline for r in gathered[rank]],
-                                         num_ranks=len(pipeline), seconds_per_unit=1.0)
+        return Timeline.from_records([r for rank in pipeline for r in gathered[rank]],
+                                     num_ranks=len(pipeline), seconds_per_unit=1.0)
+
+    def _draw_timeline(self, timeline: Timeline, out: Path) -> str:
+        """Draw a measured step as a picture and a Chrome trace."""
         out.mkdir(parents=True, exist_ok=True)
         title = (f"measured step: {self.config.schedule}, pp {self.config.pp}, "
                  f"{self.config.microbatches} microbatches")
@@ -749,6 +758,17 @@ class Trainer:
             return None
         return compare_with_single_process(self.config, loss, whole_gradients(
             self.config.layout, gathered))
+
+
+def measured_bubble(timeline: Timeline, schedule: Schedule, step: int) -> dict[str, Any]:
+    """The bubble of a measured step beside the simulated bubble of the same schedule at
+    the costs fitted from that step (compute only, messages free): their difference is what
+    communication and the runtime add."""
+    costs = fit_costs(timeline, schedule.num_stages)
+    return {"step": step, "measured": timeline.bubble_ratio,
+            "simulated": simulate(schedule, costs).bubble_ratio,
+            "fitted_costs_s": {"forward": costs.forward, "backward_input": costs.backward_input,
+                               "backward_weight": costs.backward_weight}}
 
 
 def _number(value: float | None) -> str:
