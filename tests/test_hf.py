@@ -37,11 +37,19 @@ def _run(chunks, tokens, positions=None, doc_ids=None):
     return chunks[-1](*message)
 
 
-@pytest.mark.parametrize("arch,tied", [(a, False) for a in ARCHITECTURES] + [("llama", True)])
-def test_stages_compute_the_upstream_logits(tmp_path, arch, tied):
-    directory = save_tiny_model(tmp_path, arch, tie_word_embeddings=tied)
+LLAMA3_ROPE = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                   rope_theta=500000.0)
+MODELS = {**{arch: (arch, {}) for arch in ARCHITECTURES},
+          "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+          "llama3-rope-scaling": ("llama", LLAMA3_ROPE)}
+
+
+@pytest.mark.parametrize("arch,overrides", MODELS.values(), ids=MODELS.keys())
+def test_stages_compute_the_upstream_logits(tmp_path, arch, overrides):
+    directory = save_tiny_model(tmp_path, arch, **overrides)
     chunks, _ = _chunks(directory, [1, 2, 1])
-    tokens = torch.randint(0, 256, (2, 24))
+    tokens = torch.randint(0, 256, (2, 96))  # beyond llama3's original 64 positions
     torch.testing.assert_close(_run(chunks, tokens), _upstream(directory)(tokens).logits)
 
 
