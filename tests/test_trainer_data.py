@@ -101,6 +101,8 @@ def _bad_inputs(tmp_path):
         (dict(model=m, data=str(data), tokenizer=str(big_tokenizer)),
          "the tokenizer has 290 tokens but the model's embedding has 256 rows"),
         (dict(model=m, dim=128), "--dim describes the reference transformer"),
+        (dict(model=str(save_tiny_model(tmp_path / "small-vocab", vocab_size=100))),
+         "byte-level \\(256 token ids\\) but the model's embedding has 100 rows"),
         (dict(pack=True), "--pack packs the documents of --data"),
     ]
 

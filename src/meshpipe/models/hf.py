@@ -36,8 +36,9 @@ from meshpipe.models.transformer import _maybe_checkpoint, default_positions
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ATTENTION_NAME = "meshpipe"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-# Files of a model directory that describe it beside its weights; export copies them.
-DESCRIPTION_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+# Files of a model directory that describe it beside its weights and config; export copies
+# them.
+DESCRIPTION_FILES = ("generation_config.json", "tokenizer.json",
                      "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                      "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -326,7 +327,7 @@ def export_model(state: dict[str, Tensor], model_dir: str | Path, out_dir: str |
                          f"({', '.join(missing[:3])}...): it was not written for {source}")
     out.mkdir(parents=True, exist_ok=True)
     for name in DESCRIPTION_FILES:
-        if (source / name).is_file() and name != "config.json":
+        if (source / name).is_file():
             shutil.copyfile(source / name, out / name)
     config.dtype = torch.float32
     config.save_pretrained(str(out))

@@ -89,6 +89,10 @@ def check_sources(config: TrainConfig) -> None:
 
         hf.check_sequence_length(model_info(config.model), config.seq_len)
     if not config.data:
+        if config.model and vocab_size(config) < VOCAB_SIZE:
+            raise ValueError(f"the shipped corpus is byte-level (256 token ids) but the model's "
+                             f"embedding has {vocab_size(config)} rows: give --data with the "
+                             "model's tokenizer")
         return
     words = tokenizer(config)
     if config.model and words.vocab_size > vocab_size(config):
