@@ -767,7 +767,8 @@ def measured_bubble(timeline: Timeline, schedule: Schedule, step: int) -> dict[s
     costs = fit_costs(timeline, schedule.num_stages)
     return {"step": step, "measured": timeline.bubble_ratio,
             "simulated": simulate(schedule, costs).bubble_ratio,
-            "fitted_costs_s": {"forward": costs.forward, "backward_input": costs.backward_input,
+            "fitted_costs_s": {"forward": costs.forward, "backward": costs.backward,
+                               "backward_input": costs.backward_input,
                                "backward_weight": costs.backward_weight}}
 
 
