@@ -394,3 +394,31 @@ def test_data_without_tokens_cannot_give_a_sequence():
     empty = TokenizedData(np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64), 256)
     with pytest.raises(ValueError, match="no tokens.*add text"):
         TextSampler(empty, seq_len=8, batch_size=1)
+
+
+def test_concurrent_tokenizations_of_one_dataset_tokenize_once(tmp_path):
+    """Ranks that reach an uncached dataset together: one tokenizes, the others wait and
+    read its cache."""
+    import threading
+    import time
+
+    data_file = write(tmp_path / "a.txt", "\n\n".join(SENTENCES))
+    calls = []
+
+    class Slow(ByteTokenizer):
+        def encode_batch(self, texts):
+            calls.append(len(texts))
+            time.sleep(0.3)
+            return super().encode_batch(texts)
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        tokenize_dataset(str(data_file), Slow(), tmp_path / "cache", progress=False)))
+        for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1
+    assert len(results) == 3 and all(np.array_equal(r.tokens, results[0].tokens)
+                                     for r in results)

@@ -22,6 +22,8 @@ padding, has ``IGNORE_INDEX`` as its target.
 from __future__ import annotations
 
 import codecs
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -311,9 +313,25 @@ def tokenize_dataset(path: str, tokenizer: Tokenizer, cache_dir: str | Path, *,
     key = cache_key(files, tokenizer)
     entry = cache_dir / key
     if not _complete(entry):
-        _remove_dead_temporaries(cache_dir)
-        _build_entry(path, files, tokenizer, cache_dir, key, progress)
+        with _exclusive(cache_dir):
+            if not _complete(entry):  # another process may have written it meanwhile
+                _remove_dead_temporaries(cache_dir)
+                _build_entry(path, files, tokenizer, cache_dir, key, progress)
     return _load_entry(entry, tokenizer)
+
+
+@contextlib.contextmanager
+def _exclusive(cache_dir: Path) -> Iterator[None]:
+    """One tokenization at a time per cache directory on a host (a lock on the directory
+    itself): the ranks of a torchrun job that all reach an uncached dataset wait for the
+    first one and then read its cache instead of tokenizing it again."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(cache_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
 
 
 def cache_key(files: list[Path], tokenizer: Tokenizer) -> str:
