@@ -111,6 +111,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
+from common import load_average
 from meshpipe.comm.p2p import P2PTransport
 from meshpipe.runtime.executor import Executor
 from meshpipe.runtime.stage import Stage
@@ -1349,13 +1350,6 @@ def markdown(config: dict[str, Any], message_cost: dict[str, Any],
                       f"their deadline (worst {max(q['max'] for q in late):.2f} ms) over every "
                       "timed step."]
     return "\n".join(lines) + "\n"
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -73,6 +73,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common import load_average
 from meshpipe.runtime.substeps import LATENCY_ENV, Exchange, run_steps
 from meshpipe.train.config import TrainConfig
 
@@ -519,13 +520,6 @@ def to_markdown(real: list[dict], emulated: list[dict], args: argparse.Namespace
                          f"{_ms(r['combined_simulated_ms'])} |")
         lines.append("")
     return "\n".join(lines)
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> None:

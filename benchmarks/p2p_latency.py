@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common import load_average
 from meshpipe.comm.p2p import MODES, P2PTransport
 
 DEFAULT_SIZES = (16 << 10, 256 << 10, 6 << 20)
@@ -234,13 +235,6 @@ def table(rows: list[dict]) -> str:
             cells.append(f"{row['median_ms']:.3f} / {row['p10_ms']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -66,6 +66,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
                                           ScheduleZBVZeroBubble)
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
+from common import load_average
 from meshpipe.comm.p2p import P2PTransport
 from meshpipe.models import Transformer, TransformerConfig, causal_lm_loss, split
 from meshpipe.runtime.executor import Executor
@@ -438,13 +439,6 @@ def markdown(config: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         lines += ["", f"Load average (1, 5, 15 min) before: {config['load_average']['before']}, "
                       f"after: {config['load_average']['after']}."]
     return "\n".join(lines) + "\n"
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> None:

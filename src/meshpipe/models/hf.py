@@ -64,6 +64,7 @@ class HFModelInfo:
     max_positions: int
     tie_embeddings: bool
     weight_files: tuple[Path, ...]
+    sliding_window: int | None  # None: every layer attends to the whole sequence
 
 
 def inspect_model(directory: str | Path) -> HFModelInfo:
@@ -93,7 +94,16 @@ def inspect_model(directory: str | Path) -> HFModelInfo:
                        num_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
                        max_positions=config.max_position_embeddings,
                        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                       weight_files=weight_files(path))
+                       weight_files=weight_files(path),
+                       sliding_window=_sliding_window(config, model_type))
+
+
+def _sliding_window(config, model_type: str) -> int | None:
+    """The window of the model's sliding-window layers, if it has any."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    slides = model_type == "mistral" or "sliding_attention" in layer_types
+    return window if slides else None
 
 
 def load_config(directory: str | Path):
@@ -128,12 +138,8 @@ def check_sequence_length(info: HFModelInfo, seq_len: int) -> None:
     if seq_len > info.max_positions:
         raise ValueError(f"--seq-len {seq_len} is above the model's max_position_embeddings "
                          f"{info.max_positions}: use --seq-len {info.max_positions} or less")
-    config = load_config(info.directory)
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ()
-    slides = window is not None and (info.model_type == "mistral"
-                                     or "sliding_attention" in layer_types)
-    if slides and window < seq_len:
+    window = info.sliding_window
+    if window is not None and window < seq_len:
         raise ValueError(f"--seq-len {seq_len} is longer than the model's sliding window "
                          f"{window}, which meshpipe's attention does not apply: use --seq-len "
                          f"{window} or less")
@@ -177,7 +183,6 @@ def build_skeleton(directory: str | Path) -> nn.Module:
     transformers = _transformers()
     register_attention()
     config = load_config(directory)
-    config._attn_implementation = ATTENTION_NAME
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config,
                                                               attn_implementation=ATTENTION_NAME)
@@ -316,12 +321,10 @@ def full_names(model: nn.Module) -> dict[int, str]:
 def export_model(state: dict[str, Tensor], model_dir: str | Path, out_dir: str | Path) -> Path:
     """Write ``state`` (full-model names, float32) as a directory transformers loads: the
     model directory's config (in float32) and tokenizer files, and one safetensors file."""
-    from safetensors.torch import save_file
-
     source, out = Path(model_dir), Path(out_dir)
-    config = load_config(source)
-    expected = {name for name, _ in build_skeleton(source).named_parameters()}
-    missing = sorted(expected - set(state))
+    skeleton = build_skeleton(source)
+    expected = sorted(name for name, _ in skeleton.named_parameters())
+    missing = [name for name in expected if name not in state]
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} of the model's weights "
                          f"({', '.join(missing[:3])}...): it was not written for {source}")
@@ -329,11 +332,19 @@ def export_model(state: dict[str, Tensor], model_dir: str | Path, out_dir: str |
     for name in DESCRIPTION_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, out / name)
+    return _write_pretrained(skeleton.config, {name: state[name] for name in expected}, out)
+
+
+def _write_pretrained(config, tensors: dict[str, Tensor], out: Path) -> Path:
+    """``config`` (as float32) and ``tensors`` in one safetensors file, in ``out``."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
     config.dtype = torch.float32
     config.save_pretrained(str(out))
-    tensors = {name: state[name].detach().to("cpu", torch.float32).contiguous()
-               for name in sorted(expected)}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({name: tensor.detach().to("cpu", torch.float32).contiguous()
+               for name, tensor in tensors.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
@@ -362,8 +373,6 @@ def export_reference(state: dict[str, Tensor], config, out_dir: str | Path) -> P
     """The reference transformer (a ``TransformerConfig`` without experts) as the
     LlamaForCausalLM it is: same RMSNorm, rotary pairing, grouped-query attention, SwiGLU."""
     transformers = _transformers()
-    from safetensors.torch import save_file
-
     llama = transformers.LlamaConfig(
         vocab_size=config.vocab_size, hidden_size=config.dim,
         intermediate_size=config.ffn_width, num_hidden_layers=config.n_layers,
@@ -371,13 +380,8 @@ def export_reference(state: dict[str, Tensor], config, out_dir: str | Path) -> P
         head_dim=config.head_dim, max_position_embeddings=config.max_seq_len,
         rope_theta=config.rope_theta, rms_norm_eps=config.norm_eps,
         tie_word_embeddings=config.tie_embeddings, attention_bias=False, mlp_bias=False)
-    tensors = {llama_name(name): tensor.detach().to("cpu", torch.float32).contiguous()
-               for name, tensor in state.items()}
+    llama.architectures = ["LlamaForCausalLM"]
+    tensors = {llama_name(name): tensor for name, tensor in state.items()}
     if config.tie_embeddings:
         tensors.pop("lm_head.weight", None)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    llama.architectures = ["LlamaForCausalLM"]
-    llama.save_pretrained(str(out))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return _write_pretrained(llama, tensors, Path(out_dir))

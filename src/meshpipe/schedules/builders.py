@@ -16,7 +16,7 @@ from meshpipe.schedules.actions import Action, B, F, Schedule
 from meshpipe.schedules.interleaved import combined_1f1b, interleaved_1f1b
 from meshpipe.schedules.list_scheduler import list_schedule
 from meshpipe.schedules.placement import (check_placement, loop_placement, resolve_placement,
-                                          v_placement)
+                                          stages_by_rank, v_placement)
 from meshpipe.schedules.validation import validate
 from meshpipe.schedules.zero_bubble import dualpipe_v, zb_h1, zb_v
 
@@ -65,11 +65,6 @@ def _one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> li
     return order
 
 
-def _stages_by_rank(placement: Sequence[int], num_ranks: int) -> list[list[int]]:
-    return [[stage for stage, rank in enumerate(placement) if rank == r]
-            for r in range(num_ranks)]
-
-
 def _build_on_placement(name: str, num_ranks: int, num_microbatches: int,
                         placement: Sequence[int] | None, forward_only: bool) -> Schedule:
     stages = _placement_for(num_ranks, placement)
@@ -77,10 +72,10 @@ def _build_on_placement(name: str, num_ranks: int, num_microbatches: int,
     one_stage_per_rank = _one_stage_per_rank(stages)
     if name == "gpipe":
         orders = [_breadth_first_order(held, num_microbatches)
-                  for held in _stages_by_rank(stages, num_ranks)]
+                  for held in stages_by_rank(stages)]
     elif one_stage_per_rank:
         orders = [_one_f_one_b_order(held[0], len(stages), num_microbatches)
-                  for held in _stages_by_rank(stages, num_ranks)]
+                  for held in stages_by_rank(stages)]
     else:
         orders = list_schedule(stages, num_microbatches, forward_only=forward_only)
         forward_only = False  # the list scheduler made forward-only orders already

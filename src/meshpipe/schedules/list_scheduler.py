@@ -27,6 +27,7 @@ import heapq
 from typing import Sequence
 
 from meshpipe.schedules.actions import Action, Kind
+from meshpipe.schedules.placement import stages_by_rank
 
 FORWARD_COST = 1
 BACKWARD_COST = 2
@@ -43,9 +44,7 @@ class _Pipeline:
         self.num_stages = len(placement)
         self.num_microbatches = num_microbatches
         self.forward_only = forward_only
-        num_ranks = max(placement) + 1
-        self.stages_of = [[s for s, r in enumerate(placement) if r == rank]
-                          for rank in range(num_ranks)]
+        self.stages_of = stages_by_rank(placement)
         self.next_forward = [0] * self.num_stages
         self.next_backward = [0] * self.num_stages
         self.forward_end = [[_NEVER] * num_microbatches for _ in range(self.num_stages)]

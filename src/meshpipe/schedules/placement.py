@@ -40,6 +40,14 @@ def wraparound_placement(num_ranks: int) -> tuple[int, ...]:
     return tuple(range(num_ranks)) + (0,)
 
 
+def stages_by_rank(placement: Sequence[int]) -> list[list[int]]:
+    """Per rank (0 .. the highest rank named), the stages it holds, in stage order."""
+    held: list[list[int]] = [[] for _ in range(max(placement, default=-1) + 1)]
+    for stage, rank in enumerate(placement):
+        held[rank].append(stage)
+    return held
+
+
 def check_placement(placement: Sequence[int], num_ranks: int) -> tuple[int, ...]:
     """``placement`` as a tuple, after checking that it maps stages onto all ``num_ranks``.
 

@@ -11,6 +11,7 @@ token file). Every rank then builds its stages with ``build_chunks`` and its bat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, ca
 from meshpipe.runtime import DynamicLossScaler, autocast
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, encode, load_corpus
+from meshpipe.train import text_data
 
 VAL_FRACTION = 0.05
 
@@ -42,8 +44,6 @@ def num_layers(config: TrainConfig) -> int:
 
 @lru_cache(maxsize=None)
 def _tokenizer(model_dir: str, tokenizer_dir: str):
-    from meshpipe.train import text_data
-
     return text_data.resolve_tokenizer(model_dir, tokenizer_dir)
 
 
@@ -58,8 +58,6 @@ def data_cache(config: TrainConfig) -> Path:
 
 @lru_cache(maxsize=None)
 def _dataset(data: str, model_dir: str, tokenizer_dir: str, cache: str, progress: bool):
-    from meshpipe.train import text_data
-
     tokenized = text_data.tokenize_dataset(data, _tokenizer(model_dir, tokenizer_dir), cache,
                                            progress=progress)
     return tokenized.split(VAL_FRACTION)
@@ -122,13 +120,10 @@ def samplers(config: TrainConfig, dp_rank: int) -> tuple[Any, Any]:
         tokens = encode(load_corpus())
         return tuple(CorpusSampler(tokens, config.seq_len, batch, seed=seed, split=name)
                      for name in ("train", "val"))
-    from meshpipe.train.text_data import TextSampler
-
-    train, val = dataset(config)
     pad = tokenizer(config).pad_id
-    return (TextSampler(train, config.seq_len, batch, seed=seed, pack=config.pack, pad_id=pad),
-            TextSampler(val, config.seq_len, batch, seed=seed + 1_000_003, pack=config.pack,
-                        pad_id=pad))
+    return tuple(text_data.TextSampler(split, config.seq_len, batch, seed=split_seed,
+                                       pack=config.pack, pad_id=pad)
+                 for split, split_seed in zip(dataset(config), (seed, seed + 1_000_003)))
 
 
 def packed_rows(batch, size: int) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
@@ -223,7 +218,7 @@ def _reference_model(config: TrainConfig) -> nn.Module:
 
 def counted_targets(targets: torch.Tensor) -> int:
     """Targets that count in the loss (not padding, not a document's last token)."""
-    return int((targets != -100).sum())
+    return int((targets != text_data.IGNORE_INDEX).sum())
 
 
 def _replica_loss(config: TrainConfig, model: nn.Module, batch) -> torch.Tensor:
@@ -258,7 +253,7 @@ def _upstream_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor
     replica's counted targets (``num_items_in_batch``): a packed sequence's documents run
     one by one, which is what the block-diagonal mask means."""
     pieces = [(0, tokens.shape[1])] if doc_lens is None else [
-        (start, length) for start, length in zip(_starts(doc_lens), doc_lens)]
+        (start, length) for start, length in zip(accumulate(doc_lens, initial=0), doc_lens)]
     total = torch.zeros(())
     for start, length in pieces:
         piece_targets = targets[:, start:start + length]
@@ -266,14 +261,6 @@ def _upstream_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor
                     shift_labels=piece_targets, num_items_in_batch=count)
         total = total + out.loss
     return total
-
-
-def _starts(lengths) -> list[int]:
-    starts, at = [], 0
-    for length in lengths:
-        starts.append(at)
-        at += length
-    return starts
 
 
 def export(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str = "") -> Path:

@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from meshpipe.train.data import VOCAB_SIZE
+
 IGNORE_INDEX = -100
 
 SUFFIXES = (".txt", ".jsonl")
@@ -77,7 +79,7 @@ class ByteTokenizer:
     """UTF-8 bytes: the ids of ``meshpipe.train.data.encode``, no end-of-document token."""
 
     name = "bytes"
-    vocab_size = 256
+    vocab_size = VOCAB_SIZE
     eos_id = None
     pad_id = 0
 

@@ -115,10 +115,7 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
 
 def export_newest(config: TrainConfig) -> Path:
     """``--export``: the run's last checkpoint as a directory transformers loads."""
-    saved = checkpoint.newest(Path(config.out_dir) / "checkpoint")
-    if saved is None:
-        raise ValueError(f"--export {config.export}: the run left no complete checkpoint in "
-                         f"{config.out_dir}/checkpoint to export")
+    saved = checkpoint.find(Path(config.out_dir) / "checkpoint")
     exported = sources.export(saved.directory, config.export, config.model)
     print(f"meshpipe: exported step {saved.step} to {exported} (transformers "
           "AutoModelForCausalLM.from_pretrained loads it)", flush=True)

@@ -1,0 +1,15 @@
+"""Small pieces every benchmark script shares (run as ``python benchmarks/NAME.py``, which
+puts this directory on the import path)."""
+
+from __future__ import annotations
+
+import os
+
+
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages (None where the OS has none): a
+    benchmark records them before and after, since other processes skew its timings."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
