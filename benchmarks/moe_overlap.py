@@ -375,7 +375,7 @@ def runtime_model(schedule: str, m: int, layers: int, forward_s: float, backward
 def simulated(schedule: str, m: int, layers: int, forward_s: float, backward_s: float,
               latency: float) -> float:
     from meshpipe.schedules import build
-    from meshpipe.schedules.simulate import CostModel, simulate
+    from meshpipe.schedules import CostModel, simulate
 
     pieces = 2 * layers + 1
     costs = CostModel(forward=pieces * forward_s, backward=pieces * backward_s,

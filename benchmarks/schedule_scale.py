@@ -29,7 +29,7 @@ from typing import Callable
 
 from meshpipe.schedules.builders import build
 from meshpipe.schedules.lowering import lower
-from meshpipe.schedules.simulate import simulate
+from meshpipe.schedules import simulate
 from meshpipe.schedules.validation import validate
 
 PHASES = ("build", "lower", "validate", "simulate", "simulate lowered")

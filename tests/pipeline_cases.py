@@ -16,7 +16,7 @@ from meshpipe.runtime.executor import Executor
 from meshpipe.runtime.grad_sync import all_reduce_gradients
 from meshpipe.runtime.stage import Stage
 from meshpipe.schedules import build
-from meshpipe.schedules.simulate import simulate
+from meshpipe.schedules import simulate
 from meshpipe.topology import ParallelLayout, Topology
 
 SEQ = 8

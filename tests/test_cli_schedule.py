@@ -13,7 +13,7 @@ from meshpipe.schedules.builders import SCHEDULES, build
 from meshpipe.schedules.compare import compare
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.render import to_text
-from meshpipe.schedules.simulate import CostModel, simulate
+from meshpipe.schedules import CostModel, simulate
 
 
 def run(capsys, *argv):

@@ -16,7 +16,7 @@ from meshpipe.schedules.render import (
     to_text,
     write_chrome_trace,
 )
-from meshpipe.schedules.simulate import CostModel, Timeline, simulate
+from meshpipe.schedules import CostModel, Timeline, simulate
 
 
 def gpipe(p: int, m: int) -> Schedule:

@@ -6,7 +6,7 @@ import pytest
 
 from meshpipe.schedules import SCHEDULES, Schedule, ScheduleError, build, compare
 from meshpipe.schedules.actions import B, F
-from meshpipe.schedules.simulate import CostModel, SimulationDeadlock, simulate
+from meshpipe.schedules import CostModel, SimulationDeadlock, simulate
 
 # ``meshpipe.schedules.compare`` is the function once the package is imported; the module
 # is reached through importlib.

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from meshpipe.schedules import (SCHEDULES, Kind, Schedule, ScheduleError, build, combined_1f1b,
                                 dualpipe_v, gpipe, interleaved_1f1b, lower, one_f_one_b,
                                 validate, zb_h1, zb_v)
-from meshpipe.schedules.simulate import CostModel, simulate
+from meshpipe.schedules import CostModel, simulate
 
 RANKS = st.integers(1, 16)
 MICROBATCHES = st.integers(1, 64)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from meshpipe.schedules.actions import Action, B, F, I, Kind, Schedule, W
 from meshpipe.schedules.builders import build
-from meshpipe.schedules.simulate import (
+from meshpipe.schedules import (
     BackwardCostMismatch,
     CostModel,
     SimulationDeadlock,

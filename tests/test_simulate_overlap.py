@@ -7,7 +7,7 @@ from meshpipe.schedules.actions import Action, B, F, I, Kind, Schedule, W
 from meshpipe.schedules.builders import build
 from meshpipe.schedules.compare import compare
 from meshpipe.schedules.interleaved import combined_1f1b
-from meshpipe.schedules.simulate import CostModel, simulate
+from meshpipe.schedules import CostModel, simulate
 
 # name, pp, microbatches, stages per rank: every builder, OVERLAP schedules included.
 SIZES = [("none", 1, 4, 1), ("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2),

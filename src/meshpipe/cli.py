@@ -25,9 +25,9 @@ from meshpipe.schedules.compare import VIRTUAL_STAGE_SCHEDULES, Comparison, comp
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.placement import PLACEMENTS
 from meshpipe.schedules.render import comparison_table, to_png, to_text, write_chrome_trace
-from meshpipe.schedules.simulate import (RECOMPUTE_MODES, BackwardCostMismatch, CostModel,
-                                         recompute_compute_fraction, recompute_memory_fraction,
-                                         simulate)
+from meshpipe.schedules.costs import (RECOMPUTE_MODES, BackwardCostMismatch, CostModel,
+                                      recompute_compute_fraction, recompute_memory_fraction)
+from meshpipe.schedules.simulator import simulate
 from meshpipe.schedules.validation import validate
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.config import add_arguments as add_train_arguments

@@ -42,7 +42,7 @@ from meshpipe.runtime.stage import Stage, Task
 from meshpipe.runtime.substeps import co_schedule, drain
 from meshpipe.schedules.actions import Action, Kind, Schedule
 from meshpipe.schedules.lowering import lower
-from meshpipe.schedules.simulate import TimedAction
+from meshpipe.schedules.timeline import TimedAction
 from meshpipe.schedules.validation import validate
 
 

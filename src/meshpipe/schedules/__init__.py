@@ -8,15 +8,16 @@ from meshpipe.schedules.compare import Comparison, compare
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.placement import (PLACEMENTS, loop_placement, resolve_placement,
                                           v_placement, wraparound_placement)
-from meshpipe.schedules.simulate import (RECOMPUTE_MODES, BackwardCostMismatch, CostModel,
-                                         Simulation, Timeline, TimedAction, fit_costs,
-                                         recompute_compute_fraction, recompute_memory_fraction,
-                                         simulate)
+from meshpipe.schedules.costs import (RECOMPUTE_MODES, BackwardCostMismatch, CostModel,
+                                      fit_costs, recompute_compute_fraction,
+                                      recompute_memory_fraction)
+from meshpipe.schedules.simulator import Simulation, SimulationDeadlock, simulate
+from meshpipe.schedules.timeline import Timeline, TimedAction
 from meshpipe.schedules.validation import ScheduleError, validate
 
 __all__ = [
     "RECOMPUTE_MODES", "Action", "BackwardCostMismatch", "Comparison", "CostModel", "Kind", "PLACEMENTS",
-    "SCHEDULES", "Schedule", "ScheduleError", "Simulation", "TimedAction", "Timeline", "build",
+    "SCHEDULES", "Schedule", "ScheduleError", "Simulation", "SimulationDeadlock", "TimedAction", "Timeline", "build",
     "combined_1f1b", "compare", "dualpipe_v", "gpipe", "interleaved_1f1b", "loop_placement",
     "fit_costs", "lower", "no_pipelining", "one_f_one_b", "recompute_compute_fraction",
     "recompute_memory_fraction", "resolve_placement", "simulate", "v_placement",

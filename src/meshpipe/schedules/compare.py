@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from meshpipe.schedules.builders import SCHEDULES, build
-from meshpipe.schedules.simulate import CostModel, Simulation, simulate
+from meshpipe.schedules.costs import CostModel
+from meshpipe.schedules.simulator import Simulation, simulate
 from meshpipe.schedules.validation import ScheduleError
 
 VIRTUAL_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved", "combined-1f1b")

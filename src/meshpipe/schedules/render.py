@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 
 from meshpipe.schedules.actions import Action, Kind, Schedule
 from meshpipe.schedules.compare import Comparison
-from meshpipe.schedules.simulate import CostModel, Simulation, Timeline, TimedAction, simulate
+from meshpipe.schedules.costs import CostModel
+from meshpipe.schedules.simulator import Simulation, simulate
+from meshpipe.schedules.timeline import Timeline, TimedAction
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

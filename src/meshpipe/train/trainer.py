@@ -58,7 +58,9 @@ from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, Stage,
 from meshpipe.schedules import Schedule, build
 from meshpipe.schedules.placement import wraparound_placement
 from meshpipe.schedules.render import to_png, write_chrome_trace
-from meshpipe.schedules.simulate import Timeline, fit_costs, simulate
+from meshpipe.schedules.costs import fit_costs
+from meshpipe.schedules.simulator import simulate
+from meshpipe.schedules.timeline import Timeline
 from meshpipe.topology import Topology, new_groups
 from meshpipe.train import checkpoint, faults, sources
 from meshpipe.train.config import TrainConfig
