@@ -8,10 +8,14 @@ exchange) on the same number of bytes with aligned sizes (heads and sequence div
 the group: the single-copy fast path) and unaligned ones (exact per-peer blocks).
 Part 2 times one attention step (forward + backward, causal) of a fixed global problem for
 a single process (SDPA, and the ring's blockwise kernel on one rank) and for Ulysses, ring
-(zigzag, and contiguous for contrast) and hybrid at cp 2 and 4. A step's time is the slowest
-rank's; the table shows the median over iterations. Every configuration runs in freshly
-spawned gloo processes with ``torch.set_num_threads(1)``; on a machine with fewer cores
-than ranks the ranks share cores, so read cp 4 on 2 cores as oversubscribed.
+(zigzag, and contiguous for contrast) and hybrid at cp 2 and 4: forward and backward
+separately, and, from one extra profiled iteration on rank 0, how much of the step the
+attention kernels take and how much communication (the ``meshpipe.comm.*`` profiler ranges:
+posting, and waiting for, all-to-alls and ring transfers); the rest is copies and Python. A
+step's time is the slowest rank's; the table shows the median over iterations. Every
+configuration runs in freshly spawned gloo processes with ``torch.set_num_threads(1)``; on a
+machine with fewer cores than ranks the ranks share cores, so read cp 4 on 2 cores as
+oversubscribed.
 
 Writes ``<out>/cp.json`` and ``<out>/cp.md`` (default ``benchmarks/results``). A benchmark
 prints and records times; it never asserts them.
@@ -32,8 +36,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.profiler import ProfilerActivity, profile
 
-from meshpipe.comm.collectives import all_to_all
+from meshpipe.comm.collectives import COMM_LABEL, all_to_all
 from meshpipe.comm.shards import (contiguous_positions, hybrid_positions, split_sizes,
                                    zigzag_positions)
 from meshpipe.context import (HybridAttention, LocalAttention, RingAttention,
@@ -61,16 +66,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _timed(step: Callable[[], None], warmup: int, iters: int) -> list[float]:
     """Seconds per iteration, each the slowest rank's (ranks start together at a barrier)."""
-    times = []
+    return [phases[0] for phases in _timed_phases(lambda: (step(),), warmup, iters)]
+
+
+def _timed_phases(step: Callable[[], tuple], warmup: int, iters: int) -> list[list[float]]:
+    """Per iteration, the whole step and each phase ``step`` reports (the seconds of its
+    parts), each the slowest rank's."""
+    results = []
     for iteration in range(warmup + iters):
         dist.barrier()
         start = time.perf_counter()
-        step()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        phases = step()
+        elapsed = torch.tensor([time.perf_counter() - start,
+                                *(p for p in phases if p is not None)], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if iteration >= warmup:
-            times.append(elapsed.item())
-    return times
+            results.append(elapsed.tolist())
+    return results
 
 
 def _summary(times: list[float]) -> dict[str, float]:
@@ -145,6 +157,24 @@ def _attention_cases(world: int) -> list[tuple[str, str, Callable[[int], tuple]]
     return cases
 
 
+KERNEL_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+              "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _breakdown(step: Callable[[], object]) -> dict[str, float]:
+    """Milliseconds of one profiled step spent in the attention kernels and in
+    communication (the ``meshpipe.comm.*`` ranges), on this rank."""
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        step()
+    kernel = comm = 0.0
+    for event in profiler.key_averages():
+        if event.key in KERNEL_OPS:
+            kernel += event.self_cpu_time_total
+        elif event.key.startswith(COMM_LABEL):
+            comm += event.cpu_time_total
+    return {"kernel_ms": kernel / 1e3, "comm_ms": comm / 1e3}
+
+
 def _attention_rows(world: int, args: argparse.Namespace) -> list[dict]:
     rows = []
     for strategy, layout, build in _attention_cases(world):
@@ -157,14 +187,23 @@ def _attention_rows(world: int, args: argparse.Namespace) -> list[dict]:
         grad_out = torch.randn_like(q)
         leaves = [t.requires_grad_() for t in (q, k, v)]
 
-        def step() -> None:
+        def step() -> tuple[float, float]:
             for leaf in leaves:
                 leaf.grad = None
-            attention(*leaves, positions=positions, causal=True).backward(grad_out)
+            start = time.perf_counter()
+            out = attention(*leaves, positions=positions, causal=True)
+            middle = time.perf_counter()
+            out.backward(grad_out)
+            return middle - start, time.perf_counter() - middle
 
-        times = _timed(step, args.warmup, args.iters)
+        phases = _timed_phases(step, args.warmup, args.iters)
+        dist.barrier()
+        breakdown = _breakdown(step)
+        totals, forwards, backwards = zip(*phases)
         rows.append({"strategy": strategy, "cp": world, "layout": layout,
-                     "local_tokens": local, **_summary(times)})
+                     "local_tokens": local, **_summary(list(totals)),
+                     "forward_ms": 1e3 * statistics.median(forwards),
+                     "backward_ms": 1e3 * statistics.median(backwards), **breakdown})
     return rows
 
 
@@ -203,12 +242,18 @@ def _markdown(config: dict, attention: list[dict], exchanges: list[dict]) -> str
         f"{config['cpu_count']} cores. Times: slowest rank, median of {config['iters']} "
         f"iterations.",
         "",
-        "| strategy | cp | layout | tokens per rank | step ms | min ms | vs single process |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+        "Forward and backward are medians of their own (slowest rank each), so they need not",
+        "add up to the step. Kernel and communication: rank 0, one profiled step.",
+        "",
+        "| strategy | cp | layout | tokens per rank | step ms | min ms | forward ms | "
+        "backward ms | kernel ms | comm ms | vs single process |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in attention:
         lines.append(f"| {row['strategy']} | {row['cp']} | {row['layout']} | "
                      f"{row['local_tokens']} | {row['median_ms']:.1f} | {row['min_ms']:.1f} | "
+                     f"{row['forward_ms']:.1f} | {row['backward_ms']:.1f} | "
+                     f"{row['kernel_ms']:.1f} | {row['comm_ms']:.1f} | "
                      f"{baseline / row['median_ms']:.2f}x |")
     lines += ["", "All-to-all (scatter heads, gather sequence), float32, head_dim "
               f"{HEAD_DIM_A2A}, same bytes per rank in each group of rows:", "",

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from meshpipe.comm.shards import ShardLayout, split_sizes
 from meshpipe.context import AttentionError, LocalAttention, attention_mask, plan_heads
 from meshpipe.context.blockwise import CPU_FLASH, MATH, heads_first, merge_block
-from meshpipe.context.masks import plan_block
+from meshpipe.context.masks import TokenRun, plan_block, plan_pieces, token_runs
 
 
 def _masked_attention(q, k, v, mask, scale):
@@ -140,9 +140,28 @@ def test_local_attention_takes_the_causal_fast_path_for_a_plain_sequence(monkeyp
     q, k, v = torch.randn(1, 6, 4, 8), torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
     LocalAttention()(q, k, v)
     LocalAttention()(q, k, v, positions=torch.arange(6))
-    LocalAttention()(q, k, v, doc_ids=torch.tensor([0, 0, 0, 1, 1, 1]))
-    assert [c.get("is_causal", False) for c in calls] == [True, True, False]
-    assert calls[0].get("attn_mask") is None and calls[2]["attn_mask"] is not None
+    assert [c.get("is_causal", False) for c in calls] == [True, True]
+    assert all(c.get("attn_mask") is None for c in calls)
+
+
+def test_local_attention_runs_a_pack_document_by_document_without_a_mask(monkeypatch):
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        calls.append((q.shape[2], kwargs.get("is_causal", False),
+                      kwargs.get("attn_mask") is not None))
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    q, k, v = torch.randn(1, 6, 4, 8), torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
+    LocalAttention()(q, k, v, doc_ids=torch.tensor([0, 0, 0, 0, 1, 1]))
+    assert calls == [(4, True, False), (2, True, False)]
+    calls.clear()
+    # A document in two runs (positions 0-1 and 4-5 on either side of another): one mask.
+    LocalAttention()(q, k, v, positions=torch.tensor([0, 1, 0, 1, 2, 3]),
+                     doc_ids=torch.tensor([0, 0, 1, 1, 0, 0]))
+    assert calls == [(6, False, True)]
 
 
 def test_local_attention_on_a_pack_equals_attention_per_document():
@@ -169,3 +188,49 @@ def test_bad_inputs_are_named(shapes, positions, message):
     with pytest.raises(AttentionError, match=message):
         LocalAttention()(torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape),
                          positions=positions)
+
+
+def _covered(pieces, rows: int, cols: int) -> torch.Tensor:
+    """How many pieces cover each (query, key) pair."""
+    count = torch.zeros(rows, cols, dtype=torch.int64)
+    for piece in pieces:
+        r, c = piece.rows or slice(0, rows), piece.cols or slice(0, cols)
+        block = torch.ones(r.stop - r.start, c.stop - c.start, dtype=torch.int64)
+        if piece.causal:
+            assert block.shape[0] == block.shape[1], piece
+            block = block.tril()
+        count[r, c] += block
+    return count
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), doc_lens=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+       documents=st.booleans(), causal=st.booleans())
+def test_pieces_cover_exactly_the_mask_once(data, doc_lens, documents, causal):
+    """Any two blocks cut from a pack (runs of consecutive positions, in any order): the
+    pieces cover every pair the mask allows exactly once and nothing else."""
+    positions = torch.cat([torch.arange(n) for n in doc_lens])
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(doc_lens)])
+    if not documents:  # one sequence: positions are the token indices
+        positions, doc_ids = torch.arange(len(positions)), None
+    total = len(positions)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, total - 1)), max_size=4)))
+    chunks = [list(range(a, b)) for a, b in zip([0, *cuts], [*cuts, total]) if a < b]
+    order = data.draw(st.permutations(range(len(chunks))))
+    picks = [data.draw(st.lists(st.sampled_from(order), min_size=1, unique=True))
+             for _ in range(2)]
+    blocks = [torch.tensor([i for chunk in pick for i in chunks[chunk]]) for pick in picks]
+    (q_pos, k_pos), docs = [positions[b] for b in blocks], [
+        None if doc_ids is None else doc_ids[b] for b in blocks]
+    pieces = plan_pieces(token_runs(q_pos, docs[0]), token_runs(k_pos, docs[1]), causal,
+                         len(q_pos), len(k_pos))
+    mask = attention_mask(q_pos, k_pos, docs[0], docs[1], causal)
+    expected = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool) if mask is None else mask
+    assert torch.equal(_covered(pieces, len(q_pos), len(k_pos)), expected.long())
+
+
+def test_token_runs_give_up_beyond_the_limit():
+    positions = torch.arange(0, 20, 2)
+    assert len(token_runs(positions, None, limit=10)) == 10
+    assert token_runs(positions, None, limit=9) is None
+    assert token_runs(torch.arange(5), None) == [TokenRun(0, 5, 0, None)]

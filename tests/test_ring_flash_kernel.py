@@ -2,9 +2,10 @@
 
 The diagonal tile of a causal layout (zigzag or contiguous) is the square lower triangle and
 must run with ``is_causal=True`` (the kernel then skips the masked half); an unmasked tile
-must run with no mask at all; only other masks (packed documents, arbitrary positions) go to
-the kernel as an additive mask. The aten ops are replaced by recorders that pass through, so
-these tests fail if a tile takes the additive-mask path where the fused mode applies.
+must run with no mask at all. Packed documents and other runs of consecutive positions are
+cut into unmasked or causal rectangles; only scattered positions go to the kernel with an
+additive mask. The aten ops are replaced by recorders that pass through, so these tests
+fail if a tile takes the additive-mask path where the fused modes apply.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from meshpipe.comm.shards import contiguous_positions, packed_positions, zigzag_positions
 from meshpipe.context import RingAttention
 from meshpipe.context.blockwise import CAUSAL, CPU_FLASH, MATH, tile_mask
+from meshpipe.context.masks import MAX_RUNS
 from meshpipe.testing import run_distributed
 
 _FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
@@ -104,9 +106,9 @@ def test_fused_tile_forward_backward_equal_sdpa(causal, heads_kv):
         torch.testing.assert_close(got, want)
 
 
-def _ring_calls(rank: int, world: int, layout: str, heads_kv: int) -> dict:
+def _ring_calls(rank: int, world: int, layout: str, heads_kv: int, seq: int = 24) -> dict:
     torch.set_num_threads(1)
-    seq, heads_q, head_dim, batch = 24, 4, 8, 2
+    heads_q, head_dim, batch = 4, 8, 2
     generator = torch.Generator().manual_seed(7)
     q = torch.randn(batch, seq, heads_q, head_dim, generator=generator)
     k = torch.randn(batch, seq, heads_kv, head_dim, generator=generator)
@@ -117,6 +119,10 @@ def _ring_calls(rank: int, world: int, layout: str, heads_kv: int) -> dict:
         positions = zigzag_positions(seq, world, rank)
     elif layout == "contiguous":
         positions = contiguous_positions(seq, world, rank)
+    elif layout == "strided":
+        positions = torch.arange(rank, seq, world)
+    elif layout == "shuffled":
+        positions = torch.randperm(seq, generator=torch.Generator().manual_seed(5))[rank::world]
     else:
         doc_lens = (7, 12, 5)
         positions = packed_positions(doc_lens, world, rank)
@@ -161,10 +167,25 @@ def test_ring_tiles_route_to_fused_modes(layout, world, heads_kv):
         assert sum(1 for c in calls if c[0] == "fwd") == sum(1 for c in calls if c[0] == "bwd")
 
 
-def test_packed_tiles_keep_the_additive_mask_path():
+def test_packed_tiles_run_document_by_document_without_a_mask():
     results = run_distributed(2, _ring_calls, "packed", 2)
-    for result in results:
+    for rank, result in enumerate(results):
+        calls = result["calls"]
+        assert not any(has_mask for _, _, has_mask, _, _ in calls), (rank, calls)
+        assert any(causal for _, causal, _, _, _ in calls), (rank, calls)
+
+
+def test_scattered_positions_fall_back_to_the_additive_mask():
+    """Shuffled tokens: more runs of consecutive positions than MAX_RUNS on each rank, so the
+    tiles are planned with a materialised mask (and still equal SDPA)."""
+    seq = 4 * MAX_RUNS
+    for result in run_distributed(2, _ring_calls, "shuffled", 2, seq):
         assert any(has_mask for _, _, has_mask, _, _ in result["calls"])
+
+
+def test_every_other_token_is_cut_into_pieces():
+    for result in run_distributed(2, _ring_calls, "strided", 2):
+        assert not any(has_mask for _, _, has_mask, _, _ in result["calls"])
 
 
 def test_bfloat16_ring_matches_float32_contract():

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.profiler import record_function
 
 from .shards import (ShardLayout, contiguous_positions, document_ids, hybrid_positions,
                      packed_hybrid_positions, packed_positions, positions_in_document,
@@ -49,6 +50,9 @@ __all__ = [
 GradScale = Literal["up", "down"] | None
 
 CHECK_ENV = "MESHPIPE_CHECK_COLLECTIVES"
+COMM_LABEL = "meshpipe.comm."
+"""Prefix of the profiler ranges around communication (``torch.profiler``): what a trace of
+context-parallel attention shows as time spent sending and waiting, beside the kernels."""
 _MAX_EXCHANGED_INTS = 32
 
 
@@ -155,54 +159,62 @@ def _all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, ga
     if world == 1:
         return x
     scatter_sizes = split_sizes(x.size(scatter_dim), world)
-    rest_dims = [d for d in range(x.dim()) if d not in (scatter_dim, gather_dim)]
-    rest_shape = [x.size(d) for d in rest_dims]
+    send, send_counts = _peer_blocks(x, scatter_dim, scatter_sizes)
+    block_shape = list(x.shape)
+    block_shape[scatter_dim] = scatter_sizes[rank]
+    receive_counts = [_numel(block_shape, gather_dim, size) for size in gather_sizes]
+    received = torch.empty(sum(receive_counts), dtype=x.dtype, device=x.device)
     aligned = x.size(scatter_dim) % world == 0 and total_gather % world == 0
-    if aligned:
-        send = _aligned_send_buffer(x, scatter_dim, gather_dim, rest_dims, world)
-        received = torch.empty(x.size(gather_dim) * world * scatter_sizes[rank]
-                               * math.prod(rest_shape), dtype=x.dtype, device=x.device)
-        dist.all_to_all_single(received, send, group=group)
-    else:
-        send, send_counts = _unaligned_send_buffer(x, scatter_dim, gather_dim, rest_dims,
-                                                   scatter_sizes)
-        receive_counts = [size * scatter_sizes[rank] * math.prod(rest_shape)
-                          for size in gather_sizes]
-        received = torch.empty(sum(receive_counts), dtype=x.dtype, device=x.device)
-        dist.all_to_all_single(received, send, output_split_sizes=receive_counts,
-                               input_split_sizes=send_counts, group=group)
-    # Received blocks are (gather, scatter, rest...) and concatenate along the gather dim.
-    received = received.view(total_gather, scatter_sizes[rank], *rest_shape)
-    order = [gather_dim, scatter_dim, *rest_dims]
-    return received.permute([order.index(d) for d in range(x.dim())]).contiguous()
+    with record_function(COMM_LABEL + "all_to_all"):
+        dist.all_to_all_single(received, send,
+                               output_split_sizes=None if aligned else receive_counts,
+                               input_split_sizes=None if aligned else send_counts, group=group)
+    return _joined_blocks(received, block_shape, gather_dim, gather_sizes)
 
 
-def _aligned_send_buffer(x: Tensor, scatter_dim: int, gather_dim: int, rest_dims: list[int],
-                         world: int) -> Tensor:
-    """One copy into (peer, gather, scatter-part, rest...) order: the fast path."""
-    per_peer = x.unflatten(scatter_dim, (world, x.size(scatter_dim) // world))
-
-    def moved(d: int) -> int:
-        return d + 1 if d > scatter_dim else d
-
-    order = [scatter_dim, moved(gather_dim), scatter_dim + 1, *(moved(d) for d in rest_dims)]
-    return per_peer.permute(order).contiguous().view(-1)
+def _numel(shape: list[int], dim: int, size: int) -> int:
+    """Elements of ``shape`` with ``shape[dim]`` replaced by ``size``."""
+    return math.prod(shape[:dim]) * size * math.prod(shape[dim + 1:])
 
 
-def _unaligned_send_buffer(x: Tensor, scatter_dim: int, gather_dim: int, rest_dims: list[int],
-                           scatter_sizes: list[int]) -> tuple[Tensor, list[int]]:
-    """Peer blocks of exactly their size, each in (gather, scatter-part, rest...) order."""
-    ordered = x.permute(scatter_dim, gather_dim, *rest_dims)
+def _peer_blocks(x: Tensor, dim: int, sizes: list[int]) -> tuple[Tensor, list[int]]:
+    """The send buffer: peer ``r``'s block ``x.narrow(dim, start_r, sizes[r])`` after peer
+    ``r - 1``'s, each in ``x``'s own dimension order, and the element count of each block.
+
+    When ``x`` is contiguous and every dimension before ``dim`` has size 1 (the sequence of
+    a one-row batch, say), the blocks already lie in that order: ``x`` is sent as it is.
+    Otherwise each block is copied once into its place; there is no other copy.
+    """
+    counts = [_numel(list(x.shape), dim, size) for size in sizes]
+    if x.is_contiguous() and math.prod(x.shape[:dim]) == 1:
+        return x.view(-1), counts
     send = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
-    counts = []
     offset = start = 0
-    for size in scatter_sizes:
-        block = ordered.narrow(0, start, size).transpose(0, 1)
-        send.narrow(0, offset, block.numel()).view(block.shape).copy_(block)
-        counts.append(block.numel())
-        offset += block.numel()
-        start += size
+    for size, count in zip(sizes, counts):
+        block = x.narrow(dim, start, size)
+        send.narrow(0, offset, count).view(block.shape).copy_(block)
+        offset, start = offset + count, start + size
     return send, counts
+
+
+def _joined_blocks(received: Tensor, block_shape: list[int], dim: int,
+                   sizes: list[int]) -> Tensor:
+    """The received peer blocks (``block_shape`` with ``sizes[r]`` along ``dim`` from peer
+    ``r``, one after another) joined along ``dim``: a view of ``received`` when every
+    dimension before ``dim`` has size 1, else one copy of each block into its place."""
+    shape = list(block_shape)
+    shape[dim] = sum(sizes)
+    if math.prod(block_shape[:dim]) == 1:
+        return received.view(shape)
+    joined = received.new_empty(shape)
+    block = list(block_shape)
+    offset = start = 0
+    for size in sizes:
+        block[dim] = size
+        count = math.prod(block)
+        joined.narrow(dim, start, size).copy_(received.narrow(0, offset, count).view(block))
+        offset, start = offset + count, start + size
+    return joined
 
 
 def _check_all_to_all_shapes(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int,
@@ -241,8 +253,9 @@ def all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gat
     Rank ``r`` receives part ``r`` of ``scatter_dim`` (``split_sizes`` of its size) from
     every rank and concatenates the pieces along ``gather_dim`` in rank order.
     ``gather_size`` is the total gathered size when it is not ``world * local`` (the local
-    sizes then follow ``split_sizes(gather_size, world)``). Sizes divisible by the group
-    take a single-copy fast path; others are exact, with no padding.
+    sizes then follow ``split_sizes(gather_size, world)``). Uneven sizes are exact, with no
+    padding, and cost what even ones do: at most one copy on each side, none where every
+    dimension before the scattered (gathered) one has size 1.
     """
     return _AllToAll.apply(x, group, scatter_dim, gather_dim, gather_size)
 

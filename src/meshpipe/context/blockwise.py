@@ -147,23 +147,30 @@ def kernel_for(device: torch.device) -> BlockKernel:
 
 
 def merge_block(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor,
-                rows: Tensor | None) -> None:
+                rows: Tensor | slice | None) -> None:
     """Fold one block's ``(block_out, block_lse)`` into the running ``(out, lse)`` in place.
 
     Both sides are rescaled by ``exp(lse_side - lse_new)`` with ``lse_new = logaddexp(lse,
     block_lse)``, which never exponentiates a positive number. ``rows`` are the query rows
-    the block covers (None = all); the running ``lse`` starts at -inf and its output at 0.
+    the block covers: None for all, a range (merged in place through views), or an index
+    tensor. The running ``lse`` starts at -inf and its output at 0. ``block_out`` is scaled
+    in place: it is the kernel's fresh output, consumed here.
     """
-    if rows is None:
-        running_out, running_lse = out, lse
-    else:
+    if isinstance(rows, Tensor):
         running_out, running_lse = out.index_select(2, rows), lse.index_select(2, rows)
-    merged_lse = torch.logaddexp(running_lse, block_lse)
-    merged_out = (running_out * torch.exp(running_lse - merged_lse).unsqueeze(-1)
-                  + block_out * torch.exp(block_lse - merged_lse).unsqueeze(-1))
-    if rows is None:
-        out.copy_(merged_out)
-        lse.copy_(merged_lse)
+        _merge_into(running_out, running_lse, block_out, block_lse)
+        out.index_copy_(2, rows, running_out)
+        lse.index_copy_(2, rows, running_lse)
+    elif rows is None:
+        _merge_into(out, lse, block_out, block_lse)
     else:
-        out.index_copy_(2, rows, merged_out)
-        lse.index_copy_(2, rows, merged_lse)
+        count = rows.stop - rows.start
+        _merge_into(out.narrow(2, rows.start, count), lse.narrow(2, rows.start, count),
+                    block_out, block_lse)
+
+
+def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    merged_lse = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - merged_lse).unsqueeze(-1))
+    out.add_(block_out.mul_(torch.exp(block_lse - merged_lse).unsqueeze(-1)))
+    lse.copy_(merged_lse)

@@ -7,14 +7,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .interface import check_attention_inputs
-from .masks import attention_mask, is_plain_sequence
+from .masks import attention_mask, is_plain_sequence, token_runs
 
 
 class LocalAttention(nn.Module):
     """Attention over the tokens this process holds, with SDPA.
 
-    A plain sequence (no packing, positions 0..n-1) takes SDPA's ``is_causal`` fast path;
-    otherwise the mask is built from ``positions`` and ``doc_ids``. Grouped-query attention
+    A plain sequence (no packing, positions 0..n-1) takes SDPA's ``is_causal`` fast path. A
+    pack whose documents each lie in one run of consecutive positions runs document by
+    document, each in the same fast path, with no mask and no work across documents;
+    anything else builds the mask from ``positions`` and ``doc_ids``. Grouped-query attention
     goes to SDPA as is (``enable_gqa``), without repeating key/value heads.
     """
 
@@ -30,9 +32,15 @@ class LocalAttention(nn.Module):
         if is_plain_sequence(positions, doc_ids):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale,
                                                  enable_gqa=gqa)
+            return out.transpose(1, 2)
+        if positions is None:
+            positions = torch.arange(q.shape[2], device=q.device)
+        documents = _documents(positions, doc_ids)
+        if documents is not None:
+            out = torch.cat([F.scaled_dot_product_attention(
+                q[:, :, rows], k[:, :, rows], v[:, :, rows], is_causal=causal,
+                scale=self.scale, enable_gqa=gqa) for rows in documents], dim=2)
         else:
-            if positions is None:
-                positions = torch.arange(q.shape[2], device=q.device)
             mask = attention_mask(positions, positions, doc_ids, doc_ids, causal)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                  enable_gqa=gqa)
@@ -40,3 +48,13 @@ class LocalAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return "" if self.scale is None else f"scale={self.scale}"
+
+
+def _documents(positions: Tensor, doc_ids: Tensor | None) -> list[slice] | None:
+    """The token ranges of the documents, when each document is one run of consecutive
+    positions (its tokens then see only each other: one unmasked or causal square apiece),
+    else None."""
+    runs = token_runs(positions, doc_ids)
+    if runs is None or len({run.doc for run in runs}) < len(runs):
+        return None
+    return [slice(run.offset, run.offset + run.length) for run in runs]

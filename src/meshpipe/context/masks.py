@@ -69,3 +69,94 @@ def plan_block(q_positions: Tensor, q_doc_ids: Tensor | None, k_positions: Tenso
     if cols is not None:
         mask = mask.index_select(1, cols)
     return BlockPlan(rows=rows, cols=cols, mask=None if bool(mask.all()) else mask)
+
+
+@dataclass(frozen=True)
+class TokenRun:
+    """Tokens ``offset .. offset + length - 1`` of a block: consecutive positions ``start ..
+    start + length - 1`` of one document (``doc`` None without document ids)."""
+
+    offset: int
+    length: int
+    start: int
+    doc: int | None
+
+    @property
+    def stop(self) -> int:
+        """The position after the run's last token."""
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A rectangle of a tile with one mask: query rows ``rows`` against key columns ``cols``
+    (local index ranges, None = all of them), either unmasked or ``causal``: the square lower
+    triangle, query ``i`` of the range attending keys ``0..i`` of it."""
+
+    rows: slice | None
+    cols: slice | None
+    causal: bool
+
+
+MAX_RUNS = 64
+"""Blocks of more runs than this (scattered positions, many tiny documents) are planned with
+a materialised mask instead of piece by piece."""
+
+
+def token_runs(positions: Tensor, doc_ids: Tensor | None,
+               limit: int = MAX_RUNS) -> list[TokenRun] | None:
+    """A block's tokens as runs of consecutive positions within one document, or None when
+    there are more than ``limit`` runs."""
+    count = positions.shape[0]
+    if count == 0:
+        return []
+    breaks = positions[1:] != positions[:-1] + 1
+    if doc_ids is not None:
+        breaks |= doc_ids[1:] != doc_ids[:-1]
+    starts = [0, *(breaks.nonzero().squeeze(1) + 1).tolist()]
+    if len(starts) > limit:
+        return None
+    first_positions = positions[starts].tolist()
+    docs = [None] * len(starts) if doc_ids is None else doc_ids[starts].tolist()
+    ends = [*starts[1:], count]
+    return [TokenRun(offset=begin, length=end - begin, start=position, doc=doc)
+            for begin, end, position, doc in zip(starts, ends, first_positions, docs)]
+
+
+def plan_pieces(q_runs: list[TokenRun], k_runs: list[TokenRun], causal: bool,
+                q_count: int, k_count: int) -> list[Piece]:
+    """The live part of a tile as rectangles the kernel runs without a mask (or in its causal
+    mode): for each pair of runs of the same document, the keys before the queries' first
+    position (every query sees them), the square where both ranges overlap (causal), and
+    the queries after the keys' last position against those keys. Nothing is materialised."""
+    pieces: list[Piece] = []
+    for q in q_runs:
+        for k in k_runs:
+            if q.doc != k.doc:
+                continue
+            if not causal:
+                pieces.append(_piece(q, q.start, q.stop, k, k.start, k.stop, False))
+                continue
+            if k.start < q.start:
+                pieces.append(_piece(q, q.start, q.stop, k, k.start, min(k.stop, q.start), False))
+            first, last = max(q.start, k.start), min(q.stop, k.stop)
+            if first < last:
+                pieces.append(_piece(q, first, last, k, first, last, True))
+                if last < q.stop:
+                    pieces.append(_piece(q, last, q.stop, k, first, last, False))
+    return [_whole(piece, q_count, k_count) for piece in pieces]
+
+
+def _piece(q: TokenRun, q_first: int, q_last: int, k: TokenRun, k_first: int, k_last: int,
+           causal: bool) -> Piece:
+    """The piece of positions ``[q_first, q_last)`` x ``[k_first, k_last)`` in local indices."""
+    rows = slice(q.offset + q_first - q.start, q.offset + q_last - q.start)
+    cols = slice(k.offset + k_first - k.start, k.offset + k_last - k.start)
+    return Piece(rows, cols, causal)
+
+
+def _whole(piece: Piece, q_count: int, k_count: int) -> Piece:
+    """``piece`` with a range that covers its whole block written as None."""
+    rows = None if piece.rows == slice(0, q_count) else piece.rows
+    cols = None if piece.cols == slice(0, k_count) else piece.cols
+    return Piece(rows, cols, piece.causal)

@@ -87,17 +87,18 @@ class UlyssesAttention(nn.Module):
                       total: int) -> tuple[Tensor, Tensor, Tensor]:
         """q, k and v for this rank's heads over the whole sequence, in one all-to-all.
 
-        The heads are packed peer by peer, ``[q_r, k_r, v_r]`` for each rank ``r`` (one cat
-        of views), so the all-to-all's head split hands rank ``r`` exactly its block; the
-        received buffer is split back into q, k and v as views. Autograd of ``all_to_all``
-        makes the backward one all-to-all as well, and that of ``split`` one cat.
+        One cat packs the heads peer-major, ``[peer, batch, seq, (q_r, k_r, v_r), head_dim]``,
+        so that the block for rank ``r`` is contiguous and goes on the wire as it lies; with a
+        one-row batch the received buffer already is ``[1, seq, heads, head_dim]`` and q, k
+        and v are views of it. The backward (autograd of ``all_to_all`` and ``cat``) is one
+        all-to-all and one copy of each gradient back into its place.
         """
         per_rank = [x.shape[_HEAD_DIM] // ranks for x in (q, k, v)]
-        packed = torch.cat([x.unflatten(_HEAD_DIM, (ranks, heads))
+        packed = torch.cat([x.unflatten(_HEAD_DIM, (ranks, heads)).movedim(_HEAD_DIM, 0)
                             for x, heads in zip((q, k, v), per_rank)], dim=_HEAD_DIM + 1)
-        packed = all_to_all(packed.flatten(_HEAD_DIM, _HEAD_DIM + 1), self.group,
-                            scatter_dim=_HEAD_DIM, gather_dim=_SEQ_DIM, gather_size=total)
-        q_heads, k_heads, v_heads = packed.split(per_rank, dim=_HEAD_DIM)
+        gathered = all_to_all(packed, self.group, scatter_dim=0, gather_dim=_SEQ_DIM + 1,
+                              gather_size=total).squeeze(0)
+        q_heads, k_heads, v_heads = gathered.split(per_rank, dim=_HEAD_DIM)
         return q_heads, k_heads, v_heads
 
     def _gather_kv(self, k: Tensor, v: Tensor, plan: HeadPlan, rank: int,
