@@ -10,11 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshpipe.comm.wire import (
+    HEADER_NBYTES,
     PAYLOAD_ALIGNMENT,
+    Header,
     MessageLayout,
     UnsupportedMessageError,
+    _flatten_checked,
     describe_difference,
     flatten,
+    host_message,
+    new_buffer,
     pack,
     pack_into,
     unpack,
@@ -204,3 +209,94 @@ _messages = st.recursive(
 @given(_messages)
 def test_any_message_round_trips_exactly(message):
     assert_same_message(roundtrip(message), message)
+
+
+# -- the layout cache and the CPU buffers written and read through numpy ------------------
+
+def _rich_message():
+    return (torch.randn(2, 5, requires_grad=True) * 2,
+            {"lowp": torch.randn(5, 3).to(torch.bfloat16), "ids": torch.arange(4),
+             "mask": torch.rand(5) > 0.5, 7: [None, 3, "text", 2.5, True, -0.0]},
+            torch.randn(4, 6).t(),
+            torch.tensor(3.0, dtype=torch.float64),
+            torch.empty(0, 5),
+            torch.randn(3, dtype=torch.complex64).conj(),
+            torch.randn(5).to(torch.float8_e4m3fn))
+
+
+def test_a_repeated_signature_reuses_its_layout_and_equals_a_fresh_one():
+    message = _rich_message()
+    first, _ = flatten(message)
+    again, tensors = flatten(_rich_message())
+    assert again is first
+    assert again == _flatten_checked(message)[0]
+    assert [t.data_ptr() for t in tensors] != [t.data_ptr() for t in flatten(message)[1]]
+
+
+@pytest.mark.parametrize("a, b", [
+    ((1,), (True,)), ((1,), (1.0,)), ((0.0,), (-0.0,)), ({"1": 0}, {1: 0}),
+    ((torch.zeros(2),), [torch.zeros(2)]), (torch.zeros(2), (torch.zeros(2),)),
+    ({"a": 1, "b": 2}, {"b": 2, "a": 1}), ((torch.zeros(2, 3),), (torch.zeros(3, 2),)),
+])
+def test_messages_that_differ_in_layout_never_share_a_cached_one(a, b):
+    flatten(a)
+    assert flatten(b)[0].encoded == _flatten_checked(b)[0].encoded != flatten(a)[0].encoded
+
+
+def test_a_nan_value_is_cached_like_any_other():
+    first = flatten((float("nan"),))[0]
+    assert flatten((float("nan"),))[0] is first
+
+
+def test_unsupported_content_is_refused_after_a_similar_message_was_cached():
+    flatten({"s": torch.zeros(3)})
+    with pytest.raises(UnsupportedMessageError, match=r"^message\['s'\] "):
+        flatten({"s": torch.zeros(3).to_sparse()})
+    flatten([torch.ones(2)])
+    with pytest.raises(UnsupportedMessageError, match=r"^message\[0\] "):
+        flatten([_quantized()])
+
+
+def test_a_host_message_holds_the_header_then_the_packed_payload():
+    message = _rich_message()
+    layout, tensors = flatten(message)
+    header = Header(3, -1, 0, layout.payload_nbytes, 11, 12)
+    buffer = host_message(header, layout, tensors)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == HEADER_NBYTES + layout.payload_nbytes
+    assert Header.read_from(buffer) == header
+    reference = torch.zeros(layout.payload_nbytes, dtype=torch.uint8)
+    pack_into(layout, tensors, reference)
+    for slot in layout.tensors:  # padding between tensors is left uninitialised
+        start = HEADER_NBYTES + slot.offset
+        assert torch.equal(buffer[start:start + slot.nbytes],
+                           reference[slot.offset:slot.offset + slot.nbytes])
+
+
+def test_a_message_reads_the_same_through_numpy_and_through_torch():
+    message = _rich_message()
+    layout, tensors = flatten(message)
+    header = Header(0, -1, 0, layout.payload_nbytes, 0, 0)
+    buffer, host = new_buffer(HEADER_NBYTES + layout.payload_nbytes, CPU)
+    buffer.copy_(host_message(header, layout, tensors))
+    assert Header.read_from(buffer, host) == header
+    for received in (unpack(layout, buffer, HEADER_NBYTES, host),
+                     unpack(layout, buffer, HEADER_NBYTES)):
+        assert_same_message(received, message)
+
+
+def test_a_lone_tensor_unpacks_to_itself():
+    tensor = torch.randn(2, 3)
+    layout, tensors = flatten(tensor)
+    buffer, host = new_buffer(HEADER_NBYTES + layout.payload_nbytes, CPU)
+    buffer.copy_(host_message(Header(0, -1, 0, 24, 0, 0), layout, tensors))
+    assert torch.equal(unpack(layout, buffer, HEADER_NBYTES, host), tensor)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_messages)
+def test_any_message_has_its_fresh_layout_and_round_trips_through_numpy(message):
+    layout, tensors = flatten(message)
+    assert layout.encoded == _flatten_checked(message)[0].encoded
+    buffer, host = new_buffer(HEADER_NBYTES + layout.payload_nbytes, CPU)
+    buffer.copy_(host_message(Header(0, -1, 0, layout.payload_nbytes, 0, 0), layout, tensors))
+    assert_same_message(unpack(layout, buffer, HEADER_NBYTES, host), message)

@@ -72,6 +72,7 @@ from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
+import numpy
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -92,8 +93,10 @@ from meshpipe.comm.wire import (
     describe_difference,
     describe_label,
     flatten,
+    host_message,
     label_digest,
     layout_for,
+    new_buffer,
     pack_into,
     slot_views,
     tensor_paths,
@@ -204,9 +207,11 @@ class _Incoming:
         self.channel = channel
         self.expected: Expected | None = None  # what the posted receive is sized for
         self.buffer: torch.Tensor | None = None
+        self.host: numpy.ndarray | None = None  # the CPU buffer's memory, as numpy sees it
         self.work: Any = None                  # None while queued for a batch
         self.layout: MessageLayout | None = None
-        self.payload: torch.Tensor | None = None
+        # The buffer the payload is in, its first byte there, and the buffer's numpy array.
+        self.payload: tuple[torch.Tensor, int, numpy.ndarray | None] | None = None
         self.error: P2PError | None = None
         self.resolved = False
 
@@ -385,7 +390,8 @@ class RecvHandle:
                 self._result = unpack(*parts[0])
             elif self._average:
                 self._result = _average_flattened(
-                    [(layout, slot_views(layout, payload)) for layout, payload in parts],
+                    [(layout, slot_views(layout, payload, start))
+                     for layout, payload, start, _ in parts],
                     peers, self._label, transport.rank)
             else:
                 self._result = [unpack(*part) for part in parts]
@@ -433,6 +439,7 @@ class P2PTransport:
         self.mode = mode
         self._batched = mode == "batched"
         self._groups: dict[Any, _GroupInfo] = {}
+        self._route_cache: dict[tuple, tuple[list[int], list[ProcessGroup | None]]] = {}
         self.group = group
         self.reverse_group = self._checked_reverse_group(group, reverse_group)
         if meta_group is None:
@@ -512,20 +519,21 @@ class P2PTransport:
         The first part is the steady-stream one (message or layout-change notice, on the
         payload group); the others are slow-path follow-ups on the meta group."""
         expected = outbox.expected.get(channel)
-        room = capacity(expected)
-        buffer = torch.empty(HEADER_NBYTES + room, dtype=torch.uint8, device=self.device)
-        body = buffer[HEADER_NBYTES:]
         payload_nbytes = layout.payload_nbytes
-        if expected is not None and expected.layout.encoded == layout.encoded:
-            Header(outbox.seq, STEADY_SLOT, 0, payload_nbytes, digest,
-                   expected.digest).write_into(buffer)
-            pack_into(layout, tensors, body)
+        if expected is not None and (expected.layout is layout
+                                     or expected.layout.encoded == layout.encoded):
+            buffer = self._message_buffer(
+                Header(outbox.seq, STEADY_SLOT, 0, payload_nbytes, digest, expected.digest),
+                layout, tensors)
             stats = self.stats  # the steady path counts inline: it runs for every message
             stats.messages_sent += 1
             stats.sends_posted += 1
             stats.header_bytes_sent += HEADER_NBYTES
             stats.payload_bytes_sent += payload_nbytes
             return [_Part("message", buffer, payload_group, STEADY_TAG)]
+        room = capacity(expected)
+        buffer = torch.empty(HEADER_NBYTES + room, dtype=torch.uint8, device=self.device)
+        body = buffer[HEADER_NBYTES:]
         changed = outbox.expected[channel] = Expected.of(layout)
         slot, is_new = outbox.slots.assign(layout.encoded)
         metadata_nbytes = len(layout.encoded) if is_new else 0
@@ -546,6 +554,17 @@ class P2PTransport:
                    header_bytes_sent=HEADER_NBYTES, metadata_sent=int(is_new),
                    metadata_bytes_sent=metadata_nbytes, payload_bytes_sent=payload_nbytes)
         return parts
+
+    def _message_buffer(self, header: Header, layout: MessageLayout,
+                        tensors: list[torch.Tensor]) -> torch.Tensor:
+        """A steady message: ``header`` and the payload in one new buffer on the device."""
+        if self.device.type == "cpu":
+            return host_message(header, layout, tensors)
+        buffer = torch.empty(HEADER_NBYTES + layout.payload_nbytes, dtype=torch.uint8,
+                             device=self.device)
+        header.write_into(buffer)
+        pack_into(layout, tensors, buffer[HEADER_NBYTES:])
+        return buffer
 
     def wait_sends(self, timeout: float | None = None) -> None:
         """Wait for every send posted so far that has not been waited (e.g. at step end)."""
@@ -621,8 +640,8 @@ class P2PTransport:
         channel's expected layout."""
         state = inbox.channel(incoming.channel)
         incoming.expected = state.expected
-        incoming.buffer = torch.empty(HEADER_NBYTES + capacity(state.expected),
-                                      dtype=torch.uint8, device=self.device)
+        incoming.buffer, incoming.host = new_buffer(HEADER_NBYTES + capacity(state.expected),
+                                                    self.device)
         if queue:
             self._queued.append(_Queued(False, incoming.buffer, incoming.peer, incoming.group,
                                         incoming))
@@ -638,15 +657,16 @@ class P2PTransport:
         self.stats.recvs_posted += 1
 
     def _complete(self, incoming: _Incoming, deadline: float | None
-                  ) -> tuple[MessageLayout, torch.Tensor]:
-        """Resolve the peer's messages up to ``incoming``; its layout and payload."""
+                  ) -> tuple[MessageLayout, torch.Tensor, int, numpy.ndarray | None]:
+        """Resolve the peer's messages up to ``incoming``; its layout, the buffer its
+        payload is in, the payload's first byte there and the buffer's numpy array."""
         inbox = self._inboxes[incoming.peer]
         while not incoming.resolved:
             self._raise_if_failed(inbox, incoming.label)
             self._resolve_next(inbox, incoming, deadline)
         if incoming.error is not None:
             raise incoming.error
-        return incoming.layout, incoming.payload
+        return (incoming.layout, *incoming.payload)
 
     def _resolve_next(self, inbox: _Inbox, waited: _Incoming, deadline: float | None) -> None:
         """Wait for the peer's oldest unresolved message and read it (its receive is posted:
@@ -676,7 +696,7 @@ class P2PTransport:
         state = inbox.channel(head.channel)
         state.outstanding -= 1
         head.resolved = True
-        head.buffer = head.work = None
+        head.buffer = head.host = head.work = None
         while inbox.deferred and not inbox.channel(inbox.deferred[0].channel).outstanding:
             self._post_steady_recv(inbox, inbox.deferred.popleft(), queue=False)
 
@@ -691,10 +711,9 @@ class P2PTransport:
                 "re-created, do they name the message's channel alike, or does another "
                 "component use the same group for sends?)")
 
-        header = Header.read_from(head.buffer)
+        header = Header.read_from(head.buffer, head.host)
         if header.seq != inbox.seq:
             raise corrupt(f"the header says message #{header.seq}, expected #{inbox.seq}")
-        body = head.buffer[HEADER_NBYTES:]
         state = inbox.channel(head.channel)
         if header.slot == STEADY_SLOT:
             expected = head.expected
@@ -702,7 +721,8 @@ class P2PTransport:
                     expected.digest, expected.layout.payload_nbytes):
                 raise corrupt("the message claims the layout this rank expected on its "
                               "channel, but it is not that layout")
-            head.layout, head.payload = expected.layout, body
+            head.layout = expected.layout
+            head.payload = (head.buffer, HEADER_NBYTES, head.host)
         else:
             head.layout = layout_for(header, inbox.slots,
                                      lambda nbytes: self._fetch_metadata(head, nbytes,
@@ -710,8 +730,10 @@ class P2PTransport:
                                      corrupt)
             expected = Expected.of(head.layout)
             nbytes = header.payload_nbytes
-            head.payload = (body[:nbytes] if nbytes <= body.numel()
-                            else self._fetch_payload(head, nbytes, deadline))
+            if HEADER_NBYTES + nbytes <= head.buffer.numel():
+                head.payload = (head.buffer, HEADER_NBYTES, head.host)
+            else:
+                head.payload = (self._fetch_payload(head, nbytes, deadline), 0, None)
             self.count(layout_changes_received=1)
         state.expected = expected
         stats = self.stats
@@ -803,6 +825,18 @@ class P2PTransport:
 
     def _routes(self, peers: int | Sequence[int], group: GroupArg, role: str
                 ) -> tuple[list[int], list[ProcessGroup | None]]:
+        """The checked peers and their payload groups (don't modify them: the routes to
+        one peer are remembered, as every message of a pipeline takes one of a few)."""
+        if type(peers) is not int or not (group is None or isinstance(group, ProcessGroup)):
+            return self._checked_routes(peers, group, role)
+        key = (peers, group, role)
+        routes = self._route_cache.get(key)
+        if routes is None:
+            routes = self._route_cache[key] = self._checked_routes(peers, group, role)
+        return routes
+
+    def _checked_routes(self, peers: int | Sequence[int], group: GroupArg, role: str
+                        ) -> tuple[list[int], list[ProcessGroup | None]]:
         peer_list = [peers] if isinstance(peers, int) else list(peers)
         if not peer_list:
             raise ValueError(f"rank {self.rank}: {role} names no rank")

@@ -13,6 +13,12 @@ things:
 
 On arrival the tensors are contiguous views into the received buffer.
 
+:func:`flatten` remembers the layouts it built by the message's *signature* (structure,
+values, dtypes, shapes), so a stream of same-shaped messages builds and encodes its
+layout once. CPU buffers are written and read through numpy (:func:`new_buffer`,
+:func:`host_message`, :func:`host_views`), whose per-call overhead is a fraction of
+torch's: a message's few small copies and views sit on a pipeline's critical path.
+
 In front of the payload travels a 48-byte :class:`Header` (sequence number, metadata slot,
 metadata size, payload size, label digest, layout digest). Layouts are cached per link in
 :data:`METADATA_SLOTS` slots (:class:`SenderSlots` / :class:`ReceiverSlots`), so a stream
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any, Callable, Iterator, NamedTuple
 
+import numpy
 import torch
 
 # Every tensor starts at a multiple of this many bytes in the payload: enough for a
@@ -41,6 +48,12 @@ SCALAR_TYPES: tuple[type, ...] = (type(None), bool, int, float, str)
 _DICT_KEY_TYPES: tuple[type, ...] = (str, int)
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
                         torch.quint2x4})
+# The numpy dtype of each torch dtype that numpy has.
+_NUMPY_DTYPES = {torch.bool: numpy.bool_, torch.uint8: numpy.uint8, torch.int8: numpy.int8,
+                 torch.int16: numpy.int16, torch.int32: numpy.int32, torch.int64: numpy.int64,
+                 torch.float16: numpy.float16, torch.float32: numpy.float32,
+                 torch.float64: numpy.float64, torch.complex64: numpy.complex64,
+                 torch.complex128: numpy.complex128}
 
 # Spec node tags: tuple, list, dict, tensor, value.
 _TUPLE, _LIST, _DICT, _TENSOR, _VALUE = "t", "l", "d", "T", "v"
@@ -74,6 +87,11 @@ class MessageLayout:
     tensors: tuple[TensorSlot, ...]
     payload_nbytes: int
     encoded: bytes
+
+    @cached_property
+    def is_lone_tensor(self) -> bool:
+        """Whether the message is one bare tensor (unpacked without walking the tree)."""
+        return self.spec[0] == _TENSOR
 
     @classmethod
     def build(cls, spec: Any, dtypes_and_shapes: list[tuple[torch.dtype, tuple[int, ...]]],
@@ -133,7 +151,78 @@ def _check_tensor(tensor: torch.Tensor, path: str) -> None:
 
 
 def flatten(message: Any) -> tuple[MessageLayout, list[torch.Tensor]]:
-    """Split a message into its layout and its tensors (in depth-first order)."""
+    """Split a message into its layout and its tensors (in depth-first order).
+
+    A message whose signature (structure, values, dtypes, shapes) was seen before reuses
+    that layout: a pipeline sends the same layout over and over, and building one (the
+    JSON encoding) is a large share of a send's CPU time.
+    """
+    signature, tensors = _signature(message)
+    layout = _LAYOUTS.get(signature) if signature is not None else None
+    if layout is None:
+        layout, tensors = _flatten_checked(message)
+        if signature is not None:
+            _remember_layout(signature, layout)
+    return layout, tensors
+
+
+# Layouts by message signature (see :func:`_signature`), oldest first; bounded, since a
+# stream of messages whose values keep changing has a new signature every time.
+_LAYOUTS: dict[tuple, MessageLayout] = {}
+_LAYOUT_CACHE_SIZE = 1024
+
+
+def _remember_layout(signature: tuple, layout: MessageLayout) -> None:
+    if len(_LAYOUTS) >= _LAYOUT_CACHE_SIZE:
+        del _LAYOUTS[next(iter(_LAYOUTS))]
+    _LAYOUTS[signature] = layout
+
+
+def _signature(message: Any) -> tuple[tuple | None, list[torch.Tensor]]:
+    """A hashable key equal for two messages exactly when their layouts are equal, and the
+    message's tensors; ``(None, [])`` when the message holds anything :func:`flatten` must
+    check (or reject) on its slow path.
+
+    The key is the tree in prefix order: a tag per node, a length per container, the key
+    of each dict item, each value with its type (so ``1``, ``True`` and ``1.0`` differ; a
+    float by its hex form, so ``-0.0`` and NaN are exact), each tensor's dtype and shape.
+    """
+    key: list[Any] = []
+    tensors: list[torch.Tensor] = []
+
+    def visit(node: Any) -> bool:
+        if isinstance(node, torch.Tensor):
+            if node.layout is not torch.strided or node.is_nested or node.is_meta:
+                return False
+            key.extend((_TENSOR, node.dtype, node.shape))
+            tensors.append(node)
+            return True
+        kind = type(node)
+        if kind in SCALAR_TYPES:
+            key.extend((_VALUE, kind, node.hex() if kind is float else node))
+            return True
+        if kind is tuple or kind is list:
+            key.extend((kind, len(node)))
+            return all(visit(item) for item in node)
+        if kind is dict:
+            key.extend((_DICT, len(node)))
+            for item_key, value in node.items():
+                if type(item_key) not in _DICT_KEY_TYPES:
+                    return False
+                key.append(item_key)
+                if not visit(value):
+                    return False
+            return True
+        return False
+
+    if not visit(message):
+        return None, []
+    return tuple(key), tensors
+
+
+def _flatten_checked(message: Any) -> tuple[MessageLayout, list[torch.Tensor]]:
+    """:func:`flatten` without the cache: builds the layout, and raises
+    :class:`UnsupportedMessageError` naming the first thing it cannot carry."""
     tensors: list[torch.Tensor] = []
 
     def visit(node: Any, path: str) -> Any:
@@ -214,20 +303,29 @@ def pack_into(layout: MessageLayout, tensors: list[torch.Tensor], buffer: torch.
             _slot_view(buffer, slot).copy_(tensor.detach())
 
 
-def unpack(layout: MessageLayout, payload: torch.Tensor) -> Any:
-    """The message whose payload is ``payload``: its tensors are views into the buffer."""
-    return unflatten(layout, slot_views(layout, payload))
+def unpack(layout: MessageLayout, payload: torch.Tensor, start: int = 0,
+           host: numpy.ndarray | None = None) -> Any:
+    """The message whose payload starts at byte ``start`` of ``payload``: its tensors are
+    views into the buffer (made through ``host``, the buffer's numpy array, where given)."""
+    views = (slot_views(layout, payload, start) if host is None
+             else host_views(layout, payload, start, host))
+    if layout.is_lone_tensor:
+        return views[0]
+    return unflatten(layout, views)
 
 
-def slot_views(layout: MessageLayout, payload: torch.Tensor) -> list[torch.Tensor]:
-    """The message's tensors, in slot order, as views into its payload buffer."""
-    return [_slot_view(payload, slot) for slot in layout.tensors]
+def slot_views(layout: MessageLayout, payload: torch.Tensor, start: int = 0
+               ) -> list[torch.Tensor]:
+    """The message's tensors, in slot order, as views into its payload buffer (the
+    payload starting at byte ``start`` of it)."""
+    return [_slot_view(payload, slot, start) for slot in layout.tensors]
 
 
-def _slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+def _slot_view(buffer: torch.Tensor, slot: TensorSlot, start: int = 0) -> torch.Tensor:
     if slot.nbytes == 0:
         return torch.empty(slot.shape, dtype=slot.dtype, device=buffer.device)
-    return buffer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+    begin = start + slot.offset
+    return buffer[begin:begin + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
 def describe_difference(a: MessageLayout, b: MessageLayout) -> str | None:
@@ -336,12 +434,66 @@ class Header(NamedTuple):
         return cls(*tensor.tolist())
 
     @classmethod
-    def read_from(cls, buffer: torch.Tensor) -> "Header":
-        """The header in the first bytes of a ``uint8`` buffer (a device buffer is copied
-        to the host, which waits for the stream that received it)."""
-        host = buffer[:HEADER_NBYTES] if buffer.device.type == "cpu" else (
-            buffer[:HEADER_NBYTES].cpu())
-        return cls(*_HEADER_FORMAT.unpack_from(host.numpy()))
+    def read_from(cls, buffer: torch.Tensor, host: numpy.ndarray | None = None) -> "Header":
+        """The header in the first bytes of a ``uint8`` buffer, read through ``host`` where
+        given (its numpy array, see :func:`new_buffer`); a device buffer is copied to the
+        host, which waits for the stream that received it."""
+        if host is None:
+            host = (buffer if buffer.device.type == "cpu" else buffer[:HEADER_NBYTES].cpu()
+                    ).numpy()
+        return cls(*_HEADER_FORMAT.unpack_from(host))
+
+
+# -- CPU buffers, written and read through numpy ------------------------------------
+# A torch operation costs several times a numpy one in per-call overhead, and the few
+# small copies and views of a message sit on a pipeline's critical path.
+
+
+def new_buffer(nbytes: int, device: torch.device
+               ) -> tuple[torch.Tensor, numpy.ndarray | None]:
+    """An uninitialised ``uint8`` buffer on ``device`` and, for a CPU one, the numpy array
+    sharing its memory, through which the header of what arrives in it is read."""
+    if device.type != "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+    host = numpy.empty(nbytes, dtype=numpy.uint8)
+    return torch.from_numpy(host), host
+
+
+def host_message(header: Header, layout: MessageLayout, tensors: list[torch.Tensor]
+                 ) -> torch.Tensor:
+    """A new CPU ``uint8`` buffer holding ``header`` and then the message's payload."""
+    data = numpy.empty(HEADER_NBYTES + layout.payload_nbytes, dtype=numpy.uint8)
+    _HEADER_FORMAT.pack_into(data, 0, *header)
+    for tensor, slot in zip(tensors, layout.tensors):
+        if slot.nbytes:
+            start = HEADER_NBYTES + slot.offset
+            data[start:start + slot.nbytes] = _host_bytes(tensor, slot)
+    return torch.from_numpy(data)
+
+
+def _host_bytes(tensor: torch.Tensor, slot: TensorSlot) -> numpy.ndarray:
+    """The tensor's values as contiguous bytes on the host (a dtype numpy lacks, such as
+    bfloat16, goes through a torch copy)."""
+    if tensor.dtype in _NUMPY_DTYPES:
+        return tensor.numpy(force=True).reshape(-1).view(numpy.uint8)
+    staging = torch.empty(slot.shape, dtype=slot.dtype).copy_(tensor.detach())
+    return staging.reshape(-1).view(torch.uint8).numpy()
+
+
+def host_views(layout: MessageLayout, payload: torch.Tensor, start: int,
+               host: numpy.ndarray) -> list[torch.Tensor]:
+    """:func:`slot_views` of a CPU payload, made through its numpy array ``host`` where
+    numpy knows the dtype."""
+    views = []
+    for slot in layout.tensors:
+        numpy_dtype = _NUMPY_DTYPES.get(slot.dtype)
+        if numpy_dtype is None or not slot.nbytes:
+            views.append(_slot_view(payload, slot, start))
+        else:
+            begin = start + slot.offset
+            views.append(torch.from_numpy(
+                host[begin:begin + slot.nbytes].view(numpy_dtype).reshape(slot.shape)))
+    return views
 
 
 def _digest(data: bytes) -> int:

@@ -34,6 +34,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from meshpipe.comm.p2p import P2PConnectionError, P2PTransport
@@ -136,6 +137,17 @@ def _message_of(action: Action) -> _Message:
                     f"{action.microbatch}, {direction}", (direction, sender))
 
 
+class _Planned(NamedTuple):
+    """One action of this rank's list: its text (for activity marks and errors), the call
+    that runs it (a SEND or RECV with its message and global peer rank bound), and whether
+    the transport's queued operations are issued after it."""
+
+    action: Action
+    text: str
+    run: Callable[[], None]
+    flush: bool
+
+
 @dataclass
 class OverlapHooks:
     """Callables run around the halves of every OVERLAP action, each given that half (an F or
@@ -211,22 +223,34 @@ class Executor:
         # A transport that queues posted operations (P2PTransport(mode="batched")) issues
         # them in flush(): once after each run of consecutive SEND/RECV actions.
         self._flush = getattr(transport, "flush", None)
-        self._flush_after = frozenset(
-            i for i, action in enumerate(self.actions)
-            if action.kind.is_comm and (i + 1 == len(self.actions)
-                                        or not self.actions[i + 1].kind.is_comm))
         self._failure: str | None = None
-        self._handlers: dict[Kind, Callable[[Action], None]] = {
+        self._computes: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
             Kind.B: self._backward,
             Kind.I: self._backward,
             Kind.W: self._backward_weight,
             Kind.OVERLAP: self._overlap,
+        }
+        self._comms: dict[Kind, Callable[[Action, _Message, int], None]] = {
             Kind.SEND_F: self._send_forward,
             Kind.SEND_B: self._send_backward,
             Kind.RECV_F: self._recv_forward,
             Kind.RECV_B: self._recv_backward,
         }
+        self._plan = [self._planned(index, action) for index, action in enumerate(self.actions)]
+
+    def _planned(self, index: int, action: Action) -> _Planned:
+        """What running ``action`` (at ``index`` of this rank's list) takes, worked out here
+        once rather than in every step, where it would sit between the actions."""
+        text = str(action)
+        if not action.kind.is_comm:
+            return _Planned(action, text, partial(self._computes[action.kind], action), False)
+        message = _message_of(action)
+        is_send = action.kind in (Kind.SEND_F, Kind.SEND_B)
+        peer = self._global_rank_of_stage(message.receiver if is_send else message.sender)
+        last_of_run = index + 1 == len(self.actions) or not self.actions[index + 1].kind.is_comm
+        return _Planned(action, text, partial(self._comms[action.kind], action, message, peer),
+                        self._flush is not None and last_of_run)
 
     def _check_stages(self, stages: Mapping[int, Stage], pp_rank: int) -> None:
         """The given stages are exactly the ones the schedule places here, built for it."""
@@ -279,8 +303,8 @@ class Executor:
         try:
             self._check_step_arguments(inputs, targets, loss_scales)
             self._start(inputs, targets, loss_scales)
-            for index, action in enumerate(self.actions):
-                self._run(index, action)
+            for index, planned in enumerate(self._plan):
+                self._run(index, planned)
             self._wait_for_sends()
         except Exception as error:
             stopped = self._peer_gone(error)
@@ -344,13 +368,14 @@ class Executor:
         self._result = StepResult()
         self._t0 = time.perf_counter()
 
-    def _run(self, index: int, action: Action) -> None:
-        """Dispatch one action; any failure becomes an error naming where it happened."""
+    def _run(self, index: int, planned: _Planned) -> None:
+        """Run one action; any failure becomes an error naming where it happened."""
+        action = planned.action
         try:
-            with activity.doing(str(action), stage=action.stage, microbatch=action.microbatch,
-                                action=str(action)):
-                self._handlers[action.kind](action)
-                if self._flush is not None and index in self._flush_after:
+            with activity.doing(planned.text, stage=action.stage, microbatch=action.microbatch,
+                                action=planned.text):
+                planned.run()
+                if planned.flush:
                     self._flush()
         except _PeerStopped as stop:
             raise PeerFailedError(self._describe(index, action) + f": {stop}", peer=stop.peer,
@@ -584,29 +609,25 @@ class Executor:
                           "after the other and hide no communication; expose its exchanges "
                           "(meshpipe.runtime.substeps) to overlap them", stacklevel=3)
 
-    def _send_forward(self, action: Action) -> None:
-        self._post_send(action, self._outbox_forward)
+    def _send_forward(self, action: Action, message: _Message, peer: int) -> None:
+        self._post_send(action, message, peer, self._outbox_forward)
         if not self.schedule.forward_only:
             self.stages[action.stage].release_output(action.microbatch)
 
-    def _send_backward(self, action: Action) -> None:
-        self._post_send(action, self._outbox_backward)
+    def _send_backward(self, action: Action, message: _Message, peer: int) -> None:
+        self._post_send(action, message, peer, self._outbox_backward)
 
-    def _post_send(self, action: Action, outbox: dict) -> None:
-        message = _message_of(action)
-        self.transport.post_send(outbox.pop((action.stage, action.microbatch)),
-                                 self._global_rank_of_stage(message.receiver),
+    def _post_send(self, action: Action, message: _Message, peer: int, outbox: dict) -> None:
+        self.transport.post_send(outbox.pop((action.stage, action.microbatch)), peer,
                                  label=message.label, channel=message.channel)
         self._sends_posted += 1
 
-    def _recv_forward(self, action: Action) -> None:
-        self._forward_inbox[(action.stage, action.microbatch)] = self._post_recv(action)
+    def _recv_forward(self, action: Action, message: _Message, peer: int) -> None:
+        self._forward_inbox[(action.stage, action.microbatch)] = self._post_recv(message, peer)
 
-    def _recv_backward(self, action: Action) -> None:
-        self._backward_inbox[(action.stage, action.microbatch)] = self._post_recv(action)
+    def _recv_backward(self, action: Action, message: _Message, peer: int) -> None:
+        self._backward_inbox[(action.stage, action.microbatch)] = self._post_recv(message, peer)
 
-    def _post_recv(self, action: Action) -> _PendingReceive:
-        message = _message_of(action)
-        peer = self._global_rank_of_stage(message.sender)
+    def _post_recv(self, message: _Message, peer: int) -> _PendingReceive:
         handle = self.transport.post_recv(peer, label=message.label, channel=message.channel)
         return _PendingReceive(handle, peer, message.label)
