@@ -4,7 +4,8 @@
 ``meshpipe schedule compare`` tabulates every schedule under one cost model;
 ``meshpipe train`` trains the reference transformer or a Hugging Face decoder (every flag is
 a TrainConfig field, and ``--config run.toml`` gives them as a file); ``meshpipe export``
-writes a checkpoint as a directory transformers loads;
+writes a checkpoint as a directory transformers loads; ``meshpipe tune`` measures the
+model on this machine and ranks the layouts of a world size by predicted step time;
 ``meshpipe demo`` runs the project's showcase. Bad input prints one line and exits 2; a
 failed training run (a rank raised, or --check found a difference) exits 1.
 """
@@ -217,6 +218,8 @@ def _parser() -> _Parser:
                         "one its checkpoint records)")
     export.set_defaults(handler=_export)
 
+    _add_tune_parser(commands)
+
     demo = commands.add_parser("demo", help="the showcase: train PP=2 x CP=2 on 4 processes, "
                                "then compare the schedules and draw one")
     demo.add_argument("--out", type=Path, default=Path("out"),
@@ -225,6 +228,75 @@ def _parser() -> _Parser:
                       help=f"training steps (default {DEMO_CONFIG.steps})")
     demo.set_defaults(handler=_demo)
     return parser
+
+
+# TrainConfig fields that are the layout `meshpipe tune` chooses, not input to it.
+_TUNED_FIELDS = ("pp", "vpp", "dp", "cp_ulysses", "cp_ring", "schedule", "placement")
+
+
+def _memory_size(text: str) -> int:
+    from meshpipe.schedules.tune import TuneError, parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except TuneError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _add_tune_parser(commands) -> None:
+    tune = commands.add_parser(
+        "tune", help="measure the model on this machine, then rank the layouts of a world "
+        "size by predicted step time and peak memory",
+        description="Measure the reference transformer in a short run on --world-size local "
+        "processes, fit a cost model (F, I, W per layer, messages, all-reduce, optimizer, "
+        "activation and parameter memory), then simulate every layout (pp, vpp, dp, Ulysses "
+        "cp, microbatches, schedule) of that world size and print the fastest that fit "
+        "--memory-budget. The model and batch flags are meshpipe train's (and --config); "
+        "--write saves the pick for meshpipe train --config.")
+    tune.add_argument("--world-size", type=_positive_int, required=True,
+                      help="processes (ranks) to lay out")
+    tune.add_argument("--memory-budget", type=_memory_size, default=None,
+                      help="memory per rank: bytes or a size such as 2GB or 512MiB (default: "
+                      "no limit)")
+    tune.add_argument("--top", type=_positive_int, default=10,
+                      help="layouts to print (default 10)")
+    tune.add_argument("--global-batch", type=_positive_int, default=None,
+                      help="sequences per step (default: dp x microbatches x microbatch-size "
+                      "of the train flags)")
+    tune.add_argument("--write", type=Path, metavar="RUN.toml",
+                      help="save the fastest layout as a TOML file for meshpipe train --config")
+    add_train_arguments(tune)
+    tune.set_defaults(handler=_tune)
+
+
+def _tune(args: argparse.Namespace, out: TextIO) -> int:
+    """Tune, print the table; exit status 1 if the measuring run failed."""
+    from meshpipe.schedules.tune import table
+    from meshpipe.train.launch import LaunchError
+    from meshpipe.train.toml_config import to_toml
+    from meshpipe.train.tune import config_for, tune
+
+    chosen = [f"--{name.replace('_', '-')}" for name in _TUNED_FIELDS if hasattr(args, name)]
+    if chosen:
+        raise CommandLineError(f"meshpipe tune: error: tune chooses the layout: drop "
+                               f"{', '.join(chosen)}")
+    config = train_config_from_arguments(args)
+    try:
+        result = tune(config, args.world_size, args.memory_budget, args.global_batch)
+    except LaunchError as error:
+        print(f"meshpipe: the measuring run failed: {error}", file=sys.stderr)
+        return 1
+    measured = result.measurement
+    out.write(f"measured {measured.layout.describe()} on {args.world_size} processes: step "
+              f"{1000 * measured.step_s:.1f} ms, pipeline {1000 * measured.pipeline_s:.1f} ms; "
+              f"{len(result.predictions)} layouts fit"
+              f"{'' if args.memory_budget is None else ' the budget'}\n\n")
+    out.write(table(result.predictions, args.top))
+    if args.write:
+        best = config_for(result.predictions[0].layout, config)
+        _write(args.write, lambda: to_toml(best))
+        out.write(f"\nwrote {args.write}: meshpipe train --config {args.write}\n")
+    return 0
 
 
 def _show(args: argparse.Namespace, out: TextIO) -> None:

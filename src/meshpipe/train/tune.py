@@ -1,0 +1,422 @@
+"""``meshpipe tune``: measure the reference transformer on this machine, then rank layouts.
+
+Three measurements make the ``Profile`` that ``meshpipe.schedules.tune`` ranks layouts by:
+
+1. in this process (``model_profile``): each piece's parameters (embedding, one transformer
+   layer, final norm + head), the activation bytes it saves for backward per token (what
+   ``torch.autograd.graph.saved_tensors_hooks`` sees in one microbatch's forward, weights
+   excluded) and its forward time per token, which only sets the pieces' relative weights;
+2. short training runs of a base layout on ``world_size`` local processes (``measure``):
+   the smallest pp above 1 the world size allows, with 1F1B, then with ZB-H1, then with
+   1F1B at half the microbatch size; the executor's per-action timeline of each step gives
+   every stage's F and B (1F1B), I and W (ZB-H1) (``fit_costs``), what an action costs
+   whatever its size (the two sizes) and the pipeline's span, and the trainer's step time
+   the rest;
+   the same processes time a message between two ranks, an all-reduce over all of them (at
+   two sizes each: latency and bandwidth) and an optimizer step;
+3. ``calibrate``: the pieces' compute is scaled so that the base layout's stages cost what
+   was measured (so the contention of ``world_size`` processes on this machine's cores is
+   in the costs, and ``cores`` lets the simulation correct for layouts that keep more or
+   fewer ranks busy), a per-message overhead is fitted so that the base layout's simulated
+   pipeline span equals the measured one, and the step time beyond the pipeline, the
+   gradient all-reduce and the optimizer becomes a fixed per-step overhead.
+
+Only the reference transformer (dense, no tensor parallelism) is tuned; context
+parallelism is offered as Ulysses, with its all-to-alls estimated from the message cost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshpipe.models import causal_lm_loss
+from meshpipe.models.transformer import Transformer
+from meshpipe.schedules import Timeline, fit_costs
+from meshpipe.schedules.tune import (Layout, Link, Piece, Prediction, Profile, TuneError,
+                                     buildable, fit_message_overhead, layers_per_stage,
+                                     layouts, load, predict, rank_layouts, stage_sum)
+from meshpipe.train import sources
+from meshpipe.train.config import TrainConfig
+from meshpipe.train.launch import Supervision, launch, under_torchrun
+
+# Training steps of the measured run; the first is a warm-up and not used.
+MEASURE_STEPS = 6
+# Repetitions of each timed operation (the median counts).
+REPEATS = 7
+# Placeholder link of the first, compute-free pass (memory and input checks only).
+_UNMEASURED_LINK = Link(latency=0.0, bytes_per_s=1e12)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What the base layout's short run measured (seconds; per stage, one microbatch)."""
+
+    layout: Layout
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    backward_input: tuple[float, ...]
+    backward_weight: tuple[float, ...]
+    half_forward_and_backward: float | None  # summed over stages, microbatches half as large
+    pipeline_s: float
+    step_s: float
+    message: Link
+    all_reduce: Link
+    optimizer_s_per_parameter: float
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The ranking, fastest first, and what it was computed from."""
+
+    predictions: list[Prediction]
+    profile: Profile
+    measurement: Measurement
+
+
+def check_tunable(config: TrainConfig) -> None:
+    """The tuner models the dense reference transformer without tensor parallelism."""
+    unsupported = [(bool(config.model), "--model"), (config.moe_experts > 0, "--moe-experts"),
+                   (config.tp > 1 or bool(config.stage_tp), "--tp / --stage-tp"),
+                   (config.pack or bool(config.data), "--data / --pack")]
+    given = [flag for present, flag in unsupported if present]
+    if given:
+        raise TuneError(f"meshpipe tune measures the reference transformer on the shipped "
+                        f"corpus (dense, no tensor parallelism): drop {', '.join(given)}")
+
+
+def global_batch_of(config: TrainConfig) -> int:
+    """Sequences per step of ``config``: the default global batch to tune for."""
+    return config.dp * config.microbatches * config.microbatch_size
+
+
+def model_profile(config: TrainConfig) -> Profile:
+    """The in-process part of the profile (parameters, activation bytes and relative
+    forward time per piece); links and overheads are placeholders until ``calibrate``."""
+    torch.manual_seed(config.seed)
+    model = Transformer(sources.model_config(config), recompute=config.recompute)
+    tokens = config.microbatch_size * config.seq_len
+    pieces = _pieces(model, config)
+    measured = {name: (_saved_bytes(run, model) / tokens, _median_seconds(run) / tokens)
+                for name, run in pieces.items()}
+    parameters = {"embedding": model.embedding.weight.numel(),
+                  "layer": sum(p.numel() for p in model.layers[0].parameters()),
+                  "head": sum(p.numel() for p in (*model.norm.parameters(),
+                                                  *model.head.parameters()))}
+
+    def piece(name: str) -> Piece:
+        saved, seconds = measured[name]
+        return Piece(seconds, seconds, seconds, 2 * seconds, saved, parameters[name])
+
+    return Profile(layers=config.layers, heads=config.heads, seq_len=config.seq_len,
+                   embedding=piece("embedding"), layer=piece("layer"), head=piece("head"),
+                   hidden_bytes_per_token=4.0 * config.dim, message=_UNMEASURED_LINK,
+                   all_reduce=_UNMEASURED_LINK)
+
+
+def _pieces(model: Transformer, config: TrainConfig) -> dict[str, Callable[[], torch.Tensor]]:
+    """One microbatch's forward through each piece, as a function returning its output."""
+    vocab = model.config.vocab_size
+    shape = (config.microbatch_size, config.seq_len)
+    tokens = torch.randint(vocab, shape)
+    targets = torch.randint(vocab, shape)
+    positions = torch.arange(config.seq_len)
+    hidden = torch.randn(*shape, config.dim, requires_grad=True)
+
+    def head() -> torch.Tensor:
+        return causal_lm_loss(model.head(model.norm(hidden)), targets, reduction="sum")[0]
+
+    return {"embedding": lambda: model.embedding(tokens),
+            "layer": lambda: model.layers[0](hidden, positions, None),
+            "head": head}
+
+
+def _saved_bytes(run: Callable[[], torch.Tensor], model: torch.nn.Module) -> float:
+    """Bytes of the distinct tensors autograd saves for backward in ``run``, weights not
+    counted (they are counted as parameters)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return float(sum(saved.values()))
+
+
+def _median_seconds(run: Callable[[], Any]) -> float:
+    with torch.no_grad():
+        run()  # warm-up
+        times = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def base_layout(world_size: int, profile: Profile, global_batch: int,
+                microbatch_size: int) -> Layout:
+    """The layout measured: 1F1B at the smallest pp above 1, one stage per rank, no
+    context parallelism, microbatches nearest ``microbatch_size``; one rank: no pipeline."""
+    candidates = [layout for layout in layouts(world_size, profile, global_batch)
+                  if layout.cp == 1 and layout.vpp == 1 and layout.schedule in ("1f1b", "none")]
+    if not candidates:
+        raise TuneError(f"world size {world_size} has no layout without context parallelism "
+                        f"to measure: use a world size with a pipeline or data-parallel layout")
+    return min(candidates, key=lambda layout: (layout.pp == 1, layout.pp,
+                                               abs(layout.microbatch_size - microbatch_size),
+                                               -layout.microbatches))
+
+
+def config_for(layout: Layout, config: TrainConfig, **overrides: Any) -> TrainConfig:
+    """``config`` with ``layout``'s sizes (cp as Ulysses) and schedule."""
+    return replace(config, pp=layout.pp, vpp=layout.vpp, dp=layout.dp, cp_ulysses=layout.cp,
+                   cp_ring=1, microbatches=layout.microbatches,
+                   microbatch_size=layout.microbatch_size, schedule=layout.schedule,
+                   placement="auto", **overrides)
+
+
+def measured_layouts(layout: Layout) -> dict[str, Layout]:
+    """The runs measured: ``fused`` (the base layout), ``split`` (with ZB-H1, which times I
+    and W apart) and ``half`` (microbatches half as large, which separates what an action
+    costs whatever its size); the last two where they can run."""
+    runs = {"fused": layout, "split": replace(layout, schedule="zb-h1"),
+            "half": replace(layout, microbatches=2 * layout.microbatches,
+                            microbatch_size=layout.microbatch_size // 2)}
+    if layout.pp == 1 or not buildable(runs["split"]):
+        del runs["split"]
+    if layout.microbatch_size % 2 or not buildable(runs["half"]):
+        del runs["half"]
+    return runs
+
+
+def run_configs(config: TrainConfig, layout: Layout,
+                steps: int = MEASURE_STEPS) -> list[TrainConfig]:
+    """The measured runs' configs, in ``measured_layouts`` order."""
+    return [config_for(measured, config, steps=steps, timeline_step=0, eval_every=0,
+                       check=False, progress=False, resume=False, checkpoint_every=0, export="")
+            for measured in measured_layouts(layout).values()]
+
+
+def measure(config: TrainConfig, layout: Layout) -> Measurement:
+    """Run a few training steps of each of ``measured_layouts(layout)`` on local processes
+    and time them."""
+    configs = run_configs(config, layout)
+    with tempfile.TemporaryDirectory(prefix="meshpipe-tune-") as tmp:
+        result = Path(tmp) / "measured.json"
+        launch(_measure_on_this_rank, configs[0].world_size, configs, str(result),
+               supervision=Supervision(hang_timeout=configs[0].hang_timeout,
+                                       log_dir=Path(tmp) / "logs"))
+        return _measurement(layout, json.loads(result.read_text()))
+
+
+def _measure_on_this_rank(configs: list[TrainConfig], result_path: str) -> None:
+    """Every rank: each config's training steps, then the link and optimizer timings;
+    rank 0 writes what its pipeline measured to ``result_path``."""
+    # Imported here: the trainer is only needed in the measuring processes.
+    from meshpipe.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    runs = []
+    for config in configs:
+        trainer = Trainer(config)
+        runs.append(_timed_steps(trainer, config.steps))
+    parameters = [p for _, p in trainer.parameters]
+    hidden = config.microbatch_size * config.seq_len // config.layout.cp * config.dim
+    mine = {"pipeline": list(trainer.topology.pipeline_ranks),
+            "pp_rank": trainer.topology.pp_rank, "runs": runs,
+            "message": _message_times(hidden), "all_reduce": _all_reduce_times(parameters),
+            "optimizer_s_per_parameter": _optimizer_seconds(trainer) / max(
+                1, sum(p.numel() for p in parameters))}
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if dist.get_rank() == 0:
+        Path(result_path).write_text(json.dumps(gathered))
+
+
+def _timed_steps(trainer: Any, steps: int) -> list[dict[str, Any]]:
+    """Each step's time and this rank's executor timeline (every rank starts together)."""
+    timed = []
+    for step in range(steps):
+        dist.barrier()
+        stats = trainer.train_step(step)
+        timed.append({"seconds": stats.seconds,
+                      "actions": [(str(t.action), t.start, t.end)
+                                  for t in trainer.last_result.timeline]})
+    return timed
+
+
+def _timed(operation: Callable[[], None]) -> float:
+    """Median seconds of ``operation`` after one untimed call; every rank calls it."""
+    operation()
+    times = []
+    for _ in range(REPEATS):
+        dist.barrier()
+        start = time.perf_counter()
+        operation()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _message_times(hidden_floats: int) -> list[tuple[int, float]]:
+    """One-way seconds of a message rank 0 -> rank 1 (half a ping-pong) of one float and of
+    one activation message; the other ranks wait."""
+    results = []
+    for floats in (1, hidden_floats):
+        buffer = torch.zeros(floats)
+
+        def ping_pong() -> None:
+            if dist.get_rank() == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            elif dist.get_rank() == 1:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+
+        results.append((4 * floats, _timed(ping_pong) / 2))
+    return results
+
+
+def _all_reduce_times(parameters: list[torch.nn.Parameter]) -> list[tuple[int, float]]:
+    """Seconds of an all-reduce over every rank of one float and of this rank's gradients
+    (the largest size over the ranks, so every rank reduces the same tensor)."""
+    size = torch.tensor([sum(p.numel() for p in parameters)])
+    dist.all_reduce(size, op=dist.ReduceOp.MAX)
+    results = []
+    for floats in (1, int(size.item())):
+        buffer = torch.zeros(floats)
+        results.append((4 * floats, _timed(lambda: dist.all_reduce(buffer))))
+    return results
+
+
+def _optimizer_seconds(trainer: Any) -> float:
+    """One AdamW step over this rank's parameters (zero gradients: the run is thrown away)."""
+    for _, param in trainer.parameters:
+        param.grad = torch.zeros_like(param)
+    return _timed(trainer.optimizer.step)
+
+
+def _link(times: list[tuple[int, float]], factor: float = 1.0) -> Link:
+    """Latency and bandwidth from a small and a large transfer's seconds (``factor``: the
+    bytes each rank moves per byte reduced)."""
+    (small_bytes, small_s), (large_bytes, large_s) = times
+    extra = max(large_s - small_s, 1e-9)
+    return Link(latency=small_s, bytes_per_s=factor * (large_bytes - small_bytes) / extra
+                if large_bytes > small_bytes else 1e12)
+
+
+def _measurement(layout: Layout, gathered: list[dict[str, Any]]) -> Measurement:
+    """Fit the costs of rank 0's pipeline from the steps after the first: F, B, the span
+    and the step time from the first run, I and W from the ZB-H1 run if there was one."""
+    stages = layout.pp * layout.vpp
+    runs = list(measured_layouts(layout))
+    fused, fused_span = _fit_run(gathered, 0, stages)
+    split = _fit_run(gathered, runs.index("split"), stages)[0] if "split" in runs else None
+    half = _fit_run(gathered, runs.index("half"), stages)[0] if "half" in runs else None
+    world = len(gathered)
+    backward = fused.per_stage("backward", stages)
+    return Measurement(
+        half_forward_and_backward=None if half is None else sum(
+            half.per_stage("forward", stages) + half.per_stage("backward", stages)),
+        layout=layout, forward=fused.per_stage("forward", stages), backward=backward,
+        backward_input=(split.per_stage("backward_input", stages) if split
+                        else tuple(b / 2 for b in backward)),
+        backward_weight=(split.per_stage("backward_weight", stages) if split
+                         else tuple(b / 2 for b in backward)),
+        pipeline_s=fused_span,
+        step_s=statistics.median(max(g["runs"][0][index]["seconds"] for g in gathered)
+                                 for index in range(1, len(gathered[0]["runs"][0]))),
+        message=_link(gathered[0]["message"]),
+        all_reduce=_link(gathered[0]["all_reduce"], 2 * (world - 1) / world if world > 1
+                         else 1.0),
+        optimizer_s_per_parameter=statistics.median(g["optimizer_s_per_parameter"]
+                                                    for g in gathered))
+
+
+def _fit_run(gathered: list[dict[str, Any]], run: int, stages: int):
+    """The costs (``fit_costs``) and pipeline span of run ``run``'s median step (by span)
+    after the first, on rank 0's pipeline."""
+    pipeline = gathered[0]["pipeline"]
+    steps = gathered[0]["runs"][run]
+    timelines = [Timeline.from_records(
+        [(gathered[rank]["pp_rank"], *action) for rank in pipeline
+         for action in gathered[rank]["runs"][run][index]["actions"]],
+        num_ranks=len(pipeline)) for index in range(1, len(steps))]
+    median = sorted(timelines, key=lambda t: t.makespan)[len(timelines) // 2]
+    return fit_costs(median, stages), median.makespan
+
+
+def calibrate(profile: Profile, measurement: Measurement, cores: float | None = None
+              ) -> Profile:
+    """``profile`` (from ``model_profile``) priced by ``measurement`` (see the module
+    docstring); ``cores``: the cores the ranks share (None: each rank has its own)."""
+    layout = measurement.layout
+    tokens = layout.microbatch_size * profile.seq_len / layout.cp
+    stages = layout.pp * layout.vpp
+    weight = sum(stage_sum(profile, "forward", stage, layers, stages)
+                 for stage, layers in enumerate(layers_per_stage(profile.layers, stages)))
+
+    fixed = _action_overhead(measurement, tokens)
+
+    def factor(measured: tuple[float, ...]) -> float:
+        return max(0.0, sum(measured) - stages * fixed) / (tokens * weight)
+
+    factors = {name: factor(getattr(measurement, name))
+               for name in ("forward", "backward_input", "backward_weight", "backward")}
+
+    def priced(piece: Piece) -> Piece:
+        return replace(piece, **{name: f * piece.forward for name, f in factors.items()})
+
+    priced_profile = replace(profile, embedding=priced(profile.embedding),
+                             action_overhead_s=fixed,
+                             layer=priced(profile.layer), head=priced(profile.head),
+                             message=measurement.message, all_reduce=measurement.all_reduce,
+                             optimizer_s_per_parameter=measurement.optimizer_s_per_parameter)
+    fitted = fit_message_overhead(layout, priced_profile, measurement.pipeline_s)
+    base = predict(layout, fitted)
+    fitted = replace(fitted, cores=cores, measured_load=load(layout, base.bubble))
+    rest = measurement.step_s - base.step_s
+    return replace(fitted, step_overhead_s=max(0.0, rest))
+
+
+def _action_overhead(measurement: Measurement, tokens: float) -> float:
+    """What a compute action costs whatever its size: F + B summed over the stages is
+    ``2 S c + k T`` at ``T`` tokens per microbatch and ``2 S c + k T / 2`` at half, which
+    gives ``c`` (0 without the half-size run, or if noise makes it negative)."""
+    if measurement.half_forward_and_backward is None:
+        return 0.0
+    stages = len(measurement.forward)
+    full = sum(measurement.forward) + sum(measurement.backward)
+    return max(0.0, (2 * measurement.half_forward_and_backward - full) / (2 * stages))
+
+
+def tune(config: TrainConfig, world_size: int, memory_budget: float | None,
+         global_batch: int | None = None) -> TuneResult:
+    """Rank every layout of ``world_size`` processes for ``config``'s model and batch.
+
+    Input that has no answer (no layout, a budget below every layout's memory) fails in
+    one line before any process starts: memory does not depend on the measured times."""
+    check_tunable(config)
+    batch = global_batch_of(config) if global_batch is None else global_batch
+    profile = model_profile(config)
+    rank_layouts(world_size, profile, batch, memory_budget)
+    layout = base_layout(world_size, profile, batch, config.microbatch_size)
+    measurement = measure(config, layout)
+    priced = calibrate(profile, measurement, cores=None if under_torchrun() else os.cpu_count())
+    return TuneResult(rank_layouts(world_size, priced, batch, memory_budget), priced,
+                      measurement)

@@ -1,0 +1,191 @@
+"""meshpipe tune: the layout ranking (pure), its errors, the CLI and the measurement."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from meshpipe import cli
+from meshpipe.schedules.tune import (Layout, Link, MemoryBudgetError, NoLayoutError, Piece,
+                                     Profile, TuneError, fit_message_overhead, format_bytes,
+                                     layouts, parse_bytes, predict, rank_layouts,
+                                     stage_costs)
+from meshpipe.testing import run_distributed
+from meshpipe.train import tune as train_tune
+from meshpipe.train.config import TrainConfig
+
+LAYER = Piece(forward=1e-5, backward_input=1e-5, backward_weight=1e-5, backward=2e-5,
+              activation_bytes=4096.0, parameters=50_000)
+EDGE = Piece(forward=1e-6, backward_input=1e-6, backward_weight=1e-6, backward=2e-6,
+             activation_bytes=512.0, parameters=16_000)
+TINY = ["--dim", "16", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--seq-len", "16",
+        "--microbatch-size", "1", "--microbatches", "2"]
+
+
+def _profile(message: Link = Link(1e-4, 1e9), all_reduce: Link = Link(1e-4, 1e9)) -> Profile:
+    return Profile(layers=4, heads=4, seq_len=64, embedding=EDGE, layer=LAYER, head=EDGE,
+                   hidden_bytes_per_token=256.0, message=message, all_reduce=all_reduce)
+
+
+def test_ranking_follows_predicted_step_time() -> None:
+    # A slow all-reduce makes data parallelism lose; slow messages make pipelines lose.
+    slow_reduce = rank_layouts(2, _profile(all_reduce=Link(1.0, 1e9)), global_batch=4)
+    slow_messages = rank_layouts(2, _profile(message=Link(1.0, 1e9)), global_batch=4)
+    assert (slow_reduce[0].layout.pp, slow_reduce[0].layout.dp) == (2, 1)
+    assert (slow_messages[0].layout.pp, slow_messages[0].layout.dp) == (1, 2)
+    for ranking in (slow_reduce, slow_messages):
+        times = [p.step_s for p in ranking]
+        assert times == sorted(times) and times[0] < times[-1]
+
+
+def test_a_known_faster_layout_ranks_ahead_of_a_slower_one() -> None:
+    # Same pipeline, more microbatches: a smaller bubble, so a shorter step (free links).
+    free = _profile(message=Link(0.0, 1e15), all_reduce=Link(0.0, 1e15))
+    ranking = [p.layout for p in rank_layouts(2, free, global_batch=8)]
+    eight = Layout(pp=2, vpp=1, dp=1, cp=1, microbatches=8, microbatch_size=1, schedule="1f1b")
+    two = replace(eight, microbatches=2, microbatch_size=4)
+    assert predict(eight, free).step_s < predict(two, free).step_s
+    assert ranking.index(eight) < ranking.index(two)
+
+
+def test_a_budget_below_every_layout_names_the_smallest_that_fits() -> None:
+    profile = _profile()
+    peaks = [predict(layout, profile).peak_bytes for layout in layouts(4, profile, 8)]
+    smallest = min(peaks)
+    with pytest.raises(MemoryBudgetError) as caught:
+        rank_layouts(4, profile, 8, memory_budget=smallest - 1)
+    assert caught.value.smallest == smallest
+    assert format_bytes(smallest) in str(caught.value) and "\n" not in str(caught.value)
+    fitting = rank_layouts(4, profile, 8, memory_budget=smallest)
+    assert fitting and all(p.peak_bytes <= smallest for p in fitting)
+    assert len(rank_layouts(4, profile, 8, memory_budget=max(peaks))) == len(peaks)
+
+
+def test_a_world_size_without_layouts_is_one_line() -> None:
+    with pytest.raises(NoLayoutError) as caught:
+        rank_layouts(7, _profile(), global_batch=8)
+    message = str(caught.value)
+    assert "world size 7 has no valid layout" in message and "\n" not in message
+    assert "1, 2, 3, 4, 6, 8" in message
+
+
+def test_layouts_respect_the_schedules_and_the_model() -> None:
+    found = layouts(4, _profile(), global_batch=8)
+    assert all(layout.pp * layout.dp * layout.cp == 4 for layout in found)
+    assert all(layout.pp * layout.vpp <= 4 for layout in found)  # a layer per stage
+    assert all(layout.vpp == 2 for layout in found if layout.schedule in ("zb-v", "dualpipe-v"))
+    assert {layout.schedule for layout in found} >= {"none", "1f1b", "zb-h1", "zb-v"}
+
+
+def test_the_message_overhead_fit_reproduces_a_measured_span() -> None:
+    profile = _profile()
+    layout = Layout(2, 1, 1, 1, 4, 1, "zb-h1")
+    simulated = predict(layout, profile).pipeline_s
+    fitted = fit_message_overhead(layout, profile, 2 * simulated)
+    assert fitted.message_overhead_s > 0
+    assert predict(layout, fitted).pipeline_s == pytest.approx(2 * simulated, rel=1e-6)
+
+
+@pytest.mark.parametrize("text, size", [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20),
+                                        ("1000000", 10**6), ("1.5 KiB", 1536)])
+def test_memory_sizes(text: str, size: int) -> None:
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "1XB", "-3MB", "0"])
+def test_bad_memory_sizes(text: str) -> None:
+    with pytest.raises(TuneError):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--world-size", "7"], "has no valid layout"),
+    (["--world-size", "2", "--memory-budget", "1KB"], "the smallest budget that fits is"),
+    (["--world-size", "2", "--memory-budget", "lots"], "cannot read 'lots'"),
+    (["--world-size", "2", "--pp", "2"], "tune chooses the layout: drop --pp"),
+    (["--world-size", "0"], "expected a number >= 1"),
+])
+def test_cli_bad_input_is_one_line(extra: list[str], expected: str, capsys) -> None:
+    assert cli.main(["tune", *TINY, *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert expected in captured.err and captured.err.count("\n") == 1
+
+
+def _fake_measurement(config: TrainConfig, layout: Layout) -> train_tune.Measurement:
+    stages = layout.pp * layout.vpp
+    return train_tune.Measurement(layout=layout, forward=(0.002,) * stages,
+                                  backward=(0.004,) * stages,
+                                  backward_input=(0.002,) * stages,
+                                  backward_weight=(0.003,) * stages,
+                                  half_forward_and_backward=0.004 * stages,
+                                  pipeline_s=0.03,
+                                  step_s=0.05, message=Link(2e-4, 1e9),
+                                  all_reduce=Link(5e-4, 1e9), optimizer_s_per_parameter=1e-8)
+
+
+def test_cli_prints_the_table_and_writes_a_config_train_reads(tmp_path, monkeypatch,
+                                                              capsys) -> None:
+    monkeypatch.setattr(train_tune, "measure", _fake_measurement)
+    path = tmp_path / "run.toml"
+    argv = ["tune", *TINY, "--steps", "7", "--world-size", "4", "--top", "3",
+            "--memory-budget", "64MiB", "--write", str(path)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| ")]
+    assert len(rows) == 2 + 3  # header, rule, three layouts
+    best = rows[2].split("|")
+    result = train_tune.tune(cli.train_config_from_arguments(
+        cli._parser().parse_args(["train", *TINY, "--steps", "7"])), 4, 64 * 2**20)
+    expected = train_tune.config_for(result.predictions[0].layout, TrainConfig(
+        dim=16, layers=2, heads=2, kv_heads=1, seq_len=16, microbatch_size=1, microbatches=2,
+        steps=7))
+    assert best[8].strip() == expected.schedule
+    train_args = cli._parser().parse_args(["train", "--config", str(path)])
+    assert cli.train_config_from_arguments(train_args) == expected
+    assert expected.world_size == 4
+
+
+def _measure_body(rank: int, world_size: int, configs: list[TrainConfig], path: str) -> None:
+    train_tune._measure_on_this_rank(configs, path)
+
+
+def test_measurement_on_processes_prices_the_profile(tmp_path) -> None:
+    config = TrainConfig(dim=16, layers=2, heads=2, kv_heads=1, seq_len=16, microbatch_size=2,
+                         microbatches=2, timeline_step=0)
+    profile = train_tune.model_profile(config)
+    layout = train_tune.base_layout(2, profile, 4, 2)
+    assert (layout.pp, layout.schedule) == (2, "1f1b")
+    configs = train_tune.run_configs(config, layout, steps=3)
+    assert [(c.schedule, c.microbatch_size) for c in configs] == [
+        ("1f1b", 2), ("zb-h1", 2), ("1f1b", 1)]
+    path = tmp_path / "measured.json"
+    run_distributed(2, _measure_body, configs, str(path))
+    measurement = train_tune._measurement(layout, json.loads(path.read_text()))
+    assert min(measurement.forward + measurement.backward + measurement.backward_weight) > 0
+    assert measurement.half_forward_and_backward > 0
+    assert measurement.step_s >= measurement.pipeline_s > 0
+    priced = train_tune.calibrate(profile, measurement, cores=2)
+    predicted = predict(layout, priced)
+    assert predicted.pipeline_s >= measurement.pipeline_s * 0.999
+    assert predicted.step_s == pytest.approx(measurement.step_s, rel=0.01) or (
+        priced.step_overhead_s == 0 and predicted.step_s > measurement.step_s)
+    assert profile.layer.activation_bytes > 0 and profile.layer.parameters > 0
+
+
+def test_fused_and_split_backwards_are_priced_apart() -> None:
+    profile = replace(_profile(), layer=replace(LAYER, backward=5e-5))  # B > I + W
+    fused = stage_costs(Layout(2, 1, 1, 1, 4, 1, "1f1b"), profile, 2)
+    split = stage_costs(Layout(2, 1, 1, 1, 4, 1, "zb-h1"), profile, 2)
+    assert fused.backward[1] > split.backward[1]
+    assert split.backward_input[0] == 0.0  # stage 0's input is token ids
+
+
+def test_contention_slows_layouts_that_keep_more_ranks_busy() -> None:
+    alone = _profile()
+    shared = replace(alone, cores=2, measured_load=2.0)
+    busy = Layout(1, 1, 4, 1, 2, 1, "none")  # no bubble: 4 ranks busy on 2 cores
+    assert predict(busy, shared).pipeline_s == pytest.approx(
+        2 * predict(busy, alone).pipeline_s)
