@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="all-to-all: per-rank tokens of the aligned case, a multiple of 3")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--a2a-iters", type=int, default=30,
+                        help="iterations of each all-to-all (a few ms each: more are cheap)")
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     return parser.parse_args(argv)
@@ -116,7 +118,7 @@ def _all_to_all_rows(world: int, args: argparse.Namespace) -> list[dict]:
             with torch.no_grad():
                 all_to_all(x, None, scatter_dim=2, gather_dim=1, gather_size=total)
 
-        times = _timed(exchange, args.warmup, args.iters)
+        times = _timed(exchange, args.warmup, args.a2a_iters)
         megabytes = x.numel() * x.element_size() / 1e6
         rows.append({"cp": world, "case": case, "local_shape": list(x.shape),
                      "megabytes_per_rank": megabytes, **_summary(times),
@@ -141,6 +143,9 @@ def _attention_cases(world: int) -> list[tuple[str, str, Callable[[int], tuple]]
     def ulysses(seq: int) -> tuple:
         return UlyssesAttention(), contiguous_positions(seq, world, rank)
 
+    def ulysses_unaligned(seq: int) -> tuple:
+        return UlyssesAttention(), contiguous_positions(seq + 1, world, rank)
+
     def hybrid(seq: int) -> tuple:
         topology = Topology.build(ParallelLayout(cp_ring=2, cp_ulysses=world // 2))
         coords = topology.coords
@@ -150,7 +155,9 @@ def _attention_cases(world: int) -> list[tuple[str, str, Callable[[int], tuple]]
     if world == 1:
         return [("local SDPA", "whole sequence", lambda seq: (LocalAttention(), None)),
                 ("ring kernel, 1 rank", "whole sequence", ring("contiguous"))]
-    cases = [("ulysses", "contiguous", ulysses), ("ring", "zigzag", ring("zigzag")),
+    cases = [("ulysses", "contiguous", ulysses),
+             ("ulysses", "contiguous, sequence + 1 (uneven shards)", ulysses_unaligned),
+             ("ring", "zigzag", ring("zigzag")),
              ("ring", "contiguous", ring("contiguous"))]
     if world >= 4 and world % 2 == 0:
         cases.append((f"hybrid 2x{world // 2}", "zigzag x contiguous", hybrid))
@@ -256,7 +263,8 @@ def _markdown(config: dict, attention: list[dict], exchanges: list[dict]) -> str
                      f"{row['kernel_ms']:.1f} | {row['comm_ms']:.1f} | "
                      f"{baseline / row['median_ms']:.2f}x |")
     lines += ["", "All-to-all (scatter heads, gather sequence), float32, head_dim "
-              f"{HEAD_DIM_A2A}, same bytes per rank in each group of rows:", "",
+              f"{HEAD_DIM_A2A}, same bytes per rank in each group of rows, median of "
+              f"{config['a2a_iters']} iterations:", "",
               "| cp | case | local shape (rank 0) | MB per rank | ms | min ms | GB/s |",
               "| ---: | --- | --- | ---: | ---: | ---: | ---: |"]
     for row in exchanges:

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from meshpipe.comm.shards import ShardLayout, split_sizes
 from meshpipe.context import AttentionError, LocalAttention, attention_mask, plan_heads
 from meshpipe.context.blockwise import CPU_FLASH, MATH, heads_first, merge_block
-from meshpipe.context.masks import TokenRun, plan_block, plan_pieces, token_runs
+from meshpipe.context.ring import CAUSAL_LEAF
+from meshpipe.context.masks import (Piece, TokenRun, plan_block, plan_pieces, split_causal,
+                                   token_runs)
 
 
 def _masked_attention(q, k, v, mask, scale):
@@ -234,3 +236,48 @@ def test_token_runs_give_up_beyond_the_limit():
     assert len(token_runs(positions, None, limit=10)) == 10
     assert token_runs(positions, None, limit=9) is None
     assert token_runs(torch.arange(5), None) == [TokenRun(0, 5, 0, None)]
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 65, 300, 513])
+def test_split_causal_covers_the_triangle_once_with_small_causal_squares(size):
+    pieces = split_causal(Piece(None, None, True), size, leaf=64)
+    assert torch.equal(_covered(pieces, size, size),
+                       torch.ones(size, size, dtype=torch.int64).tril())
+    assert all(p.rows.stop - p.rows.start <= 64 for p in pieces if p.causal and p.rows)
+    assert len(pieces) == 1 if size <= 64 else len(pieces) > 1
+    # An offset square (rows 3.., keys 5..) keeps its offsets.
+    shifted = split_causal(Piece(slice(3, 3 + size), slice(5, 5 + size), True), size + 3, 64)
+    covered = _covered(shifted, size + 3, size + 5)[3:, 5:]
+    assert torch.equal(covered, torch.ones(size, size, dtype=torch.int64).tril())
+
+
+@pytest.mark.parametrize("heads_kv", [4, 2])
+def test_local_attention_on_a_long_sequence_splits_the_causal_square_and_equals_sdpa(
+        heads_kv, monkeypatch):
+    seq = CAUSAL_LEAF + 45
+    generator = torch.Generator().manual_seed(heads_kv)
+    q = torch.randn(1, seq, 4, 8, generator=generator, requires_grad=True)
+    k = torch.randn(1, seq, heads_kv, 8, generator=generator, requires_grad=True)
+    v = torch.randn(1, seq, heads_kv, 8, generator=generator, requires_grad=True)
+    grad_out = torch.randn(1, seq, 4, 8, generator=generator)
+    reference = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+        enable_gqa=heads_kv != 4).transpose(1, 2)
+    reference.backward(grad_out)
+    expected = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    rows = []
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def spy(query, *args, **kwargs):
+        rows.append((query.shape[2], args[3]))  # (query rows, is_causal)
+        return kernel(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", spy)
+    out = LocalAttention()(q, k, v)
+    out.backward(grad_out)
+    torch.testing.assert_close(out, reference)
+    for leaf, want in zip((q, k, v), expected):
+        torch.testing.assert_close(leaf.grad, want)
+    assert len(rows) > 1 and all(n <= CAUSAL_LEAF for n, causal in rows if causal)

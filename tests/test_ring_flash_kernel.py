@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from meshpipe.comm.shards import contiguous_positions, packed_positions, zigzag_positions
 from meshpipe.context import RingAttention
+from meshpipe.context.ring import CAUSAL_LEAF
 from meshpipe.context.blockwise import CAUSAL, CPU_FLASH, MATH, tile_mask
 from meshpipe.context.masks import MAX_RUNS
 from meshpipe.testing import run_distributed
@@ -209,3 +210,13 @@ def _bf16_ring(rank: int, world: int) -> float:
     assert out.dtype == torch.bfloat16
     assert any(causal for _, causal, _, _, _ in recorder.calls)
     return float((out.float() - ref).abs().max())
+
+
+def test_long_diagonal_tiles_are_halved_and_stay_exact():
+    """Blocks longer than CAUSAL_LEAF: the diagonal tile runs as causal squares of at most
+    CAUSAL_LEAF rows plus unmasked rectangles (values checked against SDPA inside)."""
+    seq = 2 * 2 * (CAUSAL_LEAF + 4)
+    for rank, result in enumerate(run_distributed(2, _ring_calls, "zigzag", 2, seq)):
+        causal_rows = [s_q for _, causal, _, s_q, _ in result["calls"] if causal]
+        assert causal_rows and max(causal_rows) <= CAUSAL_LEAF, (rank, result["calls"])
+        assert not any(has_mask for _, _, has_mask, _, _ in result["calls"])

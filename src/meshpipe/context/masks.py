@@ -160,3 +160,27 @@ def _whole(piece: Piece, q_count: int, k_count: int) -> Piece:
     rows = None if piece.rows == slice(0, q_count) else piece.rows
     cols = None if piece.cols == slice(0, k_count) else piece.cols
     return Piece(rows, cols, piece.causal)
+
+
+def split_causal(piece: Piece, count: int, leaf: int) -> list[Piece]:
+    """A causal square of more than ``leaf`` rows cut in two, recursively: the upper-left and
+    lower-right halves stay causal squares and the lower-left quarter is unmasked.
+
+    A blockwise kernel skips masked work only in whole blocks of its own size, so a large
+    causal square costs it up to 1.6 times the live half; squares of ``leaf`` rows and
+    unmasked rectangles cost what they compute. ``count`` is the query block's length (the
+    rows of a piece whose range is None).
+    """
+    if not piece.causal:
+        return [piece]
+    rows = piece.rows or slice(0, count)
+    size = rows.stop - rows.start
+    if size <= leaf:
+        return [piece]
+    cols = piece.cols or slice(0, size)
+    half = size // 2
+    upper_rows, lower_rows = slice(rows.start, rows.start + half), slice(rows.start + half, rows.stop)
+    upper_cols, lower_cols = slice(cols.start, cols.start + half), slice(cols.start + half, cols.stop)
+    return [*split_causal(Piece(upper_rows, upper_cols, True), count, leaf),
+            Piece(lower_rows, upper_cols, False),
+            *split_causal(Piece(lower_rows, lower_cols, True), count, leaf)]

@@ -41,13 +41,16 @@ from ..comm.collectives import COMM_LABEL
 from .blockwise import (CAUSAL, BlockKernel, TileMask, heads_first, kernel_for,
                         merge_block, tile_mask)
 from .layout import GroupLayout, attention_layout
-from .masks import BlockPlan, Piece, TokenRun, plan_block, plan_pieces, token_runs
+from .masks import (BlockPlan, Piece, TokenRun, plan_block, plan_pieces, split_causal,
+                    token_runs)
 
 # Key/value blocks and their gradient accumulators use different tags so the two streams
 # between a pair of ranks can never be matched with each other.
 _KV_TAG = 11
 _GRAD_KV_TAG = 12
 _RING_LABEL = COMM_LABEL + "ring"
+CAUSAL_LEAF = 256
+"""Causal squares longer than this are cut into halves (``masks.split_causal``)."""
 
 
 class _Transfer:
@@ -265,13 +268,27 @@ class RingAttention(nn.Module):
         return _RingAttentionFunction.apply(q, k, v, ring, plans, scale)
 
 
+def split_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    """Causal attention over one process's plain sequence (``[b, s, h, d]``) on the blockwise
+    kernel: the causal square halved down to ``CAUSAL_LEAF`` rows (``masks.split_causal``),
+    the pieces merged by log-sum-exp. This is the ring's machinery on a ring of one rank; on
+    the CPU flash kernel it skips masked work that one large causal call computes anyway."""
+    count = q.shape[1]
+    ring = _Ring(group=None, rank=0, size=1, block_sizes=[count])
+    plans = [[_Tile.of_piece(piece)
+              for piece in split_causal(Piece(None, None, True), count, CAUSAL_LEAF)]]
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttentionFunction.apply(q, k, v, ring, plans, scale)
+
+
 def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool) -> list[list[_Tile]]:
     """This rank's tiles for each ring step.
 
     A block whose positions run in increasing order within one document is, against itself,
-    one causal tile. Otherwise blocks made of runs of consecutive positions (zigzag halves,
+    one causal square. Otherwise blocks made of runs of consecutive positions (zigzag halves,
     the documents of a pack) are cut into rectangles that need no mask (``plan_pieces``);
-    only scattered positions fall back to a tile with a materialised mask.
+    causal squares longer than ``CAUSAL_LEAF`` are halved until they are not
+    (``split_causal``). Only scattered positions fall back to a tile with a materialised mask.
     """
     mine = ring.rank
     doc_ids = layout.doc_ids
@@ -280,17 +297,20 @@ def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool) -> list[list[_Til
     plans = []
     for step in range(ring.size):
         source = ring.source(step)
+        count = ring.block_sizes[mine]
         if source == mine and _one_increasing_document(runs[mine], layout.positions[mine]):
-            plans.append([_Tile(None, None, CAUSAL if causal else None)])
+            pieces = [Piece(None, None, causal)]
         elif runs[mine] is not None and runs[source] is not None:
-            plans.append([_Tile.of_piece(piece) for piece in plan_pieces(
-                runs[mine], runs[source], causal, ring.block_sizes[mine],
-                ring.block_sizes[source])])
+            pieces = plan_pieces(runs[mine], runs[source], causal, count,
+                                 ring.block_sizes[source])
         else:
             plans.append(_Tile.of_plan(plan_block(
                 layout.positions[mine], None if doc_ids is None else doc_ids[mine],
                 layout.positions[source], None if doc_ids is None else doc_ids[source],
                 causal)))
+            continue
+        plans.append([_Tile.of_piece(part) for piece in pieces
+                      for part in split_causal(piece, count, CAUSAL_LEAF)])
     return plans
 
 
