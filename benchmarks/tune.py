@@ -6,7 +6,8 @@ step time ``meshpipe train`` measures for them on this machine.
 
 It tunes the reference transformer for ``--world-size`` processes (``meshpipe.train.tune``:
 a short measured run of its base layout, then every layout simulated), then trains each of
-the ``--picks`` fastest predicted layouts with ``meshpipe.train.run`` (local gloo processes,
+the ``--picks`` fastest predicted layouts (skipping a layout that only renames the schedule
+of an earlier pick at the same predicted time) with ``meshpipe.train.run`` (local gloo processes,
 one thread each) for ``--steps`` steps and takes the median step time over the steps after
 the first two (``metrics.json``: rank 0's step time, data to optimizer step). The ratio
 measured / predicted is the figure; the goal is within 10 %. The base layout's own
@@ -60,6 +61,23 @@ def measured_step_s(config: TrainConfig) -> float:
     return statistics.median(steady)
 
 
+def distinct_picks(predictions: list[Prediction], count: int) -> list[tuple[int, Prediction]]:
+    """The first ``count`` predictions (with their places) that are not the same layout as an
+    earlier pick under another schedule name with the same predicted step (with one
+    microbatch GPipe, 1F1B and combined 1F1B are one order): measuring those again says
+    nothing new."""
+    picks: list[tuple[int, Prediction]] = []
+    for place, prediction in enumerate(predictions, start=1):
+        shape = replace(prediction.layout, schedule="")
+        if any(replace(p.layout, schedule="") == shape and p.step_s == prediction.step_s
+               for _, p in picks):
+            continue
+        picks.append((place, prediction))
+        if len(picks) == count:
+            break
+    return picks
+
+
 def compare_pick(place: int, prediction: Prediction, base: TrainConfig) -> dict:
     config = config_for(prediction.layout, base)
     measured = measured_step_s(config)
@@ -94,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     ranking = table(result.predictions, args.picks)
     print(ranking, flush=True)
     rows = [compare_pick(place, prediction, base)
-            for place, prediction in enumerate(result.predictions[:args.picks], start=1)]
+            for place, prediction in distinct_picks(result.predictions, args.picks)]
     markdown = to_markdown(rows)
     print(markdown)
     args.out.mkdir(parents=True, exist_ok=True)
