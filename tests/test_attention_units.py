@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from meshpipe.comm.shards import ShardLayout, split_sizes
 from meshpipe.context import AttentionError, LocalAttention, attention_mask, plan_heads
 from meshpipe.context.blockwise import CPU_FLASH, MATH, heads_first, merge_block
-from meshpipe.context.ring import CAUSAL_LEAF
+from meshpipe.context.tiles import CAUSAL_LEAF
 from meshpipe.context.masks import (Piece, TokenRun, plan_block, plan_pieces, split_causal,
                                    token_runs)
 

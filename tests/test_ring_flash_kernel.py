@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from meshpipe.comm.shards import contiguous_positions, packed_positions, zigzag_positions
 from meshpipe.context import RingAttention
-from meshpipe.context.ring import CAUSAL_LEAF
+from meshpipe.context.tiles import CAUSAL_LEAF
 from meshpipe.context.blockwise import CAUSAL, CPU_FLASH, MATH, tile_mask
 from meshpipe.context.masks import MAX_RUNS
 from meshpipe.testing import run_distributed

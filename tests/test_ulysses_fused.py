@@ -2,7 +2,8 @@
 
 Counts ``torch.distributed.all_to_all_single`` calls in one forward and one backward of
 ``UlyssesAttention`` on 2 ranks, and checks output and gradients against SDPA on the whole
-sequence.
+sequence. In float64 the local attention is SDPA: one exchange each way. In float32 on CPU
+the heads run in groups (``_PipelinedUlysses``), one exchange each way per group.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from meshpipe.comm.shards import split_sizes
 from meshpipe.context import UlyssesAttention
+from meshpipe.context.tiles import CAUSAL_LEAF
 from meshpipe.testing import run_distributed
 
 
@@ -26,15 +28,15 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _count_ulysses_all_to_all(rank: int, world_size: int, seq: int, heads_q: int,
-                              heads_kv: int, causal: bool) -> dict:
+                              heads_kv: int, causal: bool, dtype: torch.dtype = torch.float64) -> dict:
     import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(1234)
     batch, head_dim = 2, 8
-    q_full = torch.randn(batch, seq, heads_q, head_dim, generator=gen, dtype=torch.float64)
-    k_full = torch.randn(batch, seq, heads_kv, head_dim, generator=gen, dtype=torch.float64)
-    v_full = torch.randn(batch, seq, heads_kv, head_dim, generator=gen, dtype=torch.float64)
-    weight = torch.randn(batch, seq, heads_q, head_dim, generator=gen, dtype=torch.float64)
+    q_full = torch.randn(batch, seq, heads_q, head_dim, generator=gen, dtype=dtype)
+    k_full = torch.randn(batch, seq, heads_kv, head_dim, generator=gen, dtype=dtype)
+    v_full = torch.randn(batch, seq, heads_kv, head_dim, generator=gen, dtype=dtype)
+    weight = torch.randn(batch, seq, heads_q, head_dim, generator=gen, dtype=dtype)
 
     ref_inputs = [x.clone().requires_grad_() for x in (q_full, k_full, v_full)]
     ref_out = _reference(*ref_inputs, causal)
@@ -82,3 +84,15 @@ def test_ulysses_all_to_all_count(seq, heads_q, heads_kv, causal, expected):
     results = run_distributed(2, _count_ulysses_all_to_all, seq, heads_q, heads_kv, causal)
     for rank, counts in enumerate(results):
         assert counts == {"forward": expected, "backward": expected}, (rank, counts)
+
+
+@pytest.mark.parametrize(("seq", "heads_q", "heads_kv", "causal", "groups"), [
+    pytest.param(16, 8, 8, True, 2, id="mha-2-groups"),
+    pytest.param(13, 8, 4, False, 2, id="gqa-uneven-seq-2-groups"),
+    pytest.param(2 * CAUSAL_LEAF + 7, 4, 2, True, 1, id="long-gqa-1-group"),
+])
+def test_float32_ulysses_runs_head_group_by_head_group(seq, heads_q, heads_kv, causal, groups):
+    results = run_distributed(2, _count_ulysses_all_to_all, seq, heads_q, heads_kv, causal,
+                              torch.float32)
+    for rank, counts in enumerate(results):
+        assert counts == {"forward": 2 * groups, "backward": 2 * groups}, (rank, counts)

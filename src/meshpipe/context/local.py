@@ -8,14 +8,15 @@ from torch import Tensor, nn
 
 from .interface import check_attention_inputs
 from .masks import attention_mask, is_plain_sequence, token_runs
-from .ring import CAUSAL_LEAF, split_causal_attention
+from .ring import split_causal_attention
+from .tiles import CAUSAL_LEAF
 
 
 class LocalAttention(nn.Module):
     """Attention over the tokens this process holds, with SDPA.
 
     A plain sequence (no packing, positions 0..n-1) takes SDPA's ``is_causal`` fast path; on
-    CPU, a causal one longer than ``ring.CAUSAL_LEAF`` tokens runs instead as causal squares
+    CPU, a causal one longer than ``tiles.CAUSAL_LEAF`` tokens runs instead as causal squares
     of at most that length and unmasked rectangles (``ring.split_causal_attention``), which
     skips the masked work the CPU kernel computes in one large causal call. A
     pack whose documents each lie in one run of consecutive positions runs document by

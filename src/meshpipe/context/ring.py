@@ -38,19 +38,17 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from ..comm.collectives import COMM_LABEL
-from .blockwise import (CAUSAL, BlockKernel, TileMask, heads_first, kernel_for,
-                        merge_block, tile_mask)
+from .blockwise import heads_first, kernel_for
 from .layout import GroupLayout, attention_layout
-from .masks import (BlockPlan, Piece, TokenRun, plan_block, plan_pieces, split_causal,
-                    token_runs)
+from .masks import Piece, TokenRun, plan_block, plan_pieces, split_causal, token_runs
+from .tiles import (CAUSAL_LEAF, SEQ, Tile, TileGradients, accumulate, attend, causal_square,
+                    empty_output)
 
 # Key/value blocks and their gradient accumulators use different tags so the two streams
 # between a pair of ranks can never be matched with each other.
 _KV_TAG = 11
 _GRAD_KV_TAG = 12
 _RING_LABEL = COMM_LABEL + "ring"
-CAUSAL_LEAF = 256
-"""Causal squares longer than this are cut into halves (``masks.split_causal``)."""
 
 
 class _Transfer:
@@ -104,81 +102,21 @@ class _Ring:
         return _Transfer(received, works, keep_alive=sent)
 
 
-Index = Tensor | slice | None
-"""Rows or columns of a tile: a local index range, an index tensor, or None for all."""
-
-
-@dataclass(frozen=True)
-class _Tile:
-    """One kernel call: query rows ``rows`` against key columns ``cols`` under ``mask``
-    (``blockwise.CAUSAL``, None, or a boolean mask)."""
-
-    rows: Index
-    cols: Index
-    mask: TileMask
-
-    @staticmethod
-    def of_plan(plan: BlockPlan | None) -> list[_Tile]:
-        return [] if plan is None else [_Tile(plan.rows, plan.cols, tile_mask(plan.mask))]
-
-    @staticmethod
-    def of_piece(piece: Piece) -> _Tile:
-        return _Tile(piece.rows, piece.cols, CAUSAL if piece.causal else None)
-
-
-def _take(x: Tensor, dim: int, index: Index) -> Tensor:
-    """``x`` at ``index`` along ``dim``: a view for a range, a copy for an index tensor."""
-    if index is None:
-        return x
-    if isinstance(index, slice):
-        return x.narrow(dim, index.start, index.stop - index.start)
-    return x.index_select(dim, index)
-
-
-def _accumulate(total: Tensor | None, part: Tensor, dim: int, index: Index,
-                shape: torch.Size) -> Tensor:
-    """``total`` plus ``part`` at ``index`` along ``dim``; a first ``part`` covering every
-    index becomes the total itself, a first partial one lands in float32 zeros of ``shape``."""
-    if total is None:
-        if index is None:
-            return part
-        total = torch.zeros(shape, device=part.device)
-    if index is None:
-        total += part
-    elif isinstance(index, slice):
-        total.narrow(dim, index.start, index.stop - index.start).add_(part)
-    else:
-        total.index_add_(dim, index, part)
-    return total
-
-
-_SEQ = 1  # the sequence dim of [b, s, h, d] blocks and of their gradient accumulators
-
-
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring,
-                plans: list[list[_Tile]], scale: float) -> Tensor:
+                plans: list[list[Tile]], scale: float) -> Tensor:
         kernel = kernel_for(q.device)
         queries = heads_first(q)
         out = lse = None
         kv = (k, v)
         for step in range(ring.size):
             incoming = ring.shift(kv, step + 1, _KV_TAG) if step < ring.size - 1 else None
-            for tile in plans[step]:
-                keys, values = _block_kv(kv, tile)
-                block_out, block_lse = kernel.forward(_take(queries, 2, tile.rows), keys,
-                                                      values, tile.mask, scale)
-                if out is None and tile.rows is None:
-                    out, lse = block_out, block_lse
-                    continue
-                if out is None:
-                    out, lse = _empty_output(queries)
-                merge_block(out, lse, block_out, block_lse, tile.rows)
+            out, lse = attend(kernel, queries, kv, plans[step], scale, out, lse)
             if incoming is not None:
                 kv = incoming.wait()
         if out is None:
-            out, lse = _empty_output(queries)
+            out, lse = empty_output(queries)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.plans, ctx.scale, ctx.kernel = ring, plans, scale, kernel
         return out.transpose(1, 2).to(q.dtype)
@@ -187,7 +125,7 @@ class _RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         ring, plans = ctx.ring, ctx.plans
-        tile = _TileGradients(ctx.kernel, heads_first(q), heads_first(grad_output), out, lse,
+        tile = TileGradients(ctx.kernel, heads_first(q), heads_first(grad_output), out, lse,
                               ctx.scale)
         kv = (k, v)
         grad_kv_transfer = None
@@ -198,8 +136,8 @@ class _RingAttentionFunction(torch.autograd.Function):
             grad_k, grad_v = (None, None) if grad_kv_transfer is None else grad_kv_transfer.wait()
             shape = kv[0].shape
             for piece, (block_k, block_v) in zip(plans[step], block_grads):
-                grad_k = _accumulate(grad_k, block_k, _SEQ, piece.cols, shape)
-                grad_v = _accumulate(grad_v, block_v, _SEQ, piece.cols, kv[1].shape)
+                grad_k = accumulate(grad_k, block_k, SEQ, piece.cols, shape)
+                grad_v = accumulate(grad_v, block_v, SEQ, piece.cols, kv[1].shape)
             if grad_k is None:
                 grad_k, grad_v = (torch.zeros(t.shape, device=t.device) for t in kv)
             grad_kv_transfer = ring.shift((grad_k, grad_v), step + 1, _GRAD_KV_TAG)
@@ -208,40 +146,6 @@ class _RingAttentionFunction(torch.autograd.Function):
         grad_k, grad_v = grad_kv_transfer.wait()
         grad_q = tile.grad_queries.transpose(1, 2).to(q.dtype)
         return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
-
-
-def _empty_output(queries: Tensor) -> tuple[Tensor, Tensor]:
-    """A running output of zeros and log-sum-exp of -inf: what no key contributes."""
-    return (torch.zeros_like(queries),
-            torch.full(queries.shape[:-1], float("-inf"), device=queries.device))
-
-
-def _block_kv(kv: tuple[Tensor, Tensor], tile: _Tile) -> tuple[Tensor, Tensor]:
-    """The keys and values of a ``[b, s, hkv, d]`` block at the tile's columns, heads first,
-    float32."""
-    return heads_first(_take(kv[0], _SEQ, tile.cols)), heads_first(_take(kv[1], _SEQ, tile.cols))
-
-
-class _TileGradients:
-    """This rank's query gradient, accumulated tile by tile in backward."""
-
-    def __init__(self, kernel: BlockKernel, queries: Tensor, grad_out: Tensor, out: Tensor,
-                 lse: Tensor, scale: float):
-        self.kernel, self.queries, self.grad_out = kernel, queries, grad_out
-        self.out, self.lse, self.scale = out, lse, scale
-        self.grad_queries: Tensor | None = None
-
-    def gradients(self, tile: _Tile, kv: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """Add one tile's query gradient; return its key and value gradients as ``[b, s_live,
-        hkv, d]`` (views of the kernel's output, which lies in that order)."""
-        rows = tile.rows
-        keys, values = _block_kv(kv, tile)
-        grad_q, grad_k, grad_v = self.kernel.backward(
-            _take(self.grad_out, 2, rows), _take(self.queries, 2, rows), keys, values,
-            _take(self.out, 2, rows), _take(self.lse, 2, rows), tile.mask, self.scale)
-        self.grad_queries = _accumulate(self.grad_queries, grad_q, 2, rows,
-                                        self.queries.shape)
-        return grad_k.transpose(1, 2), grad_v.transpose(1, 2)
 
 
 class RingAttention(nn.Module):
@@ -275,13 +179,12 @@ def split_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None)
     the CPU flash kernel it skips masked work that one large causal call computes anyway."""
     count = q.shape[1]
     ring = _Ring(group=None, rank=0, size=1, block_sizes=[count])
-    plans = [[_Tile.of_piece(piece)
-              for piece in split_causal(Piece(None, None, True), count, CAUSAL_LEAF)]]
+    plans = [causal_square(count, True)]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _RingAttentionFunction.apply(q, k, v, ring, plans, scale)
 
 
-def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool) -> list[list[_Tile]]:
+def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool) -> list[list[Tile]]:
     """This rank's tiles for each ring step.
 
     A block whose positions run in increasing order within one document is, against itself,
@@ -304,12 +207,12 @@ def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool) -> list[list[_Til
             pieces = plan_pieces(runs[mine], runs[source], causal, count,
                                  ring.block_sizes[source])
         else:
-            plans.append(_Tile.of_plan(plan_block(
+            plans.append(Tile.of_plan(plan_block(
                 layout.positions[mine], None if doc_ids is None else doc_ids[mine],
                 layout.positions[source], None if doc_ids is None else doc_ids[source],
                 causal)))
             continue
-        plans.append([_Tile.of_piece(part) for piece in pieces
+        plans.append([Tile.of_piece(part) for piece in pieces
                       for part in split_causal(piece, count, CAUSAL_LEAF)])
     return plans
 

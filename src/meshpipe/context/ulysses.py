@@ -7,6 +7,11 @@ need not divide by the group size (``comm.collectives.all_to_all`` is exact for 
 sizes), and grouped-query attention sends each rank only the key/value heads its query
 heads use (``heads.plan_heads``). ``positions`` and ``doc_ids`` are gathered alongside, so
 the inner attention sees the masks of the whole gathered sequence.
+
+Where q, k and v share one exchange, the inner attention is ``LocalAttention``, the tensors
+are on CPU in a float32/bf16/fp16 dtype and the sequence is plain (no documents),
+``_PipelinedUlysses`` runs the heads in groups on the blockwise kernel: one group's exchange
+travels while another computes.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.collectives import all_to_all
+from ..comm.collectives import all_to_all, post_all_to_all
 from ..comm.shards import split_sizes
 from .heads import HeadPlan, plan_heads
 from .interface import Attention, AttentionError
-from .layout import attention_layout
+from .blockwise import heads_first, kernel_for
+from .layout import GroupLayout, attention_layout
 from .local import LocalAttention
+from .masks import is_plain_sequence
+from .tiles import SEQ, Tile, TileGradients, accumulate, attend, causal_square, empty_output
 
 _SEQ_DIM = 1
 _HEAD_DIM = 2
@@ -68,7 +76,12 @@ class UlyssesAttention(nn.Module):
                 f"ranks one more); shard the sequence with comm.collectives.split")
         plan = plan_heads(heads_q, k.shape[2], ranks, where)
         query_order = plan.query_order()
-        if _can_fuse(q, k, v, plan, ranks):
+        fused = _can_fuse(q, k, v, plan, ranks)
+        if fused and self._pipelines(q, layout, positions, doc_ids):
+            scale = self.inner.scale if self.inner.scale is not None else q.shape[-1] ** -0.5
+            return _PipelinedUlysses.apply(q, k, v, self.group, layout.total,
+                                           causal_square(layout.total, causal), scale)
+        if fused:
             q_heads, k_heads, v_heads = self._exchange_qkv(q, k, v, ranks, layout.total)
         else:
             q_heads = all_to_all(_take_heads(q, query_order, _HEAD_DIM), self.group,
@@ -82,6 +95,15 @@ class UlyssesAttention(nn.Module):
         out = all_to_all(out_heads, self.group, scatter_dim=_SEQ_DIM, gather_dim=_HEAD_DIM,
                          gather_size=heads_q)
         return _take_heads(out, _inverse(query_order), _HEAD_DIM)
+
+    def _pipelines(self, q: Tensor, layout: GroupLayout, positions: Tensor | None,
+                   doc_ids: Tensor | None) -> bool:
+        """Whether this call runs head group by head group (``_PipelinedUlysses``): local
+        attention on CPU (the blockwise flash kernel, which computes in float32: float64
+        keeps SDPA) over one plain sequence."""
+        return (type(self.inner) is LocalAttention and q.device.type == "cpu"
+                and q.dtype in _PIPELINED_DTYPES and doc_ids is None
+                and (positions is None or is_plain_sequence(layout.gathered_positions(), None)))
 
     def _exchange_qkv(self, q: Tensor, k: Tensor, v: Tensor, ranks: int,
                       total: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -140,3 +162,102 @@ def _as_grouped_query_heads(kv: Tensor, kv_of_query: list[int]) -> Tensor:
     if remainder == 0 and kv_of_query == [i // group for i in range(len(kv_of_query))]:
         return kv
     return kv.index_select(_HEAD_DIM + 1, torch.tensor(kv_of_query, device=kv.device))
+
+
+HEAD_GROUPS = 2
+_PIPELINED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Ulysses on CPU runs a rank's heads in up to this many groups: one group's all-to-all
+travels while the group before it computes."""
+
+
+def _head_groups(kv_heads_per_rank: int) -> int:
+    """The most groups, up to ``HEAD_GROUPS``, that split a rank's key/value heads evenly
+    (and so its query heads, a multiple of them)."""
+    return max(g for g in range(1, HEAD_GROUPS + 1) if kv_heads_per_rank % g == 0)
+
+
+def _group_heads(x: Tensor, ranks: int, groups: int, group: int) -> Tensor:
+    """``[b, s, heads, d]`` -> ``[ranks, b, s, heads_per_group, d]``: head group ``group`` of
+    every rank's share of the heads, peer-major (a view of a contiguous ``x``)."""
+    batch, seq, heads, head_dim = x.shape
+    split = x.reshape(batch, seq, ranks, groups, heads // (ranks * groups), head_dim)
+    return split[:, :, :, group].movedim(2, 0)
+
+
+def _place_group(whole: Tensor, part: Tensor, ranks: int, groups: int, group: int) -> None:
+    """Write ``part`` (``[ranks, b, s, heads_per_group, d]``) into head group ``group`` of
+    every rank's share of ``whole``'s heads (``[b, s, heads, d]``)."""
+    _group_heads(whole, ranks, groups, group).copy_(part)
+
+
+class _PipelinedUlysses(torch.autograd.Function):
+    """Ulysses around blockwise local attention, head group by head group.
+
+    Forward posts every group's q/k/v all-to-all at once (packed peer-major, as in
+    ``UlyssesAttention._exchange_qkv``), then computes group after group as each arrives and
+    posts its output's all-to-all while the next group computes. Backward does the same with
+    the output gradients and the q/k/v gradients. Only the first group's exchange in and the
+    last one's exchange out wait on the wire; the kernel is ``blockwise`` with the causal
+    square cut into tiles (``tiles.causal_square``).
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None,
+                total: int, tiles: list[Tile], scale: float) -> Tensor:
+        ranks = dist.get_world_size(group)
+        groups = _head_groups(k.shape[_HEAD_DIM] // ranks)
+        kernel = kernel_for(q.device)
+        incoming = [post_all_to_all(torch.cat([_group_heads(x, ranks, groups, g)
+                                               for x in (q, k, v)], dim=_HEAD_DIM + 1),
+                                    group, scatter_dim=0, gather_dim=_SEQ_DIM + 1,
+                                    gather_size=total)
+                    for g in range(groups)]
+        sizes = [x.shape[_HEAD_DIM] // (ranks * groups) for x in (q, k, v)]
+        saved, outgoing = [], []
+        for g in range(groups):
+            q_g, k_g, v_g = incoming[g].wait().squeeze(0).split(sizes, dim=_HEAD_DIM)
+            queries = heads_first(q_g)
+            out, lse = attend(kernel, queries, (k_g, v_g), tiles, scale)
+            if out is None:
+                out, lse = empty_output(queries)
+            saved.append((queries, (k_g, v_g), out, lse))
+            outgoing.append(post_all_to_all(out.transpose(1, 2).to(q.dtype).unsqueeze(0), group,
+                                            scatter_dim=_SEQ_DIM + 1, gather_dim=0,
+                                            gather_size=ranks))
+        result = torch.empty_like(q)
+        for g in range(groups):
+            _place_group(result, outgoing[g].wait(), ranks, groups, g)
+        ctx.group, ctx.total, ctx.tiles, ctx.scale, ctx.kernel = group, total, tiles, scale, kernel
+        ctx.ranks, ctx.groups, ctx.sizes, ctx.saved = ranks, groups, sizes, saved
+        ctx.shapes = (q.shape, k.shape, v.shape)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        ranks, groups, group = ctx.ranks, ctx.groups, ctx.group
+        incoming = [post_all_to_all(_group_heads(grad_output, ranks, groups, g), group,
+                                    scatter_dim=0, gather_dim=_SEQ_DIM + 1,
+                                    gather_size=ctx.total)
+                    for g in range(groups)]
+        outgoing = []
+        for g in range(groups):
+            queries, kv, out, lse = ctx.saved[g]
+            gradients = TileGradients(ctx.kernel, queries,
+                                      heads_first(incoming[g].wait().squeeze(0)), out, lse,
+                                      ctx.scale)
+            grad_k = grad_v = None
+            for tile in ctx.tiles:
+                block_k, block_v = gradients.gradients(tile, kv)
+                grad_k = accumulate(grad_k, block_k, SEQ, tile.cols, kv[0].shape)
+                grad_v = accumulate(grad_v, block_v, SEQ, tile.cols, kv[1].shape)
+            packed = torch.cat((gradients.grad_queries.transpose(1, 2), grad_k, grad_v),
+                               dim=_HEAD_DIM).to(grad_output.dtype)
+            outgoing.append(post_all_to_all(packed.unsqueeze(0), group,
+                                            scatter_dim=_SEQ_DIM + 1, gather_dim=0,
+                                            gather_size=ranks))
+        ctx.saved = None
+        grads = [grad_output.new_empty(shape) for shape in ctx.shapes]
+        for g in range(groups):
+            for whole, part in zip(grads, outgoing[g].wait().split(ctx.sizes, dim=_HEAD_DIM + 1)):
+                _place_group(whole, part, ranks, groups, g)
+        return (*grads, None, None, None, None)
