@@ -28,7 +28,8 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _count_ulysses_all_to_all(rank: int, world_size: int, seq: int, heads_q: int,
-                              heads_kv: int, causal: bool, dtype: torch.dtype = torch.float64) -> dict:
+                              heads_kv: int, causal: bool, dtype: torch.dtype = torch.float64,
+                              strided: bool = False) -> dict:
     import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(1234)
@@ -49,6 +50,9 @@ def _count_ulysses_all_to_all(rank: int, world_size: int, seq: int, heads_q: int
         return x.narrow(1, start, sizes[rank])
 
     inputs = [shard(x).clone().requires_grad_() for x in (q_full, k_full, v_full)]
+    if strided:  # the same values in heads-first memory: non-contiguous [b, s, h, d] views
+        inputs = [x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                  for x in inputs]
     attention = UlyssesAttention()
 
     calls = {"n": 0}
@@ -91,8 +95,10 @@ def test_ulysses_all_to_all_count(seq, heads_q, heads_kv, causal, expected):
     pytest.param(13, 8, 4, False, 2, id="gqa-uneven-seq-2-groups"),
     pytest.param(2 * CAUSAL_LEAF + 7, 4, 2, True, 1, id="long-gqa-1-group"),
 ])
-def test_float32_ulysses_runs_head_group_by_head_group(seq, heads_q, heads_kv, causal, groups):
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_float32_ulysses_runs_head_group_by_head_group(seq, heads_q, heads_kv, causal, groups,
+                                                       strided):
     results = run_distributed(2, _count_ulysses_all_to_all, seq, heads_q, heads_kv, causal,
-                              torch.float32)
+                              torch.float32, strided)
     for rank, counts in enumerate(results):
         assert counts == {"forward": 2 * groups, "backward": 2 * groups}, (rank, counts)

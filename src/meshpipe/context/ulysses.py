@@ -165,9 +165,10 @@ def _as_grouped_query_heads(kv: Tensor, kv_of_query: list[int]) -> Tensor:
 
 
 HEAD_GROUPS = 2
-_PIPELINED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Ulysses on CPU runs a rank's heads in up to this many groups: one group's all-to-all
-travels while the group before it computes."""
+travels while another computes (with four, the smaller kernel calls cost more than the
+overlap hides on a 2-core machine)."""
+_PIPELINED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _head_groups(kv_heads_per_rank: int) -> int:
@@ -224,7 +225,7 @@ class _PipelinedUlysses(torch.autograd.Function):
             outgoing.append(post_all_to_all(out.transpose(1, 2).to(q.dtype).unsqueeze(0), group,
                                             scatter_dim=_SEQ_DIM + 1, gather_dim=0,
                                             gather_size=ranks))
-        result = torch.empty_like(q)
+        result = q.new_empty(q.shape)  # contiguous: _place_group writes through views
         for g in range(groups):
             _place_group(result, outgoing[g].wait(), ranks, groups, g)
         ctx.group, ctx.total, ctx.tiles, ctx.scale, ctx.kernel = group, total, tiles, scale, kernel
@@ -255,7 +256,6 @@ class _PipelinedUlysses(torch.autograd.Function):
             outgoing.append(post_all_to_all(packed.unsqueeze(0), group,
                                             scatter_dim=_SEQ_DIM + 1, gather_dim=0,
                                             gather_size=ranks))
-        ctx.saved = None
         grads = [grad_output.new_empty(shape) for shape in ctx.shapes]
         for g in range(groups):
             for whole, part in zip(grads, outgoing[g].wait().split(ctx.sizes, dim=_HEAD_DIM + 1)):
