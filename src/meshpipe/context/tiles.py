@@ -52,7 +52,7 @@ def take(x: Tensor, dim: int, index: Index) -> Tensor:
 
 
 def accumulate(total: Tensor | None, part: Tensor, dim: int, index: Index,
-                shape: torch.Size) -> Tensor:
+               shape: torch.Size) -> Tensor:
     """``total`` plus ``part`` at ``index`` along ``dim``; a first ``part`` covering every
     index becomes the total itself, a first partial one lands in float32 zeros of ``shape``."""
     if total is None:
