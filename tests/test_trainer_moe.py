@@ -2,7 +2,6 @@
 checkpoints and bad flags."""
 
 import pytest
-import torch
 
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
