@@ -69,7 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _timed(step: Callable[[], None], warmup: int, iters: int) -> list[float]:
     """Seconds per iteration, each the slowest rank's (ranks start together at a barrier)."""
-    return [phases[0] for phases in _timed_phases(lambda: (step(),), warmup, iters)]
+    def no_phases() -> tuple:
+        step()
+        return ()
+
+    return [phases[0] for phases in _timed_phases(no_phases, warmup, iters)]
 
 
 def _timed_phases(step: Callable[[], tuple], warmup: int, iters: int) -> list[list[float]]:
@@ -80,8 +84,7 @@ def _timed_phases(step: Callable[[], tuple], warmup: int, iters: int) -> list[li
         dist.barrier()
         start = time.perf_counter()
         phases = step()
-        elapsed = torch.tensor([time.perf_counter() - start,
-                                *(p for p in phases if p is not None)], dtype=torch.float64)
+        elapsed = torch.tensor([time.perf_counter() - start, *phases], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if iteration >= warmup:
             results.append(elapsed.tolist())

@@ -9,16 +9,17 @@ from torch import Tensor, nn
 from .interface import check_attention_inputs
 from .masks import attention_mask, is_plain_sequence, token_runs
 from .ring import split_causal_attention
-from .tiles import CAUSAL_LEAF
+from .tiles import CAUSAL_LEAF, runs_on_cpu_kernel
 
 
 class LocalAttention(nn.Module):
     """Attention over the tokens this process holds, with SDPA.
 
     A plain sequence (no packing, positions 0..n-1) takes SDPA's ``is_causal`` fast path; on
-    CPU, a causal one longer than ``tiles.CAUSAL_LEAF`` tokens runs instead as causal squares
-    of at most that length and unmasked rectangles (``ring.split_causal_attention``), which
-    skips the masked work the CPU kernel computes in one large causal call. A
+    CPU in float32, bf16 or fp16, a causal one longer than ``tiles.CAUSAL_LEAF`` tokens runs
+    instead as causal squares of at most that length and unmasked rectangles
+    (``ring.split_causal_attention``), which skips the masked work the CPU kernel computes in
+    one large causal call. A
     pack whose documents each lie in one run of consecutive positions runs document by
     document, each in the same fast path, with no mask and no work across documents;
     anything else builds the mask from ``positions`` and ``doc_ids``. Grouped-query attention
@@ -33,7 +34,7 @@ class LocalAttention(nn.Module):
                 doc_ids: Tensor | None = None, causal: bool = True) -> Tensor:
         check_attention_inputs(q, k, v, positions, doc_ids, "LocalAttention")
         plain = is_plain_sequence(positions, doc_ids)
-        if plain and causal and q.device.type == "cpu" and q.shape[1] > CAUSAL_LEAF:
+        if plain and causal and runs_on_cpu_kernel(q) and q.shape[1] > CAUSAL_LEAF:
             return split_causal_attention(q, k, v, self.scale)
         gqa = q.shape[2] != k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))

@@ -134,9 +134,8 @@ class _RingAttentionFunction(torch.autograd.Function):
             block_grads = [tile.gradients(piece, kv) for piece in plans[step]]
             # The accumulators arrive while this block's tiles compute; add to them only now.
             grad_k, grad_v = (None, None) if grad_kv_transfer is None else grad_kv_transfer.wait()
-            shape = kv[0].shape
             for piece, (block_k, block_v) in zip(plans[step], block_grads):
-                grad_k = accumulate(grad_k, block_k, SEQ, piece.cols, shape)
+                grad_k = accumulate(grad_k, block_k, SEQ, piece.cols, kv[0].shape)
                 grad_v = accumulate(grad_v, block_v, SEQ, piece.cols, kv[1].shape)
             if grad_k is None:
                 grad_k, grad_v = (torch.zeros(t.shape, device=t.device) for t in kv)

@@ -20,6 +20,16 @@ from .masks import BlockPlan, Piece, split_causal
 CAUSAL_LEAF = 256
 """Causal squares longer than this are cut into halves (``masks.split_causal``)."""
 
+_FLOAT32_COMPUTE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def runs_on_cpu_kernel(x: Tensor) -> bool:
+    """Whether attention on ``x`` takes the CPU flash kernel through tiles where plain SDPA
+    would also do: on CPU, in a dtype the tiles' float32 compute does not lose precision for
+    (float64 keeps SDPA)."""
+    return x.device.type == "cpu" and x.dtype in _FLOAT32_COMPUTE
+
+
 Index = Tensor | slice | None
 """Rows or columns of a tile: a local index range, an index tensor, or None for all."""
 

@@ -28,7 +28,8 @@ from .blockwise import heads_first, kernel_for
 from .layout import GroupLayout, attention_layout
 from .local import LocalAttention
 from .masks import is_plain_sequence
-from .tiles import SEQ, Tile, TileGradients, accumulate, attend, causal_square, empty_output
+from .tiles import (SEQ, Tile, TileGradients, accumulate, attend, causal_square, empty_output,
+                    runs_on_cpu_kernel)
 
 _SEQ_DIM = 1
 _HEAD_DIM = 2
@@ -99,10 +100,10 @@ class UlyssesAttention(nn.Module):
     def _pipelines(self, q: Tensor, layout: GroupLayout, positions: Tensor | None,
                    doc_ids: Tensor | None) -> bool:
         """Whether this call runs head group by head group (``_PipelinedUlysses``): local
-        attention on CPU (the blockwise flash kernel, which computes in float32: float64
-        keeps SDPA) over one plain sequence."""
-        return (type(self.inner) is LocalAttention and q.device.type == "cpu"
-                and q.dtype in _PIPELINED_DTYPES and doc_ids is None
+        attention on the CPU kernel (``tiles.runs_on_cpu_kernel``) over one plain
+        sequence."""
+        return (type(self.inner) is LocalAttention and runs_on_cpu_kernel(q)
+                and doc_ids is None
                 and (positions is None or is_plain_sequence(layout.gathered_positions(), None)))
 
     def _exchange_qkv(self, q: Tensor, k: Tensor, v: Tensor, ranks: int,
@@ -116,8 +117,7 @@ class UlyssesAttention(nn.Module):
         all-to-all and one copy of each gradient back into its place.
         """
         per_rank = [x.shape[_HEAD_DIM] // ranks for x in (q, k, v)]
-        packed = torch.cat([x.unflatten(_HEAD_DIM, (ranks, heads)).movedim(_HEAD_DIM, 0)
-                            for x, heads in zip((q, k, v), per_rank)], dim=_HEAD_DIM + 1)
+        packed = torch.cat([_group_heads(x, ranks, 1, 0) for x in (q, k, v)], dim=_HEAD_DIM + 1)
         gathered = all_to_all(packed, self.group, scatter_dim=0, gather_dim=_SEQ_DIM + 1,
                               gather_size=total).squeeze(0)
         q_heads, k_heads, v_heads = gathered.split(per_rank, dim=_HEAD_DIM)
@@ -168,7 +168,6 @@ HEAD_GROUPS = 2
 """Ulysses on CPU runs a rank's heads in up to this many groups: one group's all-to-all
 travels while another computes (with four, the smaller kernel calls cost more than the
 overlap hides on a 2-core machine)."""
-_PIPELINED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _head_groups(kv_heads_per_rank: int) -> int:
