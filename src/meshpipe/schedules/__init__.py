@@ -1,4 +1,4 @@
-"""Pipeline schedules as plain data. Pure Python: nothing here imports torch."""
+"""Pipeline schedules as plain data: Python and numpy, nothing here imports torch."""
 
 from meshpipe.schedules.actions import Action, Kind, Schedule
 from meshpipe.schedules.builders import (SCHEDULES, build, combined_1f1b, dualpipe_v, gpipe,

@@ -13,9 +13,13 @@ import csv
 import enum
 import io
 import re
-from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterable, Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from meshpipe.schedules.table import ActionTable
 
 
 class Kind(enum.Enum):
@@ -174,47 +178,87 @@ def W(stage: int, microbatch: int) -> Action:
     return Action(Kind.W, stage, microbatch)
 
 
-@dataclass(frozen=True)
 class Schedule:
     """A complete pipeline schedule: for each rank, the ordered actions it runs in one step.
 
     ``placement[s]`` is the rank that holds stage ``s``. A schedule is *lowered* once it
     contains SEND/RECV actions (see ``lowering.lower``); before that it holds compute
     actions only and stage-to-stage data flow is implicit.
+
+    ``ranks`` is given as one sequence of ``Action`` per rank, or as an ``ActionTable``
+    (the array form builders of large schedules emit). The schedule keeps the table
+    (``table``, what lowering, validation and simulation read) and makes ``ranks``, the
+    ``Action`` tuples, on first use. Immutable.
     """
 
-    num_ranks: int
-    num_stages: int
-    num_microbatches: int
-    placement: tuple[int, ...]
-    ranks: tuple[tuple[Action, ...], ...]
-    name: str = field(default="", compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "placement", tuple(self.placement))
-        object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
+    def __init__(self, num_ranks: int, num_stages: int, num_microbatches: int,
+                 placement: Sequence[int], ranks: Iterable[Iterable[Action]] | ActionTable,
+                 name: str = "") -> None:
+        from meshpipe.schedules.table import ActionTable
+        fields = self.__dict__
+        fields["num_ranks"] = num_ranks
+        fields["num_stages"] = num_stages
+        fields["num_microbatches"] = num_microbatches
+        fields["placement"] = tuple(placement)
+        fields["name"] = name
+        if isinstance(ranks, ActionTable):
+            fields["table"] = ranks
+        else:
+            fields["ranks"] = tuple(tuple(actions) for actions in ranks)
+            fields["table"] = ActionTable.from_actions(self.ranks)
         if len(self.placement) != self.num_stages:
             raise ValueError(f"placement names {len(self.placement)} stages, "
                              f"schedule has {self.num_stages}")
-        if len(self.ranks) != self.num_ranks:
-            raise ValueError(f"{len(self.ranks)} action lists for {self.num_ranks} ranks")
+        if self.table.num_ranks != self.num_ranks:
+            raise ValueError(f"{self.table.num_ranks} action lists for {self.num_ranks} ranks")
         for stage, rank in enumerate(self.placement):
             if not 0 <= rank < self.num_ranks:
                 raise ValueError(f"stage {stage} placed on rank {rank}, "
                                  f"outside 0..{self.num_ranks - 1}")
-        own_stages: list[set[int]] = [set() for _ in range(self.num_ranks)]
-        for stage, rank in enumerate(self.placement):
-            own_stages[rank].add(stage)
-        for rank, actions in enumerate(self.ranks):
-            stages = {a.stage for a in actions}
-            microbatches = {a.microbatch for a in actions}
-            for action in actions:
-                if action.parts:
-                    stages.update(p.stage for p in action.parts)
-                    microbatches.update(p.microbatch for p in action.parts)
-            if not stages <= own_stages[rank] or max(microbatches, default=0) >= \
-                    self.num_microbatches:
-                self._raise_misplaced_action(rank)
+        self._check_rows()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a Schedule is immutable: cannot set {name!r}; build another "
+                             f"one (replace_ranks)")
+
+    def _check_rows(self) -> None:
+        """Every stage and microbatch in range, every action on the rank of its stage."""
+        table = self.table
+        placement = np.array(self.placement, np.int64)
+        ranks = table.rank_of_rows()
+        stages, microbatches = table.stage, table.microbatch
+        bad = (stages >= self.num_stages) | (microbatches >= self.num_microbatches)
+        bad |= placement[np.minimum(stages, self.num_stages - 1)] != ranks
+        halves = table.overlap_rows
+        if halves.size:
+            half_bad = ((table.overlap_stage >= self.num_stages)
+                        | (table.overlap_microbatch >= self.num_microbatches))
+            half_bad |= placement[np.minimum(table.overlap_stage, self.num_stages - 1)] != \
+                ranks[halves]
+            bad[halves[half_bad]] = True
+        if bad.any():
+            self._raise_misplaced_action(int(ranks[np.argmax(bad)]))
+
+    @cached_property
+    def ranks(self) -> tuple[tuple[Action, ...], ...]:
+        """Per rank, its actions in order."""
+        return tuple(self.table.rank_actions(rank) for rank in range(self.num_ranks))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Schedule):
+            return NotImplemented
+        return (self.num_ranks, self.num_stages, self.num_microbatches, self.placement) == (
+            other.num_ranks, other.num_stages, other.num_microbatches, other.placement) \
+            and self.table.same(other.table)
+
+    def __hash__(self) -> int:
+        return hash((self.num_ranks, self.num_stages, self.num_microbatches, self.placement,
+                     self.table.digest()))
+
+    def __repr__(self) -> str:
+        return (f"Schedule(name={self.name!r}, num_ranks={self.num_ranks}, "
+                f"num_stages={self.num_stages}, num_microbatches={self.num_microbatches}, "
+                f"placement={self.placement}, {len(self.table)} actions)")
 
     def _raise_misplaced_action(self, rank: int) -> None:
         """Name the first action of ``rank`` that is out of range or on the wrong rank."""
@@ -231,11 +275,14 @@ class Schedule:
 
     @cached_property
     def is_lowered(self) -> bool:
-        return any(a.kind.is_comm for a in self.actions())
+        from meshpipe.schedules.table import FIRST_COMM
+        return bool((self.table.kind >= FIRST_COMM).any())
 
     @cached_property
     def forward_only(self) -> bool:
-        return not any(p.kind.is_backward for a in self.actions() for p in a.computations)
+        from meshpipe.schedules.table import B, I, W
+        kinds = self.table.kind
+        return not (self.table.overlap_rows.size or np.isin(kinds, (B, I, W)).any())
 
     @property
     def stages_per_rank(self) -> int:
@@ -251,10 +298,11 @@ class Schedule:
         for actions in self.ranks:
             yield from actions
 
-    def replace_ranks(self, ranks: Iterable[Iterable[Action]], name: str | None = None) -> Schedule:
+    def replace_ranks(self, ranks: Iterable[Iterable[Action]] | ActionTable,
+                      name: str | None = None) -> Schedule:
         """A copy with other action lists (same sizes and placement)."""
         return Schedule(self.num_ranks, self.num_stages, self.num_microbatches, self.placement,
-                        tuple(tuple(a) for a in ranks), self.name if name is None else name)
+                        ranks, self.name if name is None else name)
 
     def to_csv(self) -> str:
         """One row per rank, one action per cell: the torch.distributed.pipelining CSV form."""

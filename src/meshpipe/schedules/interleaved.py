@@ -22,9 +22,12 @@ and no group to stall on: any m >= 1 is accepted (and N is not taken).
 
 from __future__ import annotations
 
-from meshpipe.schedules._building import check_count, make_schedule
-from meshpipe.schedules.actions import Action, B, F, Schedule
+import numpy as np
+
+from meshpipe.schedules._building import check_count
+from meshpipe.schedules.actions import Schedule
 from meshpipe.schedules.placement import loop_placement
+from meshpipe.schedules.table import B, F, ActionTable, concatenated, stacked
 
 
 def virtual_microbatch_table(num_microbatches: int, stages_per_rank: int,
@@ -88,26 +91,29 @@ def _group_size(name: str, num_ranks: int, num_microbatches: int, stages_per_ran
     return num_ranks
 
 
-def _rank_order(rank: int, num_ranks: int, stages_per_rank: int,
-                table: list[tuple[int, int]], warmup: int, combined: bool) -> list[Action]:
-    """Warmup forwards, steady forward/backward pairs, cooldown backwards of one rank."""
-    def forward(k: int) -> Action:
-        microbatch, chunk = table[k]
-        return F(chunk * num_ranks + rank, microbatch)
-
-    def backward(k: int) -> Action:
-        microbatch, chunk = table[k]
-        return B((stages_per_rank - 1 - chunk) * num_ranks + rank, microbatch)
-
-    total = len(table)
-    order = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        if combined:
-            order.append(Action.overlap(forward(warmup + k), backward(k)))
-        else:
-            order.extend((forward(warmup + k), backward(k)))
-    order.extend(backward(k) for k in range(total - warmup, total))
-    return order
+def _rank_order(rank: int, num_ranks: int, stages_per_rank: int, table: _Table,
+                warmup: int, combined: bool, forward_only: bool) -> ActionTable:
+    """Warmup forwards, steady forward/backward pairs, cooldown backwards of one rank, as a
+    one-rank table (forward-only: the forwards in table order)."""
+    total = table.microbatch.size
+    forwards = np.arange(total)
+    if forward_only:
+        return table.actions(F, forwards, rank, num_ranks, stages_per_rank)
+    steady = total - warmup
+    if combined:
+        steps = np.arange(steady)
+        return concatenated([
+            table.actions(F, forwards[:warmup], rank, num_ranks, stages_per_rank),
+            table.actions(F, warmup + steps, rank, num_ranks, stages_per_rank).paired_with(
+                table.actions(B, steps, rank, num_ranks, stages_per_rank)),
+            table.actions(B, np.arange(steady, total), rank, num_ranks, stages_per_rank)])
+    is_forward = np.concatenate([np.ones(warmup, bool), np.tile([True, False], steady),
+                                 np.zeros(warmup, bool)])
+    index = np.empty(is_forward.size, np.int64)
+    index[is_forward] = forwards  # forwards run virtual microbatches 0, 1, ... in order,
+    index[~is_forward] = forwards  # and so do backwards
+    kind = np.where(is_forward, F, B).astype(np.int8)
+    return table.actions(kind, index, rank, num_ranks, stages_per_rank)
 
 
 def _interleaved_warmup(rank: int, num_ranks: int, stages_per_rank: int, group: int) -> int:
@@ -176,14 +182,33 @@ def _build_interleaved(name: str, num_ranks: int, num_microbatches: int, stages_
                        microbatch_group_size: int | None, forward_only: bool, *,
                        combined: bool) -> Schedule:
     """The interleaved table order on every rank; ``combined`` pairs the steady state into
-    OVERLAP actions after one extra warmup forward."""
+    OVERLAP actions after one extra warmup forward. Built as arrays, rank by rank."""
     group = _group_size(name, num_ranks, num_microbatches, stages_per_rank,
                         microbatch_group_size)
-    table = virtual_microbatch_table(num_microbatches, stages_per_rank, group)
+    table = _Table(virtual_microbatch_table(num_microbatches, stages_per_rank, group))
+    total = table.microbatch.size
     ranks = [_rank_order(rank, num_ranks, stages_per_rank, table,
-                         min(len(table), _interleaved_warmup(rank, num_ranks, stages_per_rank,
-                                                             group) + int(combined)),
-                         combined=combined)
+                         min(total, _interleaved_warmup(rank, num_ranks, stages_per_rank,
+                                                        group) + int(combined)),
+                         combined, forward_only)
              for rank in range(num_ranks)]
-    return make_schedule(name, num_ranks, num_microbatches,
-                         loop_placement(num_ranks, stages_per_rank), ranks, forward_only)
+    return Schedule(num_ranks, num_ranks * stages_per_rank, num_microbatches,
+                    loop_placement(num_ranks, stages_per_rank), stacked(ranks), name)
+
+
+class _Table:
+    """Megatron-Core's schedule table as two arrays, and the actions it names."""
+
+    def __init__(self, entries: list[tuple[int, int]]) -> None:
+        self.microbatch = np.array([m for m, _ in entries], np.int32)
+        self.chunk = np.array([c for _, c in entries], np.int32)
+
+    def actions(self, kind: int | np.ndarray, index: np.ndarray, rank: int, num_ranks: int,
+                stages_per_rank: int) -> ActionTable:
+        """Forward (kind F) or backward (B) of virtual microbatches ``index`` on ``rank``:
+        a backward runs its microbatch's mirrored chunk."""
+        chunk = self.chunk[index]
+        kind = np.broadcast_to(np.asarray(kind, np.int8), index.shape)
+        chunk = np.where(kind == F, chunk, stages_per_rank - 1 - chunk)
+        return ActionTable.from_columns(kind, chunk * num_ranks + rank, self.microbatch[index],
+                                        [index.size])

@@ -27,79 +27,15 @@ of the step.
 
 from __future__ import annotations
 
-from array import array
+import numpy as np
 
 from meshpipe.schedules._building import check_count
-from meshpipe.schedules.actions import Action, Kind, Schedule
+from meshpipe.schedules.actions import Schedule
+from meshpipe.schedules.table import (B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, ActionTable,
+                                      Parts, positions_in_runs, stable_order)
 from meshpipe.schedules.validation import check_work
 
 __all__ = ["lower"]
-
-_F, _B, _I = Kind.F, Kind.B, Kind.I
-_SEND_F, _SEND_B, _RECV_F, _RECV_B = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B
-
-
-class _Traffic:
-    """Who sends what to whom, and where each rank consumes what it receives.
-
-    A message is numbered by its receive: ``(is_gradient * num_stages + receiving stage) *
-    num_microbatches + microbatch``.
-    """
-
-    def __init__(self, schedule: Schedule) -> None:
-        num_ranks = schedule.num_ranks
-        num_microbatches = schedule.num_microbatches
-        size = schedule.num_stages * num_microbatches
-        self.schedule = schedule
-        # sends[rank]: (index of the compute action it follows, SEND kind, stage, microbatch)
-        self.sends: list[list[tuple[int, Kind, int, int]]] = [[] for _ in range(num_ranks)]
-        # incoming[destination][source]: messages from source to destination, in send order
-        self.incoming: list[dict[int, list[int]]] = [{} for _ in range(num_ranks)]
-        # consumer[message]: index of the compute action consuming it on its receiving rank
-        self.consumer = array("l", [0]) * (2 * size)
-        placement = schedule.placement
-        last_stage = schedule.num_stages - 1
-        consumer = self.consumer
-        for rank, actions in enumerate(schedule.ranks):
-            sends, incoming = self.sends[rank], self.incoming
-            for index, action in enumerate(actions):
-                for part in action.parts or (action,):
-                    kind, stage, microbatch = part.kind, part.stage, part.microbatch
-                    slot = stage * num_microbatches + microbatch
-                    if kind is _F:
-                        if stage > 0 and placement[stage - 1] != rank:
-                            consumer[slot] = index
-                        if stage < last_stage and placement[stage + 1] != rank:
-                            sends.append((index, _SEND_F, stage, microbatch))
-                            incoming[placement[stage + 1]].setdefault(rank, []).append(
-                                slot + num_microbatches)
-                    elif kind is _B or kind is _I:
-                        if stage < last_stage and placement[stage + 1] != rank:
-                            consumer[size + slot] = index
-                        if stage > 0 and placement[stage - 1] != rank:
-                            sends.append((index, _SEND_B, stage, microbatch))
-                            incoming[placement[stage - 1]].setdefault(rank, []).append(
-                                size + slot - num_microbatches)
-
-    def receive_slots(self, rank: int, lookahead: int) -> dict[int, list[Action]]:
-        """RECV actions of ``rank``, keyed by the index of the compute action they precede."""
-        consumer = self.consumer
-        num_microbatches = self.schedule.num_microbatches
-        size = self.schedule.num_stages * num_microbatches
-        slots: dict[int, list[Action]] = {}
-        for _, messages in sorted(self.incoming[rank].items()):
-            placed = []
-            latest = None
-            for message in reversed(messages):
-                slot = max(0, consumer[message] - lookahead)
-                latest = slot if latest is None else min(latest, slot)
-                placed.append((latest, message))
-            for slot, message in reversed(placed):
-                is_gradient, rest = divmod(message, size)
-                stage, microbatch = divmod(rest, num_microbatches)
-                slots.setdefault(slot, []).append(
-                    Action(_RECV_B if is_gradient else _RECV_F, stage, microbatch))
-        return slots
 
 
 def lower(schedule: Schedule, *, lookahead: int = 1) -> Schedule:
@@ -115,20 +51,139 @@ def lower(schedule: Schedule, *, lookahead: int = 1) -> Schedule:
     if check_work(schedule).lowered:
         raise ValueError(f"schedule {schedule.name!r} is already lowered (it holds SEND/RECV "
                          f"actions); lower the compute-only schedule once")
+    table = schedule.table
     traffic = _Traffic(schedule)
-    lowered = []
-    for rank, actions in enumerate(schedule.ranks):
-        slots = traffic.receive_slots(rank, lookahead)
-        sends = traffic.sends[rank]
-        next_send = 0
-        out: list[Action] = []
-        for index, action in enumerate(actions):
-            if index in slots:
-                out.extend(slots[index])
-            out.append(action)
-            while next_send < len(sends) and sends[next_send][0] == index:
-                _, kind, stage, microbatch = sends[next_send]
-                out.append(Action(kind, stage, microbatch))
-                next_send += 1
-        lowered.append(out)
-    return schedule.replace_ranks(lowered)
+    receives = traffic.receives(lookahead)
+    return schedule.replace_ranks(_merged(table, traffic.sends, receives))
+
+
+class _Messages(Parts):
+    """SEND or RECV actions to insert: ``row`` is the compute row a send follows, or the
+    compute row a receive precedes."""
+
+
+class _Traffic:
+    """Who sends what to whom, and where each rank consumes what it receives.
+
+    A message is numbered by its receive: ``(is_gradient * num_stages + receiving stage) *
+    num_microbatches + microbatch``.
+    """
+
+    def __init__(self, schedule: Schedule) -> None:
+        table = schedule.table
+        self.schedule = schedule
+        self.size = schedule.num_stages * schedule.num_microbatches
+        self.consumer = np.zeros(2 * self.size, np.int32 if len(table) < 1 << 31 else np.int64)
+        found = [self._scan(table.parts_between(begin, end)) for begin, end in table.ranges()]
+        rows, kinds, stages, microbatches, self.source, self.destination, self.message = (
+            np.concatenate(column) for column in zip(*found))
+        self.sends = _Messages(rows, kinds, stages, microbatches)
+
+    def _scan(self, parts: Parts) -> tuple[np.ndarray, ...]:
+        """Record where ``parts`` consume messages; return the sends they make: row, kind,
+        stage, microbatch, source and destination rank, message number."""
+        schedule = self.schedule
+        table = schedule.table
+        num_microbatches, last = schedule.num_microbatches, schedule.num_stages - 1
+        size = self.size
+        placement = np.asarray(schedule.placement, np.int32)
+        rank = (np.searchsorted(table.offsets, parts.row, side="right") - 1).astype(np.int32)
+        stage = parts.stage.astype(np.int64)
+        is_f, is_gradient = parts.kind == F, (parts.kind == B) | (parts.kind == I)
+        downstream = np.minimum(stage + 1, last)
+        upstream = np.maximum(stage - 1, 0)
+        sends_forward = is_f & (stage < last) & (placement[downstream] != rank)
+        sends_gradient = is_gradient & (stage > 0) & (placement[upstream] != rank)
+        consumes_forward = is_f & (stage > 0) & (placement[upstream] != rank)
+        consumes_gradient = is_gradient & (stage < last) & (placement[downstream] != rank)
+        consuming = consumes_forward | consumes_gradient
+        slot = stage * num_microbatches + parts.microbatch
+        self.consumer[np.where(consumes_forward, slot, size + slot)[consuming]] = \
+            (parts.row - table.offsets[rank])[consuming]
+        sending = sends_forward | sends_gradient
+        forward = sends_forward[sending]
+        peer = np.where(sends_forward, downstream, upstream)[sending]
+        microbatch = parts.microbatch[sending]
+        return (parts.row[sending], np.where(forward, SEND_F, SEND_B).astype(np.int8),
+                parts.stage[sending], microbatch, rank[sending], placement[peer],
+                np.where(forward, 0, size) + peer * num_microbatches + microbatch)
+
+    def receives(self, lookahead: int) -> _Messages:
+        """The RECV actions, one per send and in the sends' order; ``row`` is the global
+        row of the compute action each is posted before (see the module doc)."""
+        schedule = self.schedule
+        num_ranks, num_microbatches = schedule.num_ranks, schedule.num_microbatches
+        bounds = np.searchsorted(self.source, np.arange(num_ranks + 1))
+        slot = np.empty(self.message.size, np.int64)
+        for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            slot[begin:end] = self._slots(begin, end, lookahead)
+        is_gradient, rest = np.divmod(self.message, self.size)
+        stage, microbatch = np.divmod(rest, num_microbatches)
+        return _Messages(schedule.table.offsets[self.destination] + slot,
+                         np.where(is_gradient == 1, RECV_B, RECV_F).astype(np.int8),
+                         stage.astype(np.int32), microbatch.astype(np.int32))
+
+    def _slots(self, begin: int, end: int, lookahead: int) -> np.ndarray:
+        """Where the receives of sends ``begin:end`` (one source rank's) go on their
+        destination: ``lookahead`` before their consumer, and never after the receive of a
+        later message from the same rank (a suffix minimum per destination, in send
+        order)."""
+        earliest = np.maximum(self.consumer[self.message[begin:end]] - lookahead, 0)
+        destination = self.destination[begin:end]
+        by_destination = stable_order(destination, self.schedule.num_ranks)
+        peers = destination[by_destination]
+        group = np.zeros(peers.size, np.int64)
+        np.cumsum(peers[1:] != peers[:-1], out=group[1:])
+        span = int(earliest.max(initial=0)) + 1
+        lifted = (earliest[by_destination] + group * span)[::-1]
+        slots = np.empty_like(earliest)
+        slots[by_destination] = np.minimum.accumulate(lifted)[::-1] - group * span
+        return slots
+
+
+def _merged(table: ActionTable, sends: _Messages, receives: _Messages) -> ActionTable:
+    """``table`` with each send right after its row (in order) and each receive right before
+    its row (in order)."""
+    rows = len(table)
+    total = rows + receives.row.size + sends.row.size
+    index = np.int32 if total < 1 << 31 else np.int64
+    before = np.zeros(rows + 1, index)  # receives before row g, sends after rows < g
+    np.cumsum(np.bincount(receives.row, minlength=rows), out=before[1:])
+    sent = np.zeros(rows + 1, index)
+    np.cumsum(np.bincount(sends.row, minlength=rows), out=sent[1:])
+    own = np.arange(rows, dtype=index)
+    own += before[1:]
+    own += sent[:-1]
+    receive_at = (receives.row + before[receives.row] + sent[receives.row]
+                  + _order_within_rows(receives.row))
+    send_at = own[sends.row] + 1 + positions_in_runs(sends.row)
+    kind, stage, microbatch = (np.empty(total, np.int8), np.empty(total, np.int32),
+                               np.empty(total, np.int32))
+    for position, source in ((own, Parts(None, table.kind, table.stage, table.microbatch)),
+                             (receive_at, receives), (send_at, sends)):
+        kind[position] = source.kind
+        stage[position] = source.stage
+        microbatch[position] = source.microbatch
+    offsets = table.offsets + before[table.offsets] + sent[table.offsets]
+    lowered = ActionTable(kind, stage, microbatch, offsets)
+    if not table.overlap_rows.size:
+        return lowered
+    return lowered.with_overlaps(own[table.overlap_rows], table.overlap_stage,
+                                 table.overlap_microbatch)
+
+
+def _order_within_rows(rows: np.ndarray) -> np.ndarray:
+    """Per element, how many earlier elements hold the same row (mostly none: only those
+    sharing a row are sorted)."""
+    last = np.full(int(rows.max(initial=-1)) + 1, -1, np.int64)
+    index = np.arange(rows.size)
+    last[rows] = index
+    order = np.zeros(rows.size, np.int64)
+    shared = np.flatnonzero(last[rows] != index)
+    if not shared.size:
+        return order
+    shared_rows = np.unique(rows[shared])
+    members = np.flatnonzero(np.isin(rows, shared_rows))
+    by_row = members[np.argsort(rows[members], kind="stable")]
+    order[by_row] = positions_in_runs(rows[by_row])
+    return order

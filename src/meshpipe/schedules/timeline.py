@@ -8,18 +8,14 @@ this module alone.
 
 from __future__ import annotations
 import math
-from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import compress
-from operator import attrgetter, sub
 
-from meshpipe.schedules.actions import Action, Kind
+import numpy as np
 
-# Identities of the compute kinds: membership by id() stays in C (Enum.__hash__ is Python).
-_COMPUTE_KIND_IDS = frozenset(id(kind) for kind in Kind if kind.is_compute)
-_kind_of = attrgetter("kind")
+from meshpipe.schedules.actions import Action
+from meshpipe.schedules.table import B, F, FIRST_COMM, I, OVERLAP, W, ActionTable
 
 @dataclass(frozen=True, slots=True)
 class TimedAction:
@@ -50,8 +46,8 @@ class Timeline:
     def __init__(self, ranks: Iterable[Iterable[TimedAction]], *,
                  origin: float | None = None, seconds_per_unit: float | None = None) -> None:
         actions: list[tuple[Action, ...]] = []
-        starts: list[array] = []
-        ends: list[array] = []
+        starts: list[float] = []
+        ends: list[float] = []
         for rank, timed in enumerate(ranks):
             timed = tuple(timed)
             for item in timed:
@@ -65,9 +61,10 @@ class Timeline:
                     raise ValueError(f"rank {rank} {item.action}: ends at {item.end} before "
                                      f"it starts at {item.start}")
             actions.append(tuple(item.action for item in timed))
-            starts.append(array("d", (item.start for item in timed)))
-            ends.append(array("d", (item.end for item in timed)))
-        self._init_columns(actions, starts, ends, origin, seconds_per_unit)
+            starts.extend(item.start for item in timed)
+            ends.extend(item.end for item in timed)
+        self._init_columns(ActionTable.from_actions(actions), np.array(starts, np.float64),
+                           np.array(ends, np.float64), origin, seconds_per_unit)
 
     @classmethod
     def from_columns(cls, actions: Sequence[Sequence[Action]], starts: Sequence[Sequence[float]],
@@ -83,11 +80,22 @@ class Timeline:
             if not len(acts) == len(begin) == len(finish):
                 raise ValueError(f"rank {rank}: {len(acts)} actions, {len(begin)} starts and "
                                  f"{len(finish)} ends: give one start and end per action")
+        return cls.from_table(ActionTable.from_actions(actions),
+                              np.concatenate([np.asarray(b, np.float64) for b in starts])
+                              if starts else np.zeros(0),
+                              np.concatenate([np.asarray(e, np.float64) for e in ends])
+                              if ends else np.zeros(0),
+                              origin=origin, seconds_per_unit=seconds_per_unit)
+
+    @classmethod
+    def from_table(cls, table: ActionTable, starts: np.ndarray, ends: np.ndarray, *,
+                   origin: float | None = None,
+                   seconds_per_unit: float | None = None) -> Timeline:
+        """The actions of ``table`` with one start and end per row (the path ``simulate``
+        takes: no ``Action`` objects are made)."""
         timeline = cls.__new__(cls)
-        timeline._init_columns([tuple(a) for a in actions],
-                               [b if isinstance(b, array) else array("d", b) for b in starts],
-                               [e if isinstance(e, array) else array("d", e) for e in ends],
-                               origin, seconds_per_unit)
+        timeline._init_columns(table, np.asarray(starts, np.float64),
+                               np.asarray(ends, np.float64), origin, seconds_per_unit)
         return timeline
 
     @classmethod
@@ -113,13 +121,12 @@ class Timeline:
         ranks = [sorted(per_rank.get(r, ()), key=lambda t: (t.start, t.end)) for r in range(count)]
         return cls(ranks, origin=origin, seconds_per_unit=seconds_per_unit)
 
-    def _init_columns(self, actions: list[tuple[Action, ...]], starts: list[array],
-                      ends: list[array], origin: float | None,
-                      seconds_per_unit: float | None) -> None:
-        self._actions = tuple(actions)
-        self._starts = tuple(starts)
-        self._ends = tuple(ends)
-        earliest = min((min(column) for column in starts if column), default=None)
+    def _init_columns(self, table: ActionTable, starts: np.ndarray, ends: np.ndarray,
+                      origin: float | None, seconds_per_unit: float | None) -> None:
+        self._table = table
+        self._starts = starts
+        self._ends = ends
+        earliest = float(starts.min()) if starts.size else None
         if origin is None:
             origin = 0.0 if earliest is None else earliest
         elif earliest is not None and earliest < origin:
@@ -129,18 +136,21 @@ class Timeline:
 
     def _raise_start_before(self, origin: float) -> None:
         """Name the first action (by rank) that starts before ``origin``."""
-        for rank, column in enumerate(self._starts):
-            index = next((i for i, start in enumerate(column) if start < origin), None)
-            if index is not None:
-                raise ValueError(
-                    f"rank {rank} action #{index} {self._actions[rank][index]} starts at "
-                    f"{column[index]:g}, before the timeline's origin {origin:g}: give an "
-                    f"origin at or before the earliest start "
-                    f"({min(min(c) for c in self._starts if c):g}), or leave it unset")
+        row = int(np.argmax(self._starts < origin))
+        rank = int(np.searchsorted(self._table.offsets, row, side="right")) - 1
+        index = row - int(self._table.offsets[rank])
+        raise ValueError(
+            f"rank {rank} action #{index} {self._table.action(row)} starts at "
+            f"{self._starts[row]:g}, before the timeline's origin {origin:g}: give an "
+            f"origin at or before the earliest start ({self._starts.min():g}), or leave "
+            f"it unset")
+
+    def _rows(self, rank: int) -> slice:
+        return slice(int(self._table.offsets[rank]), int(self._table.offsets[rank + 1]))
 
     @property
     def num_ranks(self) -> int:
-        return len(self._actions)
+        return self._table.num_ranks
 
     @cached_property
     def ranks(self) -> tuple[tuple[TimedAction, ...], ...]:
@@ -149,8 +159,10 @@ class Timeline:
 
     def rank(self, rank: int) -> tuple[TimedAction, ...]:
         """The timed actions of one rank, in execution order."""
+        rows = self._rows(rank)
         return tuple(TimedAction(rank, a, s, e) for a, s, e in
-                     zip(self._actions[rank], self._starts[rank], self._ends[rank]))
+                     zip(self._table.rank_actions(rank), self._starts[rows].tolist(),
+                         self._ends[rows].tolist()))
 
     def __iter__(self) -> Iterator[TimedAction]:
         """Every timed action, rank by rank."""
@@ -158,12 +170,12 @@ class Timeline:
             yield from self.rank(rank)
 
     def __len__(self) -> int:
-        return sum(len(actions) for actions in self._actions)
+        return len(self._table)
 
     @cached_property
     def end(self) -> float:
         """When the last action ends."""
-        return max((max(column) for column in self._ends if column), default=self.origin)
+        return float(self._ends.max()) if self._ends.size else self.origin
 
     @property
     def makespan(self) -> float:
@@ -173,11 +185,10 @@ class Timeline:
     @cached_property
     def busy(self) -> tuple[float, ...]:
         """Per rank, the total time spent in compute actions (sends and receives excluded)."""
-        return tuple(
-            math.fsum(compress(map(sub, ends, starts),
-                               map(_COMPUTE_KIND_IDS.__contains__,
-                                   map(id, map(_kind_of, acts)))))
-            for acts, starts, ends in zip(self._actions, self._starts, self._ends))
+        durations = self._ends - self._starts
+        compute = self._table.kind < FIRST_COMM
+        return tuple(math.fsum(durations[rows][compute[rows]].tolist())
+                     for rows in map(self._rows, range(self.num_ranks)))
 
     @property
     def bubble_ratios(self) -> tuple[float, ...]:
@@ -193,8 +204,8 @@ class Timeline:
 
     @cached_property
     def forward_only(self) -> bool:
-        return not any(p.kind.is_backward for acts in self._actions
-                       for a in acts for p in a.computations)
+        table = self._table
+        return not (table.overlap_rows.size or np.isin(table.kind, (B, I, W)).any())
 
     def peak_activations(self, activation_bytes: Sequence[float] | None = None
                          ) -> tuple[float, ...]:
@@ -205,37 +216,38 @@ class Timeline:
         the end of its forward. ``activation_bytes[stage]`` weighs each pair; without it
         each pair counts 1. Each rank's actions are swept in execution order.
         """
-        forward_only = self.forward_only
-        return tuple(_peak_live(actions, activation_bytes, forward_only)
-                     for actions in self._actions)
+        adds, removes = _live_changes(self._table, activation_bytes, self.forward_only)
+        peaks = tuple(_peak_live(adds[rows], removes[rows])
+                      for rows in map(self._rows, range(self.num_ranks)))
+        return peaks if activation_bytes is not None else tuple(int(p) for p in peaks)
 
     def __repr__(self) -> str:
         return (f"Timeline({self.num_ranks} ranks, {len(self)} actions, "
                 f"makespan={self.makespan:g})")
 
 
-def _peak_live(actions: Sequence[Action], weights: Sequence[float] | None,
-               forward_only: bool) -> float:
-    """Sweep one rank's actions in order: a forward adds its pair when it starts, a B or W
-    (or, forward-only, the forward itself) removes it when it ends."""
-    kind_f, kind_overlap, releases = Kind.F, Kind.OVERLAP, (Kind.B, Kind.W)
-    live = peak = 0
-    for action in actions:
-        kind = action.kind
-        if kind is kind_f:
-            weight = 1 if weights is None else weights[action.stage]
-            live += weight
-            if live > peak:
-                peak = live
-            if forward_only:
-                live -= weight
-        elif kind in releases:
-            live -= 1 if weights is None else weights[action.stage]
-        elif kind is kind_overlap:
-            forward_half, backward_half = action.parts
-            live += 1 if weights is None else weights[forward_half.stage]
-            if live > peak:
-                peak = live
-            live -= 1 if weights is None else weights[backward_half.stage]
-    return peak
+def _live_changes(table: ActionTable, weights: Sequence[float] | None,
+                  forward_only: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the activations it makes live (when it starts) and frees (when it ends): a
+    forward (or an OVERLAP's forward half) adds its pair, a B or W (an OVERLAP's backward
+    half; forward-only, the forward itself) frees one. ``weights[stage]`` weighs a pair."""
+    weight = (np.ones(max(1, int(table.stage.max(initial=0)) + 1)) if weights is None
+              else np.asarray(weights, np.float64))
+    kind = table.kind
+    adds_pair = (kind == F) | (kind == OVERLAP)
+    adds = np.where(adds_pair, weight[table.stage], 0.0)
+    frees = (kind == F) if forward_only else (kind == B) | (kind == W)
+    removes = np.where(frees, weight[table.stage], 0.0)
+    if table.overlap_rows.size:
+        removes[table.overlap_rows] = weight[table.overlap_stage]
+    return adds, removes
 
+
+def _peak_live(adds: np.ndarray, removes: np.ndarray) -> float:
+    """One rank's peak of live activations, its rows swept in execution order."""
+    if not adds.size:
+        return 0.0
+    live_before = np.zeros(adds.size)
+    np.cumsum((adds - removes)[:-1], out=live_before[1:])
+    candidates = (live_before + adds)[adds > 0]
+    return max(0.0, float(candidates.max())) if candidates.size else 0.0

@@ -26,11 +26,16 @@ completeness tests run on whole bitmaps, so millions of actions validate in seco
 
 from __future__ import annotations
 
-from array import array
-from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from meshpipe.schedules.actions import Action, Kind, Schedule
+from meshpipe.schedules import table as codes
+from meshpipe.schedules.table import (KINDS, Parts, positions_in_runs, repeated_within,
+                                      stable_order)
+from meshpipe.schedules.dataflow import (FORWARD, INPUT_GRADIENT, RECEIVED_B, RECEIVED_F,
+                                         SENT_B, SENT_F, Rules, Stall, execute)
 
 __all__ = ["ScheduleError", "WorkSummary", "check_work", "validate"]
 
@@ -102,41 +107,42 @@ class _Work:
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
         self.size = schedule.num_stages * schedule.num_microbatches
-        self.f, self.b, self.i, self.w = (bytearray(self.size) for _ in range(4))
-        self.lowered = self._count()
+        self.lowered = bool((schedule.table.kind >= codes.FIRST_COMM).any())
+        self.f, self.b, self.i, self.w = self._count()
         self.forward_only = 1 not in self.b and 1 not in self.i and 1 not in self.w
         self._check_complete()
 
-    def _count(self) -> bool:
-        """Flag every compute part (ScheduleError on a repeat); True if any SEND/RECV."""
-        num_microbatches = self.schedule.num_microbatches
-        f, b, i, w = self.f, self.b, self.i, self.w
-        lowered = False
-        for rank, actions in enumerate(self.schedule.ranks):
-            for index, action in enumerate(actions):
-                for part in action.parts or (action,):
-                    kind = part.kind
-                    if kind is _F:
-                        tally = f
-                    elif kind is _B:
-                        tally = b
-                    elif kind is _I:
-                        tally = i
-                    elif kind is _W:
-                        tally = w
-                    else:
-                        lowered = True
-                        continue
-                    slot = part.stage * num_microbatches + part.microbatch
-                    if tally[slot]:
-                        first = _find(self.schedule, rank, part, before=index)
-                        raise ScheduleError(
-                            f"{_where(rank, index, action)}: stage {part.stage} microbatch "
-                            f"{part.microbatch} already has {part} at #{first}; every "
-                            f"(stage, microbatch) runs each kind once",
-                            rank=rank, index=index, action=action)
-                    tally[slot] = 1
-        return lowered
+    def _count(self) -> tuple[bytearray, ...]:
+        """One flag per kind and slot for every compute part (ScheduleError on a repeat)."""
+        schedule = self.schedule
+        table = schedule.table
+        flags = np.zeros((4, self.size), np.uint8)  # F, B, I, W: their codes 0..3
+        for begin, end in table.ranges():
+            parts = table.parts_between(begin, end)
+            slot = parts.stage.astype(np.int64) * schedule.num_microbatches + parts.microbatch
+            repeats = flags[parts.kind, slot] != 0
+            repeats |= repeated_within(parts.kind.astype(np.int64) * self.size + slot)
+            if repeats.any():
+                first = int(np.argmax(repeats))
+                self._raise_repeat(int(parts.row[first]), first, parts)
+            flags[parts.kind, slot] = 1
+        return tuple(bytearray(flags[kind].tobytes())
+                     for kind in (codes.F, codes.B, codes.I, codes.W))
+
+    def _raise_repeat(self, row: int, part_index: int, parts: Parts) -> None:
+        """The error for the part at ``part_index`` (of row ``row``), a repeat."""
+        table = self.schedule.table
+        rank = int(np.searchsorted(table.offsets, row, side="right")) - 1
+        index = row - int(table.offsets[rank])
+        action = self.schedule.ranks[rank][index]
+        part = Action(KINDS[parts.kind[part_index]], int(parts.stage[part_index]),
+                      int(parts.microbatch[part_index]))
+        first = _find(self.schedule, rank, part, before=index)
+        raise ScheduleError(
+            f"{_where(rank, index, action)}: stage {part.stage} microbatch "
+            f"{part.microbatch} already has {part} at #{first}; every "
+            f"(stage, microbatch) runs each kind once",
+            rank=rank, index=index, action=action)
 
     def _check_complete(self) -> None:
         ones = int.from_bytes(b"\x01" * self.size, "little")
@@ -189,6 +195,21 @@ def _message_kinds(direction: int) -> tuple[Kind, Kind]:
     return (_SEND_F, _RECV_F) if direction == _FORWARD_MESSAGE else (_SEND_B, _RECV_B)
 
 
+@dataclass(frozen=True)
+class _MessageRows:
+    """Per SEND/RECV action: whether it sends, whether it moves a forward output, the
+    producing and consuming stages, whether that is no edge between ranks, the message it
+    moves and its pair of ranks (producer's rank * num_ranks + consumer's rank)."""
+
+    is_send: np.ndarray
+    forward: np.ndarray
+    producer: np.ndarray
+    consumer: np.ndarray
+    not_an_edge: np.ndarray
+    message: np.ndarray
+    pair: np.ndarray
+
+
 class _Messages:
     """Structure of a lowered schedule's SEND/RECV actions (point 2 of the module doc)."""
 
@@ -197,8 +218,8 @@ class _Messages:
         self.forward_only = forward_only
         self.size = schedule.num_stages * schedule.num_microbatches
         # per message: its position among the messages of its pair of ranks, on each side
-        self.send_position = array("i", [-1]) * (2 * self.size)
-        self.receive_position = array("i", [-1]) * (2 * self.size)
+        self.send_position = np.full(2 * self.size, -1, np.int32)
+        self.receive_position = np.full(2 * self.size, -1, np.int32)
 
     def _decode(self, message: int) -> tuple[int, int, int]:
         direction, slot = divmod(message, self.size)
@@ -206,47 +227,70 @@ class _Messages:
 
     def check(self) -> None:
         schedule = self.schedule
-        placement = schedule.placement
-        num_stages, num_microbatches = schedule.num_stages, schedule.num_microbatches
+        table = schedule.table
         num_ranks = schedule.num_ranks
-        sent_per_pair = [0] * (num_ranks * num_ranks)
-        received_per_pair = [0] * (num_ranks * num_ranks)
-        sends = receives = 0
-        for rank, actions in enumerate(schedule.ranks):
-            for index, action in enumerate(actions):
-                kind = action.kind
-                if kind is _SEND_F or kind is _RECV_F:
-                    direction = _FORWARD_MESSAGE
-                    producer = action.stage if kind is _SEND_F else action.stage - 1
-                    consumer = producer + 1
-                elif kind is _SEND_B or kind is _RECV_B:
-                    direction = _GRADIENT_MESSAGE
-                    producer = action.stage if kind is _SEND_B else action.stage + 1
-                    consumer = producer - 1
-                else:
-                    continue
-                is_send = kind is _SEND_F or kind is _SEND_B
-                if not (0 <= producer < num_stages and 0 <= consumer < num_stages) or (
-                        placement[producer] == placement[consumer]) or (
-                        direction == _GRADIENT_MESSAGE and self.forward_only):
-                    self._raise_not_an_edge(rank, index, action, direction, producer, consumer)
-                message = direction * self.size + producer * num_microbatches + action.microbatch
-                pair = placement[producer] * num_ranks + placement[consumer]
-                positions, per_pair = ((self.send_position, sent_per_pair) if is_send
-                                       else (self.receive_position, received_per_pair))
-                if positions[message] >= 0:
-                    self._raise_repeated(rank, index, action, is_send, message)
-                positions[message] = per_pair[pair]
-                per_pair[pair] += 1
-                if is_send:
-                    sends += 1
-                else:
-                    receives += 1
+        # per side (receive, send) and pair of ranks: messages seen so far
+        seen_per_pair = np.zeros((2, num_ranks * num_ranks), np.int64)
+        seen = np.zeros((2, 2 * self.size), bool)
+        for begin, end in table.ranges():
+            rows = np.flatnonzero(table.kind[begin:end] >= codes.FIRST_COMM) + begin
+            found = self._read(rows)
+            is_send, message, pair = found.is_send, found.message, found.pair
+            side = is_send.astype(np.int64)
+            repeated = seen[side, message] | repeated_within(side * (2 * self.size) + message)
+            offending = np.flatnonzero(found.not_an_edge | repeated)
+            if offending.size:
+                self._raise_first(rows, int(offending[0]), found)
+            seen[side, message] = True
+            for chosen, positions, counts in ((is_send, self.send_position, seen_per_pair[1]),
+                                              (~is_send, self.receive_position,
+                                               seen_per_pair[0])):
+                pairs = pair[chosen]
+                by_pair = stable_order(pairs, num_ranks * num_ranks)
+                positions[message[chosen][by_pair]] = \
+                    positions_in_runs(pairs[by_pair]) + counts[pairs[by_pair]]
+                counts += np.bincount(pairs, minlength=counts.size)
         expected = self._expected_messages()
-        if sends != expected or receives != expected:
+        if seen_per_pair[1].sum() != expected or seen_per_pair[0].sum() != expected:
             self._raise_missing()
-        if self.send_position != self.receive_position:
+        if not np.array_equal(self.send_position, self.receive_position):
             self._raise_out_of_order()
+
+    def _read(self, rows: np.ndarray) -> _MessageRows:
+        """What the SEND/RECV actions at ``rows`` move, and between which ranks."""
+        schedule = self.schedule
+        table = schedule.table
+        num_stages = schedule.num_stages
+        kind, stage = table.kind[rows], table.stage[rows].astype(np.int64)
+        is_send = (kind == codes.SEND_F) | (kind == codes.SEND_B)
+        forward = (kind == codes.SEND_F) | (kind == codes.RECV_F)
+        producer = np.where(is_send, stage, np.where(forward, stage - 1, stage + 1))
+        consumer = np.where(forward, producer + 1, producer - 1)
+        placement = np.asarray(schedule.placement, np.int64)
+        producer_rank = placement[np.clip(producer, 0, num_stages - 1)]
+        consumer_rank = placement[np.clip(consumer, 0, num_stages - 1)]
+        not_an_edge = ((producer < 0) | (producer >= num_stages) | (consumer < 0)
+                       | (consumer >= num_stages) | (producer_rank == consumer_rank)
+                       | (~forward & self.forward_only))
+        message = (np.where(forward, _FORWARD_MESSAGE, _GRADIENT_MESSAGE) * self.size
+                   + np.clip(producer, 0, num_stages - 1) * schedule.num_microbatches
+                   + table.microbatch[rows])
+        return _MessageRows(is_send, forward, producer, consumer, not_an_edge, message,
+                            producer_rank * schedule.num_ranks + consumer_rank)
+
+    def _raise_first(self, rows: np.ndarray, at: int, found: _MessageRows) -> None:
+        """The error of the first offending SEND/RECV (``rows[at]``)."""
+        table = self.schedule.table
+        row = int(rows[at])
+        rank = int(np.searchsorted(table.offsets, row, side="right")) - 1
+        index = row - int(table.offsets[rank])
+        action = self.schedule.ranks[rank][index]
+        if found.not_an_edge[at]:
+            direction = _FORWARD_MESSAGE if found.forward[at] else _GRADIENT_MESSAGE
+            self._raise_not_an_edge(rank, index, action, direction, int(found.producer[at]),
+                                    int(found.consumer[at]))
+        self._raise_repeated(rank, index, action, bool(found.is_send[at]),
+                             int(found.message[at]))
 
     def _raise_not_an_edge(self, rank: int, index: int, action: Action, direction: int,
                            producer: int, consumer: int) -> None:
@@ -317,15 +361,13 @@ class _Messages:
 
     def _raise_out_of_order(self) -> None:
         placement = self.schedule.placement
-        num_microbatches = self.schedule.num_microbatches
         first: tuple[int, int, int] | None = None  # (receive position, source, destination)
-        for message, (sent, received) in enumerate(zip(self.send_position,
-                                                       self.receive_position)):
-            if sent != received:
-                direction, producer, _ = self._decode(message)
-                consumer = producer + (1 if direction == _FORWARD_MESSAGE else -1)
-                candidate = (min(sent, received), placement[producer], placement[consumer])
-                first = candidate if first is None else min(first, candidate)
+        for message in np.flatnonzero(self.send_position != self.receive_position).tolist():
+            sent, received = int(self.send_position[message]), int(self.receive_position[message])
+            direction, producer, _ = self._decode(message)
+            consumer = producer + (1 if direction == _FORWARD_MESSAGE else -1)
+            candidate = (min(sent, received), placement[producer], placement[consumer])
+            first = candidate if first is None else min(first, candidate)
         position, source, destination = first
         send_index, send_action = self._nth_message_action(source, (_SEND_F, _SEND_B),
                                                            destination, position)
@@ -340,138 +382,42 @@ class _Messages:
             waiting_for=str(send_action))
 
 
-# Events the execution tracks, one flag per (event, stage, microbatch) slot: a forward
-# done, an input gradient done (by a B or an I), a message sent, a receive posted.
-_FORWARD, _GRADIENT, _SENT_F, _SENT_B, _RECEIVED_F, _RECEIVED_B = range(6)
-_KIND_SETTING = {_FORWARD: _F, _SENT_F: _SEND_F, _SENT_B: _SEND_B, _RECEIVED_F: _RECV_F,
-                 _RECEIVED_B: _RECV_B}
+_PRODUCING_KIND = {FORWARD: _F, INPUT_GRADIENT: _I, SENT_F: _SEND_F, SENT_B: _SEND_B,
+                   RECEIVED_F: _RECV_F, RECEIVED_B: _RECV_B}
 
 
 class _Execution:
-    """Runs every rank's list as far as it can go (point 3 of the module doc)."""
+    """Runs every rank's list as far as it can go (point 3 of the module doc) on the
+    dataflow engine, and explains a stall."""
 
     def __init__(self, schedule: Schedule, work: _Work) -> None:
         self.schedule = schedule
         self.work = work
-        self.size = work.size
-        self.done = bytearray(6 * self.size)
-        self.position = [0] * schedule.num_ranks
-        self.waiting_for = [-1] * schedule.num_ranks
-
-    def _producer(self, event_key: int) -> tuple[int, Action]:
-        """The rank and the action whose execution sets ``event_key``."""
-        event, slot = divmod(event_key, self.size)
-        stage, microbatch = divmod(slot, self.schedule.num_microbatches)
-        kind = _KIND_SETTING.get(event) or self.work.gradient_kind(stage, microbatch)
-        return self.schedule.placement[stage], Action(kind, stage, microbatch)
-
-    def _event_functions(self):
-        """``first_missing(rank, part)``: the first event ``part`` needs that has not happened
-        yet, or -1; ``event_set_by(part)``: the event running ``part`` sets, or -1.
-
-        Closures over the run's state, for speed: they run once or twice per action.
-        """
-        done, size = self.done, self.size
-        placement = self.schedule.placement
-        num_microbatches = self.schedule.num_microbatches
-        last_stage = self.schedule.num_stages - 1
-        lowered = self.work.lowered
-        forward, gradient = _FORWARD * size, _GRADIENT * size
-        sent_f, sent_b = _SENT_F * size, _SENT_B * size
-        received_f, received_b = _RECEIVED_F * size, _RECEIVED_B * size
-
-        def first_missing(rank: int, part: Action) -> int:
-            kind, stage = part.kind, part.stage
-            slot = stage * num_microbatches + part.microbatch
-            if kind is _F:
-                if stage == 0:
-                    return -1
-                if lowered and placement[stage - 1] != rank:
-                    needs = (received_f + slot, sent_f + slot - num_microbatches)
-                else:
-                    needs = (forward + slot - num_microbatches,)
-            elif kind is _B or kind is _I:
-                if stage == last_stage:
-                    needs = (forward + slot,)
-                elif lowered and placement[stage + 1] != rank:
-                    needs = (forward + slot, received_b + slot,
-                             sent_b + slot + num_microbatches)
-                else:
-                    needs = (forward + slot, gradient + slot + num_microbatches)
-            elif kind is _W or kind is _SEND_B:
-                needs = (gradient + slot,)
-            elif kind is _SEND_F:
-                needs = (forward + slot,)
-            else:
-                return -1  # RECV_F, RECV_B only post a receive
-            for event_key in needs:
-                if not done[event_key]:
-                    return event_key
-            return -1
-
-        def event_set_by(part: Action) -> int:
-            kind = part.kind
-            if kind is _F:
-                base = forward
-            elif kind is _B or kind is _I:
-                base = gradient
-            elif kind is _W:
-                return -1
-            elif kind is _SEND_F:
-                base = sent_f
-            elif kind is _SEND_B:
-                base = sent_b
-            elif kind is _RECV_F:
-                base = received_f
-            else:
-                base = received_b
-            return base + part.stage * num_microbatches + part.microbatch
-
-        return first_missing, event_set_by
+        self.rules = Rules(schedule, messages=work.lowered)
 
     def run(self) -> None:
-        schedule = self.schedule
-        placement = schedule.placement
-        done = self.done
-        size, num_microbatches = self.size, schedule.num_microbatches
-        first_missing, event_set_by = self._event_functions()
-        waiters: dict[int, list[int]] = {}
-        runnable = deque(range(schedule.num_ranks))
-        while runnable:
-            rank = runnable.popleft()
-            actions = schedule.ranks[rank]
-            index = self.position[rank]
-            while index < len(actions):
-                action = actions[index]
-                parts = action.parts or (action,)
-                missing = -1
-                for part in parts:
-                    missing = first_missing(rank, part)
-                    if missing >= 0:
-                        break
-                if missing >= 0:
-                    if placement[missing % size // num_microbatches] == rank:
-                        self._raise_out_of_order(rank, index, action, missing)
-                    self.waiting_for[rank] = missing
-                    waiters.setdefault(missing, []).append(rank)
-                    break
-                for part in parts:
-                    event_key = event_set_by(part)
-                    if event_key >= 0:
-                        done[event_key] = 1
-                        if event_key in waiters:
-                            runnable.extend(waiters.pop(event_key))
-                index += 1
-            else:
-                self.waiting_for[rank] = -1
-            self.position[rank] = index
-        stuck = [r for r in range(schedule.num_ranks)
-                 if self.position[r] < len(schedule.ranks[r])]
-        if stuck:
-            self._raise_deadlock(stuck[0])
+        stall = execute(self.rules)
+        if not isinstance(stall, Stall):
+            return
+        self.position = stall.progress.tolist()
+        self.waiting_for = dict(zip(stall.stuck, stall.waiting_for))
+        placement = self.schedule.placement
+        for rank in stall.stuck:
+            _, stage, _ = self.rules.decode(self.waiting_for[rank])
+            if placement[stage] == rank:
+                index = self.position[rank]
+                self._raise_out_of_order(rank, index, self.schedule.ranks[rank][index],
+                                         self.waiting_for[rank])
+        self._raise_deadlock(stall.stuck[0])
 
-    def _raise_out_of_order(self, rank: int, index: int, action: Action, event_key: int) -> None:
-        _, needed = self._producer(event_key)
+    def _producer(self, event: int) -> tuple[int, Action]:
+        """The rank and the action whose execution makes ``event`` happen."""
+        space, stage, microbatch = self.rules.decode(event)
+        kind = _PRODUCING_KIND.get(space) or self.work.gradient_kind(stage, microbatch)
+        return self.schedule.placement[stage], Action(kind, stage, microbatch)
+
+    def _raise_out_of_order(self, rank: int, index: int, action: Action, event: int) -> None:
+        _, needed = self._producer(event)
         where = _where(rank, index, action)
         later = _find(self.schedule, rank, needed)
         if later == index:
@@ -498,7 +444,7 @@ class _Execution:
         rank = first
         while True:
             producer_rank, _ = self._producer(self.waiting_for[rank])
-            if producer_rank in seen or self.waiting_for[producer_rank] < 0:
+            if producer_rank in seen or producer_rank not in self.waiting_for:
                 break
             seen.add(producer_rank)
             blocked_index, blocked_action, blocked_need = self._blocked_text(producer_rank)
