@@ -133,7 +133,7 @@ def _faulty_variants(schedule, rng):
         yield schedule.replace_ranks(changed)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 64])
+@pytest.mark.parametrize("chunk", [3, 64])
 def test_results_do_not_depend_on_the_range_size(monkeypatch, chunk):
     """Lowering, validation and simulation go through the table a range of rows at a time;
     tiny ranges (rows of one action split across ranges) give the same answers."""

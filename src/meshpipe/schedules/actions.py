@@ -225,19 +225,28 @@ class Schedule:
         """Every stage and microbatch in range, every action on the rank of its stage."""
         table = self.table
         placement = np.array(self.placement, np.int64)
-        ranks = table.rank_of_rows()
-        stages, microbatches = table.stage, table.microbatch
+        first_bad: list[int] = []  # the lowest rank with a bad action, among rows and halves
+        for begin, end in table.ranges():
+            ranks = table.ranks_between(begin, end)
+            if self._bad(placement, table.stage[begin:end], table.microbatch[begin:end],
+                         ranks, first_bad):
+                break
+        if table.overlap_rows.size:
+            self._bad(placement, table.overlap_stage, table.overlap_microbatch,
+                      np.searchsorted(table.offsets, table.overlap_rows, side="right") - 1,
+                      first_bad)
+        if first_bad:
+            self._raise_misplaced_action(min(first_bad))
+
+    def _bad(self, placement: np.ndarray, stages: np.ndarray, microbatches: np.ndarray,
+             ranks: np.ndarray, first_bad: list[int]) -> bool:
+        """Whether any of these actions is out of range or off its stage's rank (then its
+        rank goes to ``first_bad``)."""
         bad = (stages >= self.num_stages) | (microbatches >= self.num_microbatches)
         bad |= placement[np.minimum(stages, self.num_stages - 1)] != ranks
-        halves = table.overlap_rows
-        if halves.size:
-            half_bad = ((table.overlap_stage >= self.num_stages)
-                        | (table.overlap_microbatch >= self.num_microbatches))
-            half_bad |= placement[np.minimum(table.overlap_stage, self.num_stages - 1)] != \
-                ranks[halves]
-            bad[halves[half_bad]] = True
         if bad.any():
-            self._raise_misplaced_action(int(ranks[np.argmax(bad)]))
+            first_bad.append(int(ranks[np.argmax(bad)]))
+        return bool(bad.any())
 
     @cached_property
     def ranks(self) -> tuple[tuple[Action, ...], ...]:

@@ -70,6 +70,7 @@ _CASES = (  # (space, slot, edge) per wait
     ((GRADIENT, _OWN, LOCAL),),                                           # SEND_B
     (),                                                                   # RECV, or inert
 )
+_WAIT_COUNT = np.array([len(waits) for waits in _CASES], np.int64)
 _WAIT_SPACE = np.full((len(_CASES), 3), -1, np.int64)
 _WAITS_ON_INPUT = np.zeros((len(_CASES), 3), bool)
 _WAIT_EDGE = np.zeros((len(_CASES), 3), np.int8)
@@ -109,7 +110,7 @@ class Rules:
         self.messages = messages
         self.table: ActionTable = schedule.table
         self.size = schedule.num_stages * schedule.num_microbatches
-        self.rank_of_row = self.table.rank_of_rows()
+        self.row_index = np.int32 if len(self.table) < 1 << 31 else np.int64
         self._placement = np.asarray(schedule.placement, np.int32)
         self.ranges = self.table.ranges
 
@@ -152,16 +153,25 @@ class Rules:
         neighbour[~has_input] = 0
         case = _CASE_OF_KIND[kind] + has_input
         if self.messages:
-            case += has_input & (self._placement[neighbour] != self.rank_of_row[units.row])
+            case += has_input & (self._placement[neighbour] != self._ranks_of_units(units))
         slot = stage * num_microbatches + units.microbatch
-        space = _WAIT_SPACE[case]
-        present = space >= 0
-        unit, column = np.nonzero(present)
-        of_input = _WAITS_ON_INPUT[case[unit], column]
-        waited_slot = np.where(of_input, neighbour[unit] * num_microbatches
-                               + units.microbatch[unit], slot[unit])
-        return Needs(units.row[unit], space[present] * self.size + waited_slot,
-                     _WAIT_EDGE[case[unit], column], units.stage[unit])
+        input_slot = neighbour * num_microbatches + units.microbatch
+        count = _WAIT_COUNT[case]
+        total = int(count.sum())
+        first = np.cumsum(count) - count  # each unit's first place in the flat lists
+        row, event = np.empty(total, units.row.dtype), np.empty(total, np.int64)
+        edge, waiting_stage = np.empty(total, np.int8), np.empty(total, units.stage.dtype)
+        for column in range(_WAIT_SPACE.shape[1]):
+            chosen = np.flatnonzero(count > column)
+            if not chosen.size:
+                break
+            at, chosen_case = first[chosen] + column, case[chosen]
+            row[at] = units.row[chosen]
+            waiting_stage[at] = units.stage[chosen]
+            edge[at] = _WAIT_EDGE[chosen_case, column]
+            event[at] = _WAIT_SPACE[chosen_case, column] * self.size + np.where(
+                _WAITS_ON_INPUT[chosen_case, column], input_slot[chosen], slot[chosen])
+        return Needs(row, event, edge, waiting_stage)
 
     def effects(self, begin: int, end: int) -> Effects:
         """The events the actions of rows ``begin:end`` make happen."""
@@ -184,24 +194,29 @@ class Rules:
                        np.concatenate([space[acting] * size + slot[acting],
                                        INPUT_GRADIENT * size + slot[inputs]]))
 
-    @cached_property
+    @property
     def producers(self) -> np.ndarray:
-        """Per event, the row that makes it happen (-1: none)."""
-        producer = np.full(NUM_SPACES * self.size, -1, np.int64)
+        """Per event, the row that makes it happen (-1: none; the last one if several)."""
+        return self._producers[0]
+
+    @cached_property
+    def _producers(self) -> tuple[np.ndarray, bool]:
+        """The producers, and whether some event is made more than once."""
+        # Without messages only FORWARD, GRADIENT and INPUT_GRADIENT (spaces 0-2) happen.
+        spaces = NUM_SPACES if self.messages else INPUT_GRADIENT + 1
+        producer = np.full(spaces * self.size, -1, self.row_index)
+        repeats = False
         for begin, end in self.ranges():
             made = self.effects(begin, end)
+            repeats = repeats or bool((producer[made.event] >= 0).any())
             producer[made.event] = made.row
-        return producer
+            repeats = repeats or bool((producer[made.event] != made.row).any())
+        return producer, repeats
 
     def first_repeat(self) -> tuple[int, int] | None:
         """(row, event) of the first action, in table order, that makes an event happen a
         second time, or None."""
-        producer = self.producers
-        clashes = False
-        for begin, end in self.ranges():
-            made = self.effects(begin, end)
-            clashes = clashes or bool((producer[made.event] != made.row).any())
-        if not clashes:
+        if not self._producers[1]:
             return None
         made = [self.effects(begin, end) for begin, end in self.ranges()]
         rows = np.concatenate([e.row for e in made])
@@ -211,6 +226,16 @@ class Rules:
         repeated = np.flatnonzero(events[1:] == events[:-1]) + 1
         best = repeated[np.argmin(rows[repeated])]
         return int(rows[best]), int(events[best])
+
+    def _ranks_of_units(self, units: Parts) -> np.ndarray:
+        rows = units.row
+        if rows.size and rows[-1] - rows[0] == rows.size - 1:  # one unit per row
+            return self.table.ranks_between(int(rows[0]), int(rows[-1]) + 1)
+        return self.rank_of(rows)
+
+    def rank_of(self, rows: np.ndarray) -> np.ndarray:
+        """The rank of each row."""
+        return np.searchsorted(self.table.offsets, rows, side="right") - 1
 
     def decode(self, event: int) -> tuple[int, int, int]:
         """(space, stage, microbatch) of an event."""
@@ -249,32 +274,41 @@ def execute(rules: Rules, durations: np.ndarray | None = None,
     """
     table = rules.table
     producer = rules.producers
-    rank_of_row = rules.rank_of_row
+    timed = durations is not None
+    per_edge = {edge: np.asarray(per_stage, np.float64)
+                for edge, per_stage in (latencies or {}).items() if np.any(per_stage)}
     kept: list[tuple[np.ndarray, ...]] = []
     for begin, end in rules.ranges():
         needs = rules.needs(begin, end)
         pred = producer[needs.event]
         missing = pred < 0
-        same_rank = ~missing & (rank_of_row[np.maximum(pred, 0)] == rank_of_row[needs.row])
+        rank = table.ranks_between(begin, end)[needs.row - begin]
+        same_rank = (pred >= table.offsets[rank]) & (pred < table.offsets[rank + 1])
         gating = ~(same_rank & (pred < needs.row))
-        kept.append((needs.row[gating], pred[gating], missing[gating] | same_rank[gating],
-                     needs.edge[gating], needs.stage[gating]))
-    waiting_row, pred, blocked, edge, stage = (np.concatenate(column) for column in zip(*kept))
+        found = [needs.row[gating].astype(rules.row_index),
+                 np.where(missing | same_rank, -1, pred)[gating]]
+        if per_edge:
+            latency = np.zeros(needs.row.size)
+            for edge, per_stage in per_edge.items():
+                chosen = needs.edge == edge
+                latency[chosen] = per_stage[needs.stage[chosen]]
+            found.append(latency[gating])
+        kept.append(tuple(found))
+    columns = [np.concatenate(column) for column in zip(*kept)]
     del kept
+    waiting_row, pred = columns[0], columns[1]
+    blocked = pred < 0
     gates = _Gates(table, waiting_row)
     gate_of_need = gates.governing(waiting_row)
-    if durations is None:
+    if not timed:
         pred_gate = np.where(blocked, gates.never, gates.governing(np.maximum(pred, 0)))
         stopped = _advance(gates, gates.pack(gate_of_need, pred_gate, fill=gates.always))
         return Run(None, None) if stopped is None else _stall(rules, gates, stopped, producer)
-    latency = np.zeros(waiting_row.size)
-    for kind_of_edge, per_stage in (latencies or {}).items():
-        chosen = edge == kind_of_edge
-        latency[chosen] = np.asarray(per_stage, np.float64)[stage[chosen]]
+    latency = columns[2] if per_edge else None
     rows = len(table)
     never_row, always_row = rows, rows + 1
     sources = gates.pack(gate_of_need, np.where(blocked, never_row, pred), fill=always_row)
-    delays = gates.pack(gate_of_need, latency, fill=0.0)
+    delays = None if latency is None else gates.pack(gate_of_need, latency, fill=0.0)
     timer = _Timer(gates, durations)
     stopped = _advance(gates, sources, timer, delays)
     if stopped is not None:
@@ -288,7 +322,8 @@ def _advance(gates: _Gates, waits: np.ndarray, timer: _Timer | None = None,
     gate of every rank, returned).
 
     Untimed, ``waits[g]`` holds the gates whose blocks gate g waits for; timed, the rows
-    it waits for, ``delays[g]`` their latencies, and the timer records every row's times.
+    it waits for, ``delays[g]`` their latencies (None: all 0), and the timer records every
+    row's times.
     """
     current, end = gates.first.copy(), gates.first + gates.per_rank
     passed = np.zeros(gates.count + 2, bool)
@@ -308,7 +343,8 @@ def _advance(gates: _Gates, waits: np.ndarray, timer: _Timer | None = None,
         if timer is None:
             passed[gate] = True
         else:
-            timer.run_blocks(moving, gate, (arrivals[ready] + delays[gate]).max(axis=1))
+            arrived = arrivals[ready] if delays is None else arrivals[ready] + delays[gate]
+            timer.run_blocks(moving, gate, arrived.max(axis=1))
         current[moving] += 1
         active = active[current[active] < end[active]]
     return None
@@ -322,16 +358,16 @@ class _Gates:
         is_gate = np.zeros(len(table), bool)
         is_gate[gating_rows] = True
         is_gate[table.offsets[:-1][table.counts() > 0]] = True
-        self.rows = np.flatnonzero(is_gate)
+        index = np.int64 if is_gate.size >> 31 else np.int32
+        self.rows = np.flatnonzero(is_gate).astype(index)
         self.count = self.rows.size
-        self._of_row = np.cumsum(is_gate.view(np.uint8),
-                                 dtype=np.int64 if is_gate.size >> 31 else np.int32)
+        self._of_row = np.cumsum(is_gate.view(np.uint8), dtype=index)
         self._of_row -= 1
         self.never, self.always = self.count, self.count + 1
         boundaries = np.searchsorted(self.rows, table.offsets)
         self.first = boundaries[:-1]
         self.per_rank = np.diff(boundaries)
-        self.lengths = np.diff(np.append(self.rows, len(table)))
+        self.lengths = np.diff(self.rows, append=len(table)).astype(self._of_row.dtype)
 
     def governing(self, rows: np.ndarray) -> np.ndarray:
         """The gate whose block holds each row (every rank's first row is a gate), which for
@@ -341,12 +377,13 @@ class _Gates:
     def pack(self, gate: np.ndarray, values: np.ndarray, fill) -> np.ndarray:
         """Per gate, its values in one row of a (gates + 2, widest) matrix (``gate`` is
         sorted), padded with ``fill``; the two extra rows are for the sentinels."""
-        counts = np.bincount(gate, minlength=self.count + 2)
-        width = max(1, int(counts.max()))
-        matrix = np.full((self.count + 2, width), fill, dtype=np.asarray(values).dtype)
-        if width == 1:
+        dtype = np.asarray(values).dtype
+        if gate.size < 2 or bool((gate[1:] != gate[:-1]).all()):  # one value per gate
+            matrix = np.full((self.count + 2, 1), fill, dtype=dtype)
             matrix[gate, 0] = values
             return matrix
+        counts = np.bincount(gate, minlength=self.count + 2)
+        matrix = np.full((self.count + 2, int(counts.max())), fill, dtype=dtype)
         starts = np.cumsum(counts) - counts
         matrix[gate, np.arange(gate.size) - starts[gate]] = values
         return matrix
@@ -420,7 +457,7 @@ def _stall(rules: Rules, gates: _Gates, current: np.ndarray, producer: np.ndarra
             if source < 0:
                 waiting.append(event)
                 break
-            source_rank = int(rules.rank_of_row[source])
+            source_rank = int(rules.rank_of(source))
             if source - int(table.offsets[source_rank]) >= progress[source_rank]:
                 waiting.append(event)
                 break

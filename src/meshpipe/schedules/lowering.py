@@ -54,7 +54,9 @@ def lower(schedule: Schedule, *, lookahead: int = 1) -> Schedule:
     table = schedule.table
     traffic = _Traffic(schedule)
     receives = traffic.receives(lookahead)
-    return schedule.replace_ranks(_merged(table, traffic.sends, receives))
+    sends = traffic.sends
+    del traffic  # what lowering still needs is the sends and receives: free the rest
+    return schedule.replace_ranks(_merged(table, sends, receives))
 
 
 class _Messages(Parts):
@@ -73,10 +75,13 @@ class _Traffic:
         table = schedule.table
         self.schedule = schedule
         self.size = schedule.num_stages * schedule.num_microbatches
-        self.consumer = np.zeros(2 * self.size, np.int32 if len(table) < 1 << 31 else np.int64)
-        found = [self._scan(table.parts_between(begin, end)) for begin, end in table.ranges()]
+        self.index = np.int32 if max(len(table), 2 * self.size) < 1 << 30 else np.int64
+        self.consumer = np.zeros(2 * self.size, self.index)
+        columns = [list(column) for column in
+                   zip(*(self._scan(table.parts_between(begin, end))
+                         for begin, end in table.ranges()))]
         rows, kinds, stages, microbatches, self.source, self.destination, self.message = (
-            np.concatenate(column) for column in zip(*found))
+            _joined(columns, index) for index in range(len(columns)))
         self.sends = _Messages(rows, kinds, stages, microbatches)
 
     def _scan(self, parts: Parts) -> tuple[np.ndarray, ...]:
@@ -104,9 +109,11 @@ class _Traffic:
         forward = sends_forward[sending]
         peer = np.where(sends_forward, downstream, upstream)[sending]
         microbatch = parts.microbatch[sending]
-        return (parts.row[sending], np.where(forward, SEND_F, SEND_B).astype(np.int8),
+        return (parts.row[sending].astype(self.index),
+                np.where(forward, SEND_F, SEND_B).astype(np.int8),
                 parts.stage[sending], microbatch, rank[sending], placement[peer],
-                np.where(forward, 0, size) + peer * num_microbatches + microbatch)
+                (np.where(forward, 0, size) + peer * num_microbatches + microbatch).astype(
+                    self.index))
 
     def receives(self, lookahead: int) -> _Messages:
         """The RECV actions, one per send and in the sends' order; ``row`` is the global
@@ -114,12 +121,14 @@ class _Traffic:
         schedule = self.schedule
         num_ranks, num_microbatches = schedule.num_ranks, schedule.num_microbatches
         bounds = np.searchsorted(self.source, np.arange(num_ranks + 1))
-        slot = np.empty(self.message.size, np.int64)
+        offsets = schedule.table.offsets
+        row = np.empty(self.message.size, self.index)
         for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-            slot[begin:end] = self._slots(begin, end, lookahead)
+            row[begin:end] = offsets[self.destination[begin:end]] + \
+                self._slots(begin, end, lookahead)
         is_gradient, rest = np.divmod(self.message, self.size)
         stage, microbatch = np.divmod(rest, num_microbatches)
-        return _Messages(schedule.table.offsets[self.destination] + slot,
+        return _Messages(row,
                          np.where(is_gradient == 1, RECV_B, RECV_F).astype(np.int8),
                          stage.astype(np.int32), microbatch.astype(np.int32))
 
@@ -172,13 +181,21 @@ def _merged(table: ActionTable, sends: _Messages, receives: _Messages) -> Action
                                  table.overlap_microbatch)
 
 
+def _joined(columns: list[list[np.ndarray]], index: int) -> np.ndarray:
+    """Column ``index`` of ``columns`` (pieces per range) as one array; the pieces are
+    released as the result is made."""
+    joined = np.concatenate(columns[index])
+    columns[index] = []
+    return joined
+
+
 def _order_within_rows(rows: np.ndarray) -> np.ndarray:
     """Per element, how many earlier elements hold the same row (mostly none: only those
     sharing a row are sorted)."""
-    last = np.full(int(rows.max(initial=-1)) + 1, -1, np.int64)
-    index = np.arange(rows.size)
+    index = np.arange(rows.size, dtype=rows.dtype)
+    last = np.full(int(rows.max(initial=-1)) + 1, -1, rows.dtype)
     last[rows] = index
-    order = np.zeros(rows.size, np.int64)
+    order = np.zeros(rows.size, rows.dtype)
     shared = np.flatnonzero(last[rows] != index)
     if not shared.size:
         return order

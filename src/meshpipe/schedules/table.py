@@ -109,6 +109,14 @@ class ActionTable:
         """For every row, its position in its rank's list (int64)."""
         return np.arange(len(self), dtype=np.int64) - np.repeat(self.offsets[:-1], self.counts())
 
+    def ranks_between(self, begin: int, end: int) -> np.ndarray:
+        """The rank of each row of ``begin:end``."""
+        if begin >= end:
+            return np.zeros(0, np.int64)
+        first, last = np.searchsorted(self.offsets, (begin, end - 1), side="right") - 1
+        bounds = np.clip(self.offsets[first:last + 2], begin, end)
+        return np.repeat(np.arange(first, last + 1), np.diff(bounds))
+
     def rank_actions(self, rank: int) -> tuple[Action, ...]:
         """Rank ``rank``'s actions as ``Action`` values."""
         begin, end = int(self.offsets[rank]), int(self.offsets[rank + 1])
@@ -231,15 +239,25 @@ def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
 
 def positions_in_runs(sorted_keys: np.ndarray) -> np.ndarray:
     """For each element of a sorted array, its position among the equal elements."""
-    index = np.arange(sorted_keys.size)
+    index = np.arange(sorted_keys.size, dtype=np.int32 if sorted_keys.size < 1 << 31
+                      else np.int64)
     starts = np.ones(sorted_keys.size, bool)
     starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    return index - np.maximum.accumulate(np.where(starts, index, 0))
+    first = np.where(starts, index, 0)
+    np.maximum.accumulate(first, out=first)
+    index -= first
+    return index
 
 
-def repeated_within(keys: np.ndarray) -> np.ndarray:
-    """Per key, whether an earlier element holds the same key."""
-    order = np.argsort(keys, kind="stable")
-    repeated = np.zeros(keys.size, bool)
-    repeated[order[1:][keys[order][1:] == keys[order][:-1]]] = True
-    return repeated
+class Repeats:
+    """Finds keys (integers below ``bound``) that an earlier element of the same array
+    holds, in linear time, with one scratch array reused across calls."""
+
+    def __init__(self, bound: int) -> None:
+        self._first = np.zeros(bound, np.int32 if CHUNK < 1 << 31 else np.int64)
+
+    def within(self, keys: np.ndarray) -> np.ndarray:
+        """Per element, whether an earlier element holds the same key."""
+        index = np.arange(keys.size, dtype=self._first.dtype)
+        self._first[keys[::-1]] = index[::-1]  # the earliest write lands last
+        return self._first[keys] != index

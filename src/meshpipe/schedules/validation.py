@@ -32,8 +32,7 @@ import numpy as np
 
 from meshpipe.schedules.actions import Action, Kind, Schedule
 from meshpipe.schedules import table as codes
-from meshpipe.schedules.table import (KINDS, Parts, positions_in_runs, repeated_within,
-                                      stable_order)
+from meshpipe.schedules.table import KINDS, Parts, Repeats, positions_in_runs, stable_order
 from meshpipe.schedules.dataflow import (FORWARD, INPUT_GRADIENT, RECEIVED_B, RECEIVED_F,
                                          SENT_B, SENT_F, Rules, Stall, execute)
 
@@ -117,11 +116,12 @@ class _Work:
         schedule = self.schedule
         table = schedule.table
         flags = np.zeros((4, self.size), np.uint8)  # F, B, I, W: their codes 0..3
+        repeats_in = Repeats(4 * self.size)
         for begin, end in table.ranges():
             parts = table.parts_between(begin, end)
             slot = parts.stage.astype(np.int64) * schedule.num_microbatches + parts.microbatch
             repeats = flags[parts.kind, slot] != 0
-            repeats |= repeated_within(parts.kind.astype(np.int64) * self.size + slot)
+            repeats |= repeats_in.within(parts.kind.astype(np.int64) * self.size + slot)
             if repeats.any():
                 first = int(np.argmax(repeats))
                 self._raise_repeat(int(parts.row[first]), first, parts)
@@ -232,12 +232,13 @@ class _Messages:
         # per side (receive, send) and pair of ranks: messages seen so far
         seen_per_pair = np.zeros((2, num_ranks * num_ranks), np.int64)
         seen = np.zeros((2, 2 * self.size), bool)
+        repeats_in = Repeats(4 * self.size)
         for begin, end in table.ranges():
             rows = np.flatnonzero(table.kind[begin:end] >= codes.FIRST_COMM) + begin
             found = self._read(rows)
             is_send, message, pair = found.is_send, found.message, found.pair
             side = is_send.astype(np.int64)
-            repeated = seen[side, message] | repeated_within(side * (2 * self.size) + message)
+            repeated = seen[side, message] | repeats_in.within(side * (2 * self.size) + message)
             offending = np.flatnonzero(found.not_an_edge | repeated)
             if offending.size:
                 self._raise_first(rows, int(offending[0]), found)
