@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from meshpipe.schedules._building import check_count, make_schedule
-from meshpipe.schedules.actions import Action, B, F, Schedule
+import numpy as np
+
+from meshpipe.schedules import table as codes
+from meshpipe.schedules._building import check_count, make_schedule, warmup_steady_cooldown
+from meshpipe.schedules.actions import B, F, Schedule
+from meshpipe.schedules.table import ActionTable, stacked
 from meshpipe.schedules.interleaved import combined_1f1b, interleaved_1f1b
 from meshpipe.schedules.list_scheduler import list_schedule
 from meshpipe.schedules.placement import (check_placement, loop_placement, resolve_placement,
@@ -46,23 +50,23 @@ def _placement_for(num_ranks: int, placement: Sequence[int] | None) -> tuple[int
                                                                                num_ranks)
 
 
-def _breadth_first_order(stages: Sequence[int], num_microbatches: int) -> list[Action]:
+def _breadth_first_order(stages: Sequence[int], num_microbatches: int) -> ActionTable:
     """GPipe on a rank holding ``stages``: every microbatch through one stage before the
     next, in stage order; then the backwards, stages in reverse. It cannot deadlock: a
     forward waits only on lower stages, a backward only on higher ones, which every rank
     runs first."""
-    ordered = sorted(stages)
-    return ([F(stage, m) for stage in ordered for m in range(num_microbatches)]
-            + [B(stage, m) for stage in reversed(ordered) for m in range(num_microbatches)])
+    ordered = np.array(sorted(stages), np.int32)
+    stage = np.concatenate([np.repeat(ordered, num_microbatches),
+                            np.repeat(ordered[::-1], num_microbatches)])
+    kind = np.repeat(np.array([codes.F, codes.B], np.int8), ordered.size * num_microbatches)
+    microbatch = np.tile(np.arange(num_microbatches, dtype=np.int32), 2 * ordered.size)
+    return ActionTable.from_columns(kind, stage, microbatch, [kind.size])
 
 
-def _one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    order = [F(stage, m) for m in range(warmup)]
-    for m in range(num_microbatches - warmup):
-        order.extend((F(stage, warmup + m), B(stage, m)))
-    order.extend(B(stage, m) for m in range(num_microbatches - warmup, num_microbatches))
-    return order
+def _one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> ActionTable:
+    kind, microbatch = warmup_steady_cooldown(min(num_stages - stage - 1, num_microbatches),
+                                              num_microbatches)
+    return ActionTable.from_columns(kind, np.full(kind.size, stage), microbatch, [kind.size])
 
 
 def _build_on_placement(name: str, num_ranks: int, num_microbatches: int,
@@ -71,11 +75,11 @@ def _build_on_placement(name: str, num_ranks: int, num_microbatches: int,
     check_count("num_microbatches", num_microbatches)
     one_stage_per_rank = _one_stage_per_rank(stages)
     if name == "gpipe":
-        orders = [_breadth_first_order(held, num_microbatches)
-                  for held in stages_by_rank(stages)]
+        orders = stacked([_breadth_first_order(held, num_microbatches)
+                          for held in stages_by_rank(stages)])
     elif one_stage_per_rank:
-        orders = [_one_f_one_b_order(held[0], len(stages), num_microbatches)
-                  for held in stages_by_rank(stages)]
+        orders = stacked([_one_f_one_b_order(held[0], len(stages), num_microbatches)
+                          for held in stages_by_rank(stages)])
     else:
         orders = list_schedule(stages, num_microbatches, forward_only=forward_only)
         forward_only = False  # the list scheduler made forward-only orders already

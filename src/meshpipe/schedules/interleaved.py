@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshpipe.schedules._building import check_count
+from meshpipe.schedules._building import check_count, warmup_steady_cooldown
 from meshpipe.schedules.actions import Schedule
 from meshpipe.schedules.placement import loop_placement
 from meshpipe.schedules.table import B, F, ActionTable, concatenated, stacked
@@ -107,12 +107,7 @@ def _rank_order(rank: int, num_ranks: int, stages_per_rank: int, table: _Table,
             table.actions(F, warmup + steps, rank, num_ranks, stages_per_rank).paired_with(
                 table.actions(B, steps, rank, num_ranks, stages_per_rank)),
             table.actions(B, np.arange(steady, total), rank, num_ranks, stages_per_rank)])
-    is_forward = np.concatenate([np.ones(warmup, bool), np.tile([True, False], steady),
-                                 np.zeros(warmup, bool)])
-    index = np.empty(is_forward.size, np.int64)
-    index[is_forward] = forwards  # forwards run virtual microbatches 0, 1, ... in order,
-    index[~is_forward] = forwards  # and so do backwards
-    kind = np.where(is_forward, F, B).astype(np.int8)
+    kind, index = warmup_steady_cooldown(warmup, total)
     return table.actions(kind, index, rank, num_ranks, stages_per_rank)
 
 
