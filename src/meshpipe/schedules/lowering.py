@@ -60,8 +60,8 @@ def lower(schedule: Schedule, *, lookahead: int = 1) -> Schedule:
 
 
 class _Messages(Parts):
-    """SEND or RECV actions to insert: ``row`` is the compute row a send follows, or the
-    compute row a receive precedes."""
+    """SEND or RECV actions to insert (the columns of ``Parts``): ``row`` is the compute row
+    a send follows, or the compute row a receive precedes."""
 
 
 class _Traffic:
@@ -168,11 +168,13 @@ def _merged(table: ActionTable, sends: _Messages, receives: _Messages) -> Action
     send_at = own[sends.row] + 1 + positions_in_runs(sends.row)
     kind, stage, microbatch = (np.empty(total, np.int8), np.empty(total, np.int32),
                                np.empty(total, np.int32))
-    for position, source in ((own, Parts(None, table.kind, table.stage, table.microbatch)),
-                             (receive_at, receives), (send_at, sends)):
-        kind[position] = source.kind
-        stage[position] = source.stage
-        microbatch[position] = source.microbatch
+    for position, (kinds, stages, microbatches) in (
+            (own, (table.kind, table.stage, table.microbatch)),
+            (receive_at, (receives.kind, receives.stage, receives.microbatch)),
+            (send_at, (sends.kind, sends.stage, sends.microbatch))):
+        kind[position] = kinds
+        stage[position] = stages
+        microbatch[position] = microbatches
     offsets = table.offsets + before[table.offsets] + sent[table.offsets]
     lowered = ActionTable(kind, stage, microbatch, offsets)
     if not table.overlap_rows.size:

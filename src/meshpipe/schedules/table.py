@@ -105,10 +105,6 @@ class ActionTable:
         """For every row, its rank (int32)."""
         return np.repeat(np.arange(self.num_ranks, dtype=np.int32), self.counts())
 
-    def local_index(self) -> np.ndarray:
-        """For every row, its position in its rank's list (int64)."""
-        return np.arange(len(self), dtype=np.int64) - np.repeat(self.offsets[:-1], self.counts())
-
     def ranks_between(self, begin: int, end: int) -> np.ndarray:
         """The rank of each row of ``begin:end``."""
         if begin >= end:
@@ -145,10 +141,6 @@ class ActionTable:
         yield from ((begin, min(rows, begin + chunk)) for begin in range(0, rows, chunk))
         if not rows:
             yield 0, 0
-
-    def parts(self) -> Parts:
-        """Every compute part (an OVERLAP counts twice: its F, then its B)."""
-        return self.parts_between(0, len(self))
 
     def parts_between(self, begin: int, end: int) -> Parts:
         """The compute parts of rows ``begin:end``, in table order."""
