@@ -54,8 +54,8 @@ LOCAL, FORWARD_EDGE, BACKWARD_EDGE = 0, 1, 2
 # neighbour stage adds 1 (at hand: on the same rank, or without messages) or 2 (a message).
 # Per case, three waits in rule order: the event space (-1: none), whether the slot is the
 # input's (the neighbour stage) or the unit's own, and the edge the input crosses.
-_CASE_OF_KIND = np.full(16, 10, np.int64)
-_CASE_OF_KIND[[F, B, I, W, SEND_F, SEND_B]] = [0, 3, 3, 7, 8, 9]
+_CASE_OF_KIND = np.full(16, 9, np.int64)  # a RECV, or an inert unit (kind -1: the last entry)
+_CASE_OF_KIND[[F, B, I, W, SEND_F, SEND_B]] = [0, 3, 3, 6, 7, 8]
 _OWN, _INPUT = False, True
 _CASES = (  # (space, slot, edge) per wait
     (),                                                                   # F of stage 0
@@ -64,7 +64,6 @@ _CASES = (  # (space, slot, edge) per wait
     ((FORWARD, _OWN, LOCAL),),                                            # B/I of last stage
     ((FORWARD, _OWN, LOCAL), (GRADIENT, _INPUT, BACKWARD_EDGE)),          # B/I, at hand
     ((FORWARD, _OWN, LOCAL), (RECEIVED_B, _OWN, LOCAL), (SENT_B, _INPUT, LOCAL)),  # message
-    (),                                                                   # (unused)
     ((INPUT_GRADIENT, _OWN, LOCAL),),                                     # W
     ((FORWARD, _OWN, LOCAL),),                                            # SEND_F
     ((GRADIENT, _OWN, LOCAL),),                                           # SEND_B
