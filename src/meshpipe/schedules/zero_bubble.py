@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
+from meshpipe.schedules import table as codes
 from meshpipe.schedules._building import check_count, make_schedule
 from meshpipe.schedules.actions import Action, Kind, Schedule
 from meshpipe.schedules.placement import loop_placement, v_placement
+from meshpipe.schedules.table import ActionTable, stacked
 
 
 class _RankProgram:
@@ -61,20 +65,8 @@ def zb_h1(num_ranks: int, num_microbatches: int, *, forward_only: bool = False) 
     """
     check_count("num_ranks", num_ranks)
     check_count("num_microbatches", num_microbatches)
-    ranks = []
-    for rank in range(num_ranks):
-        program = _RankProgram()
-        for _ in range(min(num_ranks - 1 - rank, num_microbatches)):
-            program.add(Kind.F, rank)
-        for microbatch in range(num_microbatches):
-            if program.count(Kind.F, rank) < num_microbatches:
-                program.add(Kind.F, rank)
-            program.add(Kind.I, rank)
-            if microbatch >= rank:
-                program.add(Kind.W, rank)
-        while program.count(Kind.W, rank) < num_microbatches:
-            program.add(Kind.W, rank)
-        ranks.append(program.order)
+    ranks = stacked([_zb_h1_order(rank, num_ranks, num_microbatches)
+                     for rank in range(num_ranks)])
     return make_schedule("zb-h1", num_ranks, num_microbatches, loop_placement(num_ranks),
                          ranks, forward_only)
 
@@ -109,6 +101,23 @@ def _zb_v_rank_order(rank: int, num_ranks: int, num_microbatches: int) -> list[A
         while program.count(Kind.W, stage) < num_microbatches:
             program.add(Kind.W, stage)
     return program.order
+
+
+def _zb_h1_order(rank: int, num_ranks: int, num_microbatches: int) -> ActionTable:
+    """One rank's ZB-H1 order (see ``zb_h1``) as a table: warmup forwards; per step k the
+    next forward (while any are left), I(k) and W(k - rank) (once k >= rank); the deferred
+    W's."""
+    warmup = min(num_ranks - 1 - rank, num_microbatches)
+    step = np.arange(num_microbatches)
+    item = np.stack([warmup + step, step, step - rank], axis=1)
+    present = np.stack([warmup + step < num_microbatches, np.ones_like(step, bool),
+                        step >= rank], axis=1)
+    kind = np.broadcast_to(np.array([codes.F, codes.I, codes.W], np.int8), item.shape)
+    deferred = np.arange(max(0, num_microbatches - rank), num_microbatches)
+    microbatch = np.concatenate([np.arange(warmup), item[present], deferred])
+    kinds = np.concatenate([np.full(warmup, codes.F, np.int8), kind[present],
+                            np.full(deferred.size, codes.W, np.int8)])
+    return ActionTable.from_columns(kinds, np.full(kinds.size, rank), microbatch, [kinds.size])
 
 
 def zb_v(num_ranks: int, num_microbatches: int, *, forward_only: bool = False) -> Schedule:
