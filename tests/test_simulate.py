@@ -3,6 +3,7 @@ of the builders)."""
 
 import re
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,9 @@ from meshpipe.schedules import (
     recompute_memory_fraction,
     simulate,
 )
+from meshpipe.schedules.costs import fit_message_seconds
+from meshpipe.schedules.simulator import mean_speeds
+from meshpipe.schedules.timeline import Timeline
 from meshpipe.schedules.validation import ScheduleError
 
 
@@ -390,3 +394,36 @@ def test_costs_fitted_from_a_timeline_give_back_its_costs_and_bubble(name, vpp):
     assert fitted.forward == pytest.approx(costs.forward)
     assert fitted.backward == pytest.approx((1.2,) * schedule.num_stages)
     assert simulate(schedule, fitted).bubble_ratio == pytest.approx(simulation.bubble_ratio)
+
+
+def test_ranks_sharing_cores_split_them_and_lose_no_work():
+    schedule = build("1f1b", 4, 8)
+    costs = CostModel(forward=1.0, backward=2.0)
+    alone = simulate(schedule, costs)
+    work = 4 * 8 * 3.0
+    assert simulate(schedule, costs, cores=1).makespan == pytest.approx(work, rel=1e-6)
+    assert simulate(schedule, costs, cores=1, replicas=2).makespan == pytest.approx(
+        2 * work, rel=1e-6)
+    two = simulate(schedule, costs, cores=2).makespan
+    assert work / 2 <= two < work and two > alone.makespan
+    assert simulate(schedule, costs, cores=4).makespan == alone.makespan
+    replicas = simulate(build("none", 1, 4), costs, cores=2, replicas=4)
+    assert replicas.makespan == pytest.approx(2 * 12.0, rel=1e-6)
+
+
+def test_mean_speeds_follow_the_intervals_open_at_once():
+    starts, ends = np.array([0.0, 1.0, 5.0]), np.array([2.0, 3.0, 6.0])
+    # [0, 1] alone, [1, 2] shared by two on one core, [2, 3] alone again.
+    assert mean_speeds(starts, ends, cores=1) == pytest.approx([0.75, 0.75, 1.0])
+    assert mean_speeds(starts, ends, cores=1, replicas=2) == pytest.approx(
+        [0.375, 0.375, 0.5])
+    assert mean_speeds(starts, ends, cores=2) == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_a_message_costs_the_producers_end_to_the_waiting_consumers_start():
+    records = [(0, "0F0", 0.0, 1.0), (0, "0F1", 1.0, 2.0), (0, "0B0", 4.5, 5.5),
+               (1, "1F0", 1.25, 2.25), (1, "1F1", 2.25, 3.25),  # 1F1 did not wait: left out
+               (1, "1B0", 3.25, 4.25)]
+    timeline = Timeline.from_records(records, num_ranks=2)
+    assert fit_message_seconds(timeline) == pytest.approx(0.25)
+    assert fit_message_seconds(Timeline.from_records(records[:2], num_ranks=1)) is None

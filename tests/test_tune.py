@@ -9,9 +9,8 @@ import pytest
 
 from meshpipe import cli
 from meshpipe.schedules.tune import (Layout, Link, MemoryBudgetError, NoLayoutError, Piece,
-                                     Profile, TuneError, fit_message_overhead, format_bytes,
-                                     layouts, parse_bytes, predict, rank_layouts,
-                                     stage_costs)
+                                     Profile, TuneError, curve_factor, format_bytes, layouts,
+                                     parse_bytes, predict, rank_layouts, stage_costs)
 from meshpipe.testing import run_distributed
 from meshpipe.train import tune as train_tune
 from meshpipe.train.config import TrainConfig
@@ -79,13 +78,34 @@ def test_layouts_respect_the_schedules_and_the_model() -> None:
     assert {layout.schedule for layout in found} >= {"none", "1f1b", "zb-h1", "zb-v"}
 
 
-def test_the_message_overhead_fit_reproduces_a_measured_span() -> None:
-    profile = _profile()
-    layout = Layout(2, 1, 1, 1, 4, 1, "zb-h1")
-    simulated = predict(layout, profile).pipeline_s
-    fitted = fit_message_overhead(layout, profile, 2 * simulated)
-    assert fitted.message_overhead_s > 0
-    assert predict(layout, fitted).pipeline_s == pytest.approx(2 * simulated, rel=1e-6)
+def test_the_token_curve_prices_each_size_by_its_own_cost_per_token() -> None:
+    curve = ((32.0, 2.0), (64.0, 1.0), (256.0, 0.5))
+    assert [curve_factor(curve, t) for t in (16, 32, 64, 128, 256, 1024)] == pytest.approx(
+        [2.0, 2.0, 1.0, 0.75, 0.5, 0.5])
+    assert curve_factor((), 100) == 1.0
+    flat, curved = _profile(), replace(_profile(), token_curve=curve)
+    small = Layout(2, 1, 1, 2, 4, 1, "1f1b")  # 32 tokens per rank
+    large = replace(small, cp=1)  # 64
+    for layout, factor in ((small, 2.0), (large, 1.0)):
+        assert stage_costs(layout, curved, 2).forward == pytest.approx(
+            tuple(factor * f for f in stage_costs(layout, flat, 2).forward))
+
+
+def test_action_overhead_separates_what_an_action_costs_whatever_its_size() -> None:
+    # Two stages, F + B summed: 2 S c + V at the measured size, 2 S c + r V at half.
+    c, variable = 0.001, 0.040
+    for ratio in (0.5, 0.6):
+        measured = replace(_fake_measurement(None, Layout(2, 1, 1, 1, 2, 2, "1f1b")),
+                           forward=(0.5 * (4 * c + variable) / 2,) * 2,
+                           backward=(0.5 * (4 * c + variable) / 2,) * 2,
+                           half_forward_and_backward=4 * c + ratio * variable)
+        assert train_tune._action_overhead(measured, ratio) == pytest.approx(c)
+    full = sum(measured.forward) + sum(measured.backward)
+    # Noise may make it neither negative nor more than half an action.
+    assert train_tune._action_overhead(
+        replace(measured, half_forward_and_backward=0.0), 0.5) == 0.0
+    assert train_tune._action_overhead(
+        replace(measured, half_forward_and_backward=10.0), 0.5) == pytest.approx(full / 8)
 
 
 @pytest.mark.parametrize("text, size", [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20),
@@ -114,15 +134,16 @@ def test_cli_bad_input_is_one_line(extra: list[str], expected: str, capsys) -> N
     assert expected in captured.err and captured.err.count("\n") == 1
 
 
-def _fake_measurement(config: TrainConfig, layout: Layout) -> train_tune.Measurement:
+def _fake_measurement(config: TrainConfig, layout: Layout,
+                      cores: float | None = None) -> train_tune.Measurement:
     stages = layout.pp * layout.vpp
     return train_tune.Measurement(layout=layout, forward=(0.002,) * stages,
                                   backward=(0.004,) * stages,
                                   backward_input=(0.002,) * stages,
                                   backward_weight=(0.003,) * stages,
                                   half_forward_and_backward=0.004 * stages,
-                                  pipeline_s=0.03,
-                                  step_s=0.05, message=Link(2e-4, 1e9),
+                                  pipeline_s=0.03, step_s=0.05, message_s=4e-4,
+                                  message=Link(2e-4, 1e9),
                                   all_reduce=Link(5e-4, 1e9), optimizer_s_per_parameter=1e-8)
 
 
@@ -167,9 +188,9 @@ def test_measurement_on_processes_prices_the_profile(tmp_path) -> None:
     assert min(measurement.forward + measurement.backward + measurement.backward_weight) > 0
     assert measurement.half_forward_and_backward > 0
     assert measurement.step_s >= measurement.pipeline_s > 0
+    assert measurement.message_s is not None  # stage 1's first forward waits for stage 0's
     priced = train_tune.calibrate(profile, measurement, cores=2)
     predicted = predict(layout, priced)
-    assert predicted.pipeline_s >= measurement.pipeline_s * 0.999
     assert predicted.step_s == pytest.approx(measurement.step_s, rel=0.01) or (
         priced.step_overhead_s == 0 and predicted.step_s > measurement.step_s)
     assert profile.layer.activation_bytes > 0 and profile.layer.parameters > 0
@@ -184,8 +205,17 @@ def test_fused_and_split_backwards_are_priced_apart() -> None:
 
 
 def test_contention_slows_layouts_that_keep_more_ranks_busy() -> None:
-    alone = _profile()
-    shared = replace(alone, cores=2, measured_load=2.0)
+    alone = _profile(message=Link(0.0, 1e15))
+    shared = replace(alone, cores=2)
     busy = Layout(1, 1, 4, 1, 2, 1, "none")  # no bubble: 4 ranks busy on 2 cores
     assert predict(busy, shared).pipeline_s == pytest.approx(
         2 * predict(busy, alone).pipeline_s)
+    # One microbatch through two stages, two replicas: never more than two ranks busy.
+    turns = Layout(2, 1, 2, 1, 1, 2, "1f1b")
+    assert predict(turns, shared).pipeline_s == pytest.approx(predict(turns, alone).pipeline_s)
+
+
+def test_measured_actions_are_priced_as_if_they_ran_alone() -> None:
+    records = {0: [("0F0", 0.0, 2.0)], 1: [("1F0", 0.0, 2.0), ("1B0", 2.0, 3.0)]}
+    alone = train_tune._alone(records, cores=1)
+    assert alone == {0: [("0F0", 0.0, 1.0)], 1: [("1F0", 0.0, 1.0), ("1B0", 2.0, 3.0)]}

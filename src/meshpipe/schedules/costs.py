@@ -369,3 +369,31 @@ def fit_costs(timeline: Timeline, num_stages: int) -> CostModel:
                      backward_weight=halves[1] if split else None,
                      overlap=per_stage(Kind.OVERLAP))
 
+
+
+def fit_message_seconds(timeline: Timeline) -> float | None:
+    """What an input from another rank costs in a measured step: the median time from its
+    producer's end (F of the stage before, B or I of the stage after) to the start of the
+    action that waited for it, over the actions that were idle waiting (their rank's
+    previous action ended before the producer did); None if no action waited so."""
+    ends: dict[tuple[bool, int, int], tuple[int, float]] = {}
+    for rank in timeline.ranks:
+        for timed in rank:
+            action = timed.action
+            if action.kind in (Kind.F, Kind.B, Kind.I):
+                ends[(action.kind is Kind.F, action.stage, action.microbatch)] = (
+                    timed.rank, timed.end)
+    hops = []
+    for rank in timeline.ranks:
+        previous_end = -math.inf
+        for timed in rank:
+            action = timed.action
+            if action.kind in (Kind.F, Kind.B, Kind.I):
+                forward = action.kind is Kind.F
+                source = action.stage - 1 if forward else action.stage + 1
+                producer = ends.get((forward, source, action.microbatch))
+                if producer is not None and producer[0] != timed.rank \
+                        and previous_end <= producer[1]:
+                    hops.append(timed.start - producer[1])
+            previous_end = timed.end
+    return statistics.median(hops) if hops else None

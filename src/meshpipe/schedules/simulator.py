@@ -14,7 +14,7 @@ import numpy as np
 from meshpipe.schedules.actions import Kind, Schedule
 from meshpipe.schedules.costs import CostModel
 from meshpipe.schedules.dataflow import (BACKWARD_EDGE, FORWARD, FORWARD_EDGE, GRADIENT,
-                                         INPUT_GRADIENT, Rules, Stall, execute)
+                                         INPUT_GRADIENT, Rules, Run, Stall, execute)
 from meshpipe.schedules.table import B, F, I, KINDS, W
 from meshpipe.schedules.timeline import Timeline
 from meshpipe.schedules.validation import ScheduleError
@@ -74,7 +74,14 @@ _EVENT_NAMES = {FORWARD: "F", GRADIENT: "B or I", INPUT_GRADIENT: "I"}
 _PRODUCING_KINDS = {FORWARD: (Kind.F,), GRADIENT: (Kind.B, Kind.I), INPUT_GRADIENT: (Kind.I,)}
 
 
-def simulate(schedule: Schedule, costs: CostModel | None = None) -> Simulation:
+# Processor sharing: at most this many timings, and the relative change of every duration
+# under which the timing counts as settled.
+SHARING_ROUNDS = 60
+SHARING_TOLERANCE = 1e-6
+
+
+def simulate(schedule: Schedule, costs: CostModel | None = None, *, cores: float | None = None,
+             replicas: int = 1) -> Simulation:
     """Execute ``schedule`` under ``costs`` as early as its order and data flow allow.
 
     Each rank runs its list in order; a compute action starts when its rank is free and its
@@ -85,17 +92,70 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Simulation:
     actions of a lowered schedule take no time (communication is modelled by ``comm``).
     Runs on the dataflow engine (``dataflow``: the rules without messages). Raises
     ``SimulationDeadlock`` naming the stuck ranks if the schedule cannot finish.
+
+    ``cores``: the ranks share that many cores (processes on one machine) with
+    ``replicas - 1`` copies of this pipeline running the same order (data- or
+    context-parallel replicas): while ``n`` actions compute at once over all copies, each
+    runs at ``min(1, cores / n)`` of its speed, so ``costs`` are the times of an action
+    running alone. The timing is a fixed point: time the schedule, stretch each action by
+    the sharing it met, time again (``sharing_durations``).
     """
     costs = CostModel() if costs is None else costs
     rules = Rules(schedule, messages=False)
     repeat = rules.first_repeat()
     if repeat is not None:
         _raise_repeat(schedule, rules, *repeat)
-    run = execute(rules, _durations(schedule, costs), _latencies(schedule, costs))
+    durations = _durations(schedule, costs)
+    latencies = _latencies(schedule, costs)
+    run = execute(rules, durations, latencies)
+    if cores is not None and not isinstance(run, Stall):
+        run = _shared(rules, durations, latencies, run, cores, replicas)
     if isinstance(run, Stall):
         raise _deadlock(schedule, rules, run)
     return Simulation(schedule, costs,
                       Timeline.from_table(schedule.table, run.starts, run.ends, origin=0.0))
+
+
+def _shared(rules: Rules, work: np.ndarray, latencies: dict[int, np.ndarray], run: Run,
+            cores: float, replicas: int) -> Run:
+    """The run whose durations are ``work`` stretched by the sharing of ``cores`` they meet
+    in it (damped iteration from the run without sharing)."""
+    durations = work
+    for _ in range(SHARING_ROUNDS):
+        stretched = sharing_durations(work, run.starts, run.ends, cores, replicas)
+        settled = np.allclose(stretched, durations, rtol=SHARING_TOLERANCE, atol=0.0)
+        durations = stretched if settled else (durations + stretched) / 2
+        run = execute(rules, durations, latencies)
+        if settled:
+            break
+    return run
+
+
+def sharing_durations(work: np.ndarray, starts: np.ndarray, ends: np.ndarray, cores: float,
+                      replicas: int = 1) -> np.ndarray:
+    """How long each action with ``work`` seconds of compute takes when it runs at the
+    speed ``cores`` allow over the interval it had (``starts``, ``ends``): the actions
+    computing at any moment are those intervals, times ``replicas``, and each runs at
+    ``min(1, cores / n)`` while ``n`` compute. Actions without work take none."""
+    busy = (work > 0) & (ends > starts)
+    speed = np.ones(len(work))
+    if busy.any():
+        speed[busy] = mean_speeds(starts[busy], ends[busy], cores, replicas)
+    return np.where(work > 0, work / speed, 0.0)
+
+
+def mean_speeds(starts: np.ndarray, ends: np.ndarray, cores: float,
+                replicas: int = 1) -> np.ndarray:
+    """Each interval's mean speed under processor sharing: with ``n`` of the intervals
+    (times ``replicas``) open at a moment, each moves at ``min(1, cores / n)``."""
+    moments = np.unique(np.concatenate([starts, ends]))
+    opened = np.searchsorted(np.sort(starts), moments, side="right")
+    closed = np.searchsorted(np.sort(ends), moments, side="right")
+    running = replicas * (opened - closed)[:-1]
+    speed = np.minimum(1.0, cores / np.maximum(running, 1))
+    progress = np.concatenate([[0.0], np.cumsum(speed * np.diff(moments))])
+    done = (np.interp(ends, moments, progress) - np.interp(starts, moments, progress))
+    return done / (ends - starts)
 
 
 def _durations(schedule: Schedule, costs: CostModel) -> np.ndarray:

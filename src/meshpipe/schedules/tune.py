@@ -9,21 +9,26 @@ The model of one layout:
 - compute: each stage's F, I and W for one microbatch are its pieces' (the embedding on the
   first stage, its transformer layers, the final norm + head + loss on the last) costs per
   token times the tokens a rank holds of a microbatch (``microbatch_size x seq_len / cp``),
-  plus ``action_overhead_s`` per action (dispatch, bookkeeping: what an action costs
-  whatever its size, fitted from two measured microbatch sizes). Cost is otherwise linear
-  in tokens: attention's quadratic term is folded into the per-token cost measured at this
-  sequence length. A fused backward B and the split halves I and W are priced
-  apart (running backward as two autograd passes costs more than one): schedules with B
+  times ``token_curve``'s factor for that many tokens (a layer's forward and backward per
+  token, measured alone at each size a layout uses, relative to the measured layout's: small
+  matrices cost more per token, and so do large ones once they leave the cache), plus
+  ``action_overhead_s`` per action (dispatch, bookkeeping: what an action costs whatever
+  its size, fitted from two measured microbatch sizes). A context-parallel rank's share is
+  priced as a layer over that many tokens. A fused backward B and the split halves I and W
+  are priced apart (running backward as two autograd passes costs more than one): schedules
+  with B
   use the first, ZB-H1, ZB-V and DualPipeV the second. The first stage's split backward
   has no input gradient to compute (its input is token ids), so its I costs nothing and
   its W the whole backward.
 - contention: with ``cores`` set (processes sharing a machine's cores, as local runs do),
-  compute slows by ``max(1, load / cores)`` where ``load`` is the ranks busy on average
-  (``ranks x (1 - bubble)``), relative to the load of the measured run; one correction
-  step (simulate, rescale compute, simulate again).
+  the simulation shares them among every rank of every replica computing at once
+  (``simulate(..., cores=, replicas=dp x cp)``: processor sharing), so the compute costs
+  are those of a rank running alone, and a layout that keeps more ranks busy than there
+  are cores runs each action slower.
 - messages: one activation message between ranks costs ``latency + bytes / bandwidth``
-  plus ``message_overhead_s``, what the runtime adds per message beyond a raw transfer
-  (fitted so that the measured layout's simulated pipeline span equals the measured one).
+  plus ``message_overhead_s``, what a real step adds beyond a raw transfer (the runtime's
+  message path, waking the receiver: measured as the producer's end to the waiting
+  consumer's start).
 - context parallelism is costed as Ulysses: each layer's forward and its input-gradient pass
   run two all-to-alls of a rank's activations (q/k/v in, attention output back), each priced
   as a message to the ``cp - 1`` other ranks; this is an estimate, not a measurement, and
@@ -44,7 +49,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+import numpy as np
 
 from meshpipe.schedules.actions import Schedule
 from meshpipe.schedules.builders import SCHEDULES, build
@@ -124,7 +131,7 @@ class Profile:
     action_overhead_s: float = 0.0
     state_bytes_per_parameter: float = 16.0
     cores: float | None = None
-    measured_load: float = 0.0
+    token_curve: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -261,17 +268,15 @@ def layers_per_stage(layers: int, stages: int) -> list[int]:
     return [base + 1 if stage < extra else base for stage in range(stages)]
 
 
-def stage_costs(layout: Layout, profile: Profile, num_stages: int,
-                slowdown: float = 1.0) -> CostModel:
-    """The ``CostModel`` of one layout's stages (seconds; bytes for activations), compute
-    times ``slowdown``."""
+def stage_costs(layout: Layout, profile: Profile, num_stages: int) -> CostModel:
+    """The ``CostModel`` of one layout's stages (seconds; bytes for activations)."""
     tokens = layout.microbatch_size * profile.seq_len / layout.cp
     counts = layers_per_stage(profile.layers, num_stages)
+    scale = tokens * curve_factor(profile.token_curve, tokens)
 
-    def per_stage(kind: str, scale: float = slowdown, fixed: float = profile.action_overhead_s
-                  ) -> tuple[float, ...]:
-        return tuple(scale * (fixed + tokens * stage_sum(profile, kind, stage, count,
-                                                         num_stages))
+    def per_stage(kind: str, fixed: float = profile.action_overhead_s,
+                  per_token: float = scale) -> tuple[float, ...]:
+        return tuple(fixed + per_token * stage_sum(profile, kind, stage, count, num_stages)
                      for stage, count in enumerate(counts))
 
     message = (profile.message.seconds(profile.hidden_bytes_per_token * tokens)
@@ -279,14 +284,23 @@ def stage_costs(layout: Layout, profile: Profile, num_stages: int,
     if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
         halves = per_stage("backward_input"), per_stage("backward_weight")
         # Stage 0's input is token ids: its whole backward runs in W.
-        fixed = slowdown * profile.action_overhead_s
+        fixed = profile.action_overhead_s
         backward = {"backward_input": (fixed, *halves[0][1:]),
                     "backward_weight": (halves[0][0] + halves[1][0] - fixed, *halves[1][1:])}
     else:
         backward = {"backward": per_stage("backward")}
     all_to_all = tuple(count * _ulysses_s(layout, profile, tokens) for count in counts)
     return CostModel(forward=per_stage("forward"), **backward, comm=message, a2a=all_to_all,
-                     activation_bytes=per_stage("activation_bytes", 1.0, 0.0))
+                     activation_bytes=per_stage("activation_bytes", 0.0, tokens))
+
+
+def curve_factor(curve: Sequence[tuple[float, float]], tokens: float) -> float:
+    """The factor of ``curve`` ((tokens, factor) points, tokens increasing) at ``tokens``:
+    linear in log tokens between points, the end values beyond them (1 without points)."""
+    if not curve:
+        return 1.0
+    sizes, factors = zip(*curve)
+    return float(np.interp(math.log(tokens), [math.log(size) for size in sizes], factors))
 
 
 def stage_sum(profile: Profile, field: str, stage: int, layers: int, num_stages: int) -> float:
@@ -319,11 +333,8 @@ def all_reduce_s(link: Link, size: float, ranks: int) -> float:
 def predict(layout: Layout, profile: Profile) -> Prediction:
     """Simulate ``layout``'s schedule under ``profile`` (see the module docstring)."""
     schedule = _schedule(layout)
-    simulation = simulate(schedule, stage_costs(layout, profile, schedule.num_stages))
-    slowdown = _contention(layout, profile, simulation.bubble_ratio)
-    if slowdown != 1.0:
-        simulation = simulate(schedule, stage_costs(layout, profile, schedule.num_stages,
-                                                     slowdown))
+    simulation = simulate(schedule, stage_costs(layout, profile, schedule.num_stages),
+                          cores=profile.cores, replicas=layout.dp * layout.cp)
     parameters = _parameters_per_rank(schedule, profile)
     replicas = layout.dp * layout.cp
     sync = max(all_reduce_s(profile.all_reduce, 4 * held, replicas)
@@ -333,22 +344,6 @@ def predict(layout: Layout, profile: Profile) -> Prediction:
                zip(parameters, simulation.peak_activation_bytes))
     return Prediction(layout, simulation.makespan + sync, simulation.makespan, sync,
                       simulation.bubble_ratio, peak)
-
-
-def load(layout: Layout, bubble: float) -> float:
-    """Ranks computing at once on average: every rank, less the bubble."""
-    return layout.pp * layout.dp * layout.cp * (1 - bubble)
-
-
-def _contention(layout: Layout, profile: Profile, bubble: float) -> float:
-    """How much slower compute runs than in the measured run, from the cores the ranks
-    share (1 without ``profile.cores``)."""
-    if profile.cores is None:
-        return 1.0
-
-    def demand(ranks_busy: float) -> float:
-        return max(1.0, ranks_busy / profile.cores)
-    return demand(load(layout, bubble)) / demand(profile.measured_load)
 
 
 def _parameters_per_rank(schedule: Schedule, profile: Profile) -> list[int]:
@@ -379,26 +374,6 @@ def rank_layouts(world_size: int, profile: Profile, global_batch: int,
             f"{smallest.layout.describe()}); give --memory-budget at least that",
             smallest.peak_bytes)
     return sorted(fitting, key=lambda p: (p.step_s, p.peak_bytes))
-
-
-def fit_message_overhead(layout: Layout, profile: Profile,
-                         measured_pipeline_s: float) -> Profile:
-    """``profile`` with the per-message overhead that makes ``layout``'s simulated makespan
-    equal a measured one (bisection; 0 if the simulation is already as slow, or if the
-    layout sends no messages): what the runtime's message path (packing, posting, waking
-    the receiver) adds to a raw transfer, which the compute costs do not show."""
-    def makespan(overhead: float) -> float:
-        return predict(layout, replace(profile, message_overhead_s=overhead)).pipeline_s
-
-    low, high = 0.0, max(measured_pipeline_s, 1e-9)
-    if layout.pp == 1 or makespan(low) >= measured_pipeline_s:
-        return replace(profile, message_overhead_s=0.0)
-    if makespan(high) < measured_pipeline_s:
-        return replace(profile, message_overhead_s=high)
-    for _ in range(50):
-        middle = (low + high) / 2
-        low, high = (middle, high) if makespan(middle) < measured_pipeline_s else (low, middle)
-    return replace(profile, message_overhead_s=(low + high) / 2)
 
 
 TABLE_HEADER = ("rank", "pp", "vpp", "dp", "cp", "microbatches", "mb size", "schedule",

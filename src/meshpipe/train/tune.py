@@ -2,24 +2,27 @@
 
 Three measurements make the ``Profile`` that ``meshpipe.schedules.tune`` ranks layouts by:
 
-1. in this process (``model_profile``): each piece's parameters (embedding, one transformer
-   layer, final norm + head), the activation bytes it saves for backward per token (what
-   ``torch.autograd.graph.saved_tensors_hooks`` sees in one microbatch's forward, weights
-   excluded) and its forward time per token, which only sets the pieces' relative weights;
+1. in this process (``model_profile``, ``layer_curve``): each piece's parameters
+   (embedding, one transformer layer, final norm + head), the activation bytes it saves for
+   backward per token (what ``torch.autograd.graph.saved_tensors_hooks`` sees in one
+   microbatch's forward, weights excluded) and its forward time per token, which only sets
+   the pieces' relative weights; and a layer's forward + backward per token, one thread, at
+   every token count a layout gives a rank (the shape of cost against size);
 2. short training runs of a base layout on ``world_size`` local processes (``measure``):
-   the smallest pp above 1 the world size allows, with 1F1B, then with ZB-H1, then with
-   1F1B at half the microbatch size; the executor's per-action timeline of each step gives
-   every stage's F and B (1F1B), I and W (ZB-H1) (``fit_costs``), what an action costs
-   whatever its size (the two sizes) and the pipeline's span, and the trainer's step time
-   the rest;
+   the smallest pp above 1 the world size allows, with 1F1B, with ZB-H1, and with 1F1B at
+   half the microbatch size, taking steps in turn (so a slow spell of the machine touches
+   all three alike); the executor's per-action timeline of each step gives every stage's F
+   and B (1F1B), I and W (ZB-H1) (``fit_costs``; on shared cores each action shortened to
+   what it would have taken alone, from the ranks computing beside it), what an action
+   costs whatever its size (the two sizes), what an input from another rank costs
+   (``fit_message_seconds``) and the pipeline's span, and the trainer's step time the rest;
    the same processes time a message between two ranks, an all-reduce over all of them (at
    two sizes each: latency and bandwidth) and an optimizer step;
 3. ``calibrate``: the pieces' compute is scaled so that the base layout's stages cost what
-   was measured (so the contention of ``world_size`` processes on this machine's cores is
-   in the costs, and ``cores`` lets the simulation correct for layouts that keep more or
-   fewer ranks busy), a per-message overhead is fitted so that the base layout's simulated
-   pipeline span equals the measured one, and the step time beyond the pipeline, the
-   gradient all-reduce and the optimizer becomes a fixed per-step overhead.
+   was measured, the layer curve is taken relative to the base layout's size, a message
+   costs what was measured beyond the raw transfer, and the step time beyond the simulated
+   base layout (pipeline on shared cores, gradient all-reduce, optimizer) becomes a fixed
+   per-step overhead.
 
 Only the reference transformer (dense, no tensor parallelism) is tuned; context
 parallelism is offered as Ulysses, with its all-to-alls estimated from the message cost.
@@ -37,15 +40,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from meshpipe.models import causal_lm_loss
 from meshpipe.models.transformer import Transformer
 from meshpipe.schedules import Timeline, fit_costs
+from meshpipe.schedules.costs import fit_message_seconds
+from meshpipe.schedules.simulator import mean_speeds
 from meshpipe.schedules.tune import (Layout, Link, Piece, Prediction, Profile, TuneError,
-                                     buildable, fit_message_overhead, layers_per_stage,
-                                     layouts, load, predict, rank_layouts, stage_sum)
+                                     buildable, curve_factor, layers_per_stage, layouts,
+                                     predict, rank_layouts, stage_sum)
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.launch import Supervision, launch, under_torchrun
@@ -70,6 +76,7 @@ class Measurement:
     half_forward_and_backward: float | None  # summed over stages, microbatches half as large
     pipeline_s: float
     step_s: float
+    message_s: float | None  # an input from another rank: producer's end to consumer's start
     message: Link
     all_reduce: Link
     optimizer_s_per_parameter: float
@@ -169,6 +176,48 @@ def _median_seconds(run: Callable[[], Any]) -> float:
     return statistics.median(times)
 
 
+def token_counts(profile: Profile, world_size: int, global_batch: int) -> list[int]:
+    """The tokens a rank computes per microbatch in some layout of ``world_size``."""
+    return sorted({layout.microbatch_size * profile.seq_len // layout.cp
+                   for layout in layouts(world_size, profile, global_batch)})
+
+
+def layer_curve(config: TrainConfig, counts: list[int]) -> tuple[tuple[float, float], ...]:
+    """A transformer layer's forward and backward seconds per token, alone in this process,
+    at each of ``counts`` tokens (rows of ``seq_len`` tokens, or one shorter row): the
+    shape of the cost per token that one measured size cannot show. One thread, as the
+    training processes run."""
+    torch.manual_seed(config.seed)
+    model = Transformer(sources.model_config(config), recompute=config.recompute)
+    curve = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for tokens in counts:
+            rows, length = max(1, tokens // config.seq_len), min(tokens, config.seq_len)
+            hidden = torch.randn(rows, length, config.dim, requires_grad=True)
+            positions = torch.arange(length)
+
+            def step() -> None:
+                model.layers[0](hidden, positions, None).sum().backward()
+
+            curve.append((float(tokens), _fastest_seconds(step) / tokens))
+    finally:
+        torch.set_num_threads(threads)
+    return tuple(curve)
+
+
+def _fastest_seconds(run: Callable[[], Any]) -> float:
+    """The fastest of ``REPEATS`` calls after a warm-up (the least disturbed by others)."""
+    run()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def base_layout(world_size: int, profile: Profile, global_batch: int,
                 microbatch_size: int) -> Layout:
     """The layout measured: 1F1B at the smallest pp above 1, one stage per rank, no
@@ -213,29 +262,33 @@ def run_configs(config: TrainConfig, layout: Layout,
             for measured in measured_layouts(layout).values()]
 
 
-def measure(config: TrainConfig, layout: Layout) -> Measurement:
+def measure(config: TrainConfig, layout: Layout, cores: float | None = None) -> Measurement:
     """Run a few training steps of each of ``measured_layouts(layout)`` on local processes
-    and time them."""
+    and time them; ``cores``: the cores they share (None: each its own)."""
     configs = run_configs(config, layout)
     with tempfile.TemporaryDirectory(prefix="meshpipe-tune-") as tmp:
         result = Path(tmp) / "measured.json"
         launch(_measure_on_this_rank, configs[0].world_size, configs, str(result),
                supervision=Supervision(hang_timeout=configs[0].hang_timeout,
                                        log_dir=Path(tmp) / "logs"))
-        return _measurement(layout, json.loads(result.read_text()))
+        return _measurement(layout, json.loads(result.read_text()), cores)
 
 
 def _measure_on_this_rank(configs: list[TrainConfig], result_path: str) -> None:
-    """Every rank: each config's training steps, then the link and optimizer timings;
-    rank 0 writes what its pipeline measured to ``result_path``."""
+    """Every rank: the configs' training steps, taken in turn (one step of each, then the
+    next step of each: a slow spell of the machine touches every run alike, so what they
+    differ by is the layouts'), then the link and optimizer timings; rank 0 writes what its
+    pipeline measured to ``result_path``."""
     # Imported here: the trainer is only needed in the measuring processes.
     from meshpipe.train.trainer import Trainer
 
     torch.set_num_threads(1)
-    runs = []
-    for config in configs:
-        trainer = Trainer(config)
-        runs.append(_timed_steps(trainer, config.steps))
+    trainers = [Trainer(config) for config in configs]
+    runs: list[list[dict[str, Any]]] = [[] for _ in configs]
+    for step in range(configs[0].steps):
+        for trainer, timed in zip(trainers, runs):
+            timed.append(_timed_step(trainer, step))
+    trainer, config = trainers[-1], configs[-1]
     parameters = [p for _, p in trainer.parameters]
     hidden = config.microbatch_size * config.seq_len // config.layout.cp * config.dim
     mine = {"pipeline": list(trainer.topology.pipeline_ranks),
@@ -249,16 +302,12 @@ def _measure_on_this_rank(configs: list[TrainConfig], result_path: str) -> None:
         Path(result_path).write_text(json.dumps(gathered))
 
 
-def _timed_steps(trainer: Any, steps: int) -> list[dict[str, Any]]:
-    """Each step's time and this rank's executor timeline (every rank starts together)."""
-    timed = []
-    for step in range(steps):
-        dist.barrier()
-        stats = trainer.train_step(step)
-        timed.append({"seconds": stats.seconds,
-                      "actions": [(str(t.action), t.start, t.end)
-                                  for t in trainer.last_result.timeline]})
-    return timed
+def _timed_step(trainer: Any, step: int) -> dict[str, Any]:
+    """One step's time and this rank's executor timeline (every rank starts together)."""
+    dist.barrier()
+    stats = trainer.train_step(step)
+    return {"seconds": stats.seconds,
+            "actions": [(str(t.action), t.start, t.end) for t in trainer.last_result.timeline]}
 
 
 def _timed(operation: Callable[[], None]) -> float:
@@ -320,14 +369,19 @@ def _link(times: list[tuple[int, float]], factor: float = 1.0) -> Link:
                 if large_bytes > small_bytes else 1e12)
 
 
-def _measurement(layout: Layout, gathered: list[dict[str, Any]]) -> Measurement:
+def _measurement(layout: Layout, gathered: list[dict[str, Any]],
+                 cores: float | None = None) -> Measurement:
     """Fit the costs of rank 0's pipeline from the steps after the first: F, B, the span
-    and the step time from the first run, I and W from the ZB-H1 run if there was one."""
+    and the step time from the first run, I and W from the ZB-H1 run if there was one;
+    with ``cores``, each action's time is what it would take alone (``_alone``)."""
     stages = layout.pp * layout.vpp
     runs = list(measured_layouts(layout))
-    fused, fused_span = _fit_run(gathered, 0, stages)
-    split = _fit_run(gathered, runs.index("split"), stages)[0] if "split" in runs else None
-    half = _fit_run(gathered, runs.index("half"), stages)[0] if "half" in runs else None
+
+    fits = [_fit_run(gathered, run, stages, cores) for run in range(len(runs))]
+    fused, fused_span, _ = fits[0]
+    split = fits[runs.index("split")][0] if "split" in runs else None
+    half = fits[runs.index("half")][0] if "half" in runs else None
+    hops = [hop for _, _, hop in fits if hop is not None]
     world = len(gathered)
     backward = fused.per_stage("backward", stages)
     return Measurement(
@@ -338,7 +392,7 @@ def _measurement(layout: Layout, gathered: list[dict[str, Any]]) -> Measurement:
                         else tuple(b / 2 for b in backward)),
         backward_weight=(split.per_stage("backward_weight", stages) if split
                          else tuple(b / 2 for b in backward)),
-        pipeline_s=fused_span,
+        pipeline_s=fused_span, message_s=statistics.median(hops) if hops else None,
         step_s=statistics.median(max(g["runs"][0][index]["seconds"] for g in gathered)
                                  for index in range(1, len(gathered[0]["runs"][0]))),
         message=_link(gathered[0]["message"]),
@@ -348,17 +402,43 @@ def _measurement(layout: Layout, gathered: list[dict[str, Any]]) -> Measurement:
                                                     for g in gathered))
 
 
-def _fit_run(gathered: list[dict[str, Any]], run: int, stages: int):
-    """The costs (``fit_costs``) and pipeline span of run ``run``'s median step (by span)
-    after the first, on rank 0's pipeline."""
+def _fit_run(gathered: list[dict[str, Any]], run: int, stages: int,
+             cores: float | None = None):
+    """The costs (``fit_costs``), pipeline span and message time (``fit_message_seconds``)
+    of run ``run``'s median step (by span) after the first, on rank 0's pipeline; with
+    ``cores``, the costs of actions running alone (``_alone``)."""
     pipeline = gathered[0]["pipeline"]
-    steps = gathered[0]["runs"][run]
-    timelines = [Timeline.from_records(
-        [(gathered[rank]["pp_rank"], *action) for rank in pipeline
-         for action in gathered[rank]["runs"][run][index]["actions"]],
-        num_ranks=len(pipeline)) for index in range(1, len(steps))]
-    median = sorted(timelines, key=lambda t: t.makespan)[len(timelines) // 2]
-    return fit_costs(median, stages), median.makespan
+    steps = len(gathered[0]["runs"][run])
+
+    def timeline(index: int, alone: bool) -> Timeline:
+        records = {rank: gathered[rank]["runs"][run][index]["actions"]
+                   for rank in range(len(gathered))}
+        if alone:
+            records = _alone(records, cores)
+        return Timeline.from_records([(gathered[rank]["pp_rank"], *action)
+                                      for rank in pipeline for action in records[rank]],
+                                     num_ranks=len(pipeline))
+
+    spans = sorted(range(1, steps), key=lambda index: timeline(index, False).makespan)
+    median = timeline(spans[len(spans) // 2], False)
+    alone = timeline(spans[len(spans) // 2], True) if cores is not None else median
+    return fit_costs(alone, stages), median.makespan, fit_message_seconds(median)
+
+
+def _alone(records: dict[int, list], cores: float) -> dict[int, list]:
+    """Every rank's actions of one step, each shortened to what it would have taken alone:
+    while ``n`` ranks computed at once on ``cores`` cores, each ran at ``min(1, cores / n)``
+    (the processor sharing ``simulate(..., cores=)`` assumes)."""
+    flat = [(rank, action) for rank, actions in records.items() for action in actions]
+    starts = np.array([start for _, (_, start, _) in flat])
+    ends = np.array([end for _, (_, _, end) in flat])
+    open_ = ends > starts
+    speeds = np.ones(len(flat))
+    speeds[open_] = mean_speeds(starts[open_], ends[open_], cores)
+    alone: dict[int, list] = {rank: [] for rank in records}
+    for (rank, (text, start, end)), speed in zip(flat, speeds):
+        alone[rank].append((text, start, start + (end - start) * speed))
+    return alone
 
 
 def calibrate(profile: Profile, measurement: Measurement, cores: float | None = None
@@ -370,8 +450,9 @@ def calibrate(profile: Profile, measurement: Measurement, cores: float | None = 
     stages = layout.pp * layout.vpp
     weight = sum(stage_sum(profile, "forward", stage, layers, stages)
                  for stage, layers in enumerate(layers_per_stage(profile.layers, stages)))
-
-    fixed = _action_overhead(measurement, tokens)
+    reference = curve_factor(profile.token_curve, tokens)
+    curve = tuple((size, factor / reference) for size, factor in profile.token_curve)
+    fixed = _action_overhead(measurement, curve_factor(curve, tokens / 2) / 2)
 
     def factor(measured: tuple[float, ...]) -> float:
         return max(0.0, sum(measured) - stages * fixed) / (tokens * weight)
@@ -382,27 +463,31 @@ def calibrate(profile: Profile, measurement: Measurement, cores: float | None = 
     def priced(piece: Piece) -> Piece:
         return replace(piece, **{name: f * piece.forward for name, f in factors.items()})
 
-    priced_profile = replace(profile, embedding=priced(profile.embedding),
-                             action_overhead_s=fixed,
-                             layer=priced(profile.layer), head=priced(profile.head),
-                             message=measurement.message, all_reduce=measurement.all_reduce,
-                             optimizer_s_per_parameter=measurement.optimizer_s_per_parameter)
-    fitted = fit_message_overhead(layout, priced_profile, measurement.pipeline_s)
+    message_bytes = profile.hidden_bytes_per_token * tokens
+    extra = (0.0 if measurement.message_s is None
+             else max(0.0, measurement.message_s - measurement.message.seconds(message_bytes)))
+    fitted = replace(profile, embedding=priced(profile.embedding), action_overhead_s=fixed,
+                     layer=priced(profile.layer), head=priced(profile.head), token_curve=curve,
+                     message=measurement.message, all_reduce=measurement.all_reduce,
+                     message_overhead_s=extra, cores=cores,
+                     optimizer_s_per_parameter=measurement.optimizer_s_per_parameter)
     base = predict(layout, fitted)
-    fitted = replace(fitted, cores=cores, measured_load=load(layout, base.bubble))
     rest = measurement.step_s - base.step_s
     return replace(fitted, step_overhead_s=max(0.0, rest))
 
 
-def _action_overhead(measurement: Measurement, tokens: float) -> float:
+def _action_overhead(measurement: Measurement, half_ratio: float) -> float:
     """What a compute action costs whatever its size: F + B summed over the stages is
-    ``2 S c + k T`` at ``T`` tokens per microbatch and ``2 S c + k T / 2`` at half, which
-    gives ``c`` (0 without the half-size run, or if noise makes it negative)."""
-    if measurement.half_forward_and_backward is None:
+    ``2 S c + V`` at the measured microbatch and ``2 S c + r V`` at half of it, where ``r``
+    (``half_ratio``) is what the layer curve says half the tokens cost; that gives ``c``
+    (0 without the half-size run; noise may not make it negative, nor more than half of
+    an action's time)."""
+    if measurement.half_forward_and_backward is None or half_ratio >= 1:
         return 0.0
     stages = len(measurement.forward)
     full = sum(measurement.forward) + sum(measurement.backward)
-    return max(0.0, (2 * measurement.half_forward_and_backward - full) / (2 * stages))
+    variable = (full - measurement.half_forward_and_backward) / (1 - half_ratio)
+    return min(max(0.0, (full - variable) / (2 * stages)), full / (4 * stages))
 
 
 def tune(config: TrainConfig, world_size: int, memory_budget: float | None,
@@ -415,8 +500,11 @@ def tune(config: TrainConfig, world_size: int, memory_budget: float | None,
     batch = global_batch_of(config) if global_batch is None else global_batch
     profile = model_profile(config)
     rank_layouts(world_size, profile, batch, memory_budget)
+    profile = replace(profile, token_curve=layer_curve(
+        config, token_counts(profile, world_size, batch)))
     layout = base_layout(world_size, profile, batch, config.microbatch_size)
-    measurement = measure(config, layout)
-    priced = calibrate(profile, measurement, cores=None if under_torchrun() else os.cpu_count())
+    cores = None if under_torchrun() else os.cpu_count()
+    measurement = measure(config, layout, cores)
+    priced = calibrate(profile, measurement, cores)
     return TuneResult(rank_layouts(world_size, priced, batch, memory_budget), priced,
                       measurement)
