@@ -136,26 +136,24 @@ def sharing_durations(work: np.ndarray, starts: np.ndarray, ends: np.ndarray, co
     """How long each action with ``work`` seconds of compute takes when it runs at the
     speed ``cores`` allow over the interval it had (``starts``, ``ends``): the actions
     computing at any moment are those intervals, times ``replicas``, and each runs at
-    ``min(1, cores / n)`` while ``n`` compute. Actions without work take none."""
-    busy = (work > 0) & (ends > starts)
-    speed = np.ones(len(work))
-    if busy.any():
-        speed[busy] = mean_speeds(starts[busy], ends[busy], cores, replicas)
-    return np.where(work > 0, work / speed, 0.0)
+    ``min(1, cores / n)`` while ``n`` compute."""
+    return work / mean_speeds(starts, ends, cores, replicas)
 
 
 def mean_speeds(starts: np.ndarray, ends: np.ndarray, cores: float,
                 replicas: int = 1) -> np.ndarray:
     """Each interval's mean speed under processor sharing: with ``n`` of the intervals
-    (times ``replicas``) open at a moment, each moves at ``min(1, cores / n)``."""
+    (times ``replicas``) open at a moment, each moves at ``min(1, cores / n)``; an empty
+    interval shares nothing and moves at full speed."""
     moments = np.unique(np.concatenate([starts, ends]))
     opened = np.searchsorted(np.sort(starts), moments, side="right")
     closed = np.searchsorted(np.sort(ends), moments, side="right")
     running = replicas * (opened - closed)[:-1]
     speed = np.minimum(1.0, cores / np.maximum(running, 1))
     progress = np.concatenate([[0.0], np.cumsum(speed * np.diff(moments))])
-    done = (np.interp(ends, moments, progress) - np.interp(starts, moments, progress))
-    return done / (ends - starts)
+    done = np.interp(ends, moments, progress) - np.interp(starts, moments, progress)
+    lengths = ends - starts
+    return np.divide(done, lengths, out=np.ones(len(lengths)), where=lengths > 0)
 
 
 def _durations(schedule: Schedule, costs: CostModel) -> np.ndarray:

@@ -167,13 +167,18 @@ def _saved_bytes(run: Callable[[], torch.Tensor], model: torch.nn.Module) -> flo
 
 def _median_seconds(run: Callable[[], Any]) -> float:
     with torch.no_grad():
-        run()  # warm-up
-        times = []
-        for _ in range(REPEATS):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return statistics.median(_call_seconds(run))
+
+
+def _call_seconds(run: Callable[[], Any]) -> list[float]:
+    """The seconds of ``REPEATS`` calls of ``run`` after an untimed warm-up call."""
+    run()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def token_counts(profile: Profile, world_size: int, global_batch: int) -> list[int]:
@@ -201,21 +206,11 @@ def layer_curve(config: TrainConfig, counts: list[int]) -> tuple[tuple[float, fl
             def step() -> None:
                 model.layers[0](hidden, positions, None).sum().backward()
 
-            curve.append((float(tokens), _fastest_seconds(step) / tokens))
+            # The fastest call: the least disturbed by other processes.
+            curve.append((float(tokens), min(_call_seconds(step)) / tokens))
     finally:
         torch.set_num_threads(threads)
     return tuple(curve)
-
-
-def _fastest_seconds(run: Callable[[], Any]) -> float:
-    """The fastest of ``REPEATS`` calls after a warm-up (the least disturbed by others)."""
-    run()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def base_layout(world_size: int, profile: Profile, global_batch: int,
@@ -408,20 +403,18 @@ def _fit_run(gathered: list[dict[str, Any]], run: int, stages: int,
     of run ``run``'s median step (by span) after the first, on rank 0's pipeline; with
     ``cores``, the costs of actions running alone (``_alone``)."""
     pipeline = gathered[0]["pipeline"]
-    steps = len(gathered[0]["runs"][run])
+    steps = [{rank: g["runs"][run][index]["actions"] for rank, g in enumerate(gathered)}
+             for index in range(1, len(gathered[0]["runs"][run]))]
 
-    def timeline(index: int, alone: bool) -> Timeline:
-        records = {rank: gathered[rank]["runs"][run][index]["actions"]
-                   for rank in range(len(gathered))}
-        if alone:
-            records = _alone(records, cores)
+    def timeline(records: dict[int, list]) -> Timeline:
         return Timeline.from_records([(gathered[rank]["pp_rank"], *action)
                                       for rank in pipeline for action in records[rank]],
                                      num_ranks=len(pipeline))
 
-    spans = sorted(range(1, steps), key=lambda index: timeline(index, False).makespan)
-    median = timeline(spans[len(spans) // 2], False)
-    alone = timeline(spans[len(spans) // 2], True) if cores is not None else median
+    timelines = sorted(((timeline(records), records) for records in steps),
+                       key=lambda pair: pair[0].makespan)
+    median, records = timelines[len(timelines) // 2]
+    alone = median if cores is None else timeline(_alone(records, cores))
     return fit_costs(alone, stages), median.makespan, fit_message_seconds(median)
 
 
@@ -432,9 +425,7 @@ def _alone(records: dict[int, list], cores: float) -> dict[int, list]:
     flat = [(rank, action) for rank, actions in records.items() for action in actions]
     starts = np.array([start for _, (_, start, _) in flat])
     ends = np.array([end for _, (_, _, end) in flat])
-    open_ = ends > starts
-    speeds = np.ones(len(flat))
-    speeds[open_] = mean_speeds(starts[open_], ends[open_], cores)
+    speeds = mean_speeds(starts, ends, cores)
     alone: dict[int, list] = {rank: [] for rank in records}
     for (rank, (text, start, end)), speed in zip(flat, speeds):
         alone[rank].append((text, start, start + (end - start) * speed))
