@@ -35,9 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.profiler import record_function
 
-from ..comm.collectives import COMM_LABEL
+from ..comm.collectives import COMM_LABEL, PendingTransfers, post_transfers
 from .blockwise import heads_first, kernel_for
 from .layout import GroupLayout, attention_layout
 from .masks import Piece, TokenRun, plan_block, plan_pieces, split_causal, token_runs
@@ -49,23 +48,6 @@ from .tiles import (CAUSAL_LEAF, SEQ, Tile, TileGradients, accumulate, attend, c
 _KV_TAG = 11
 _GRAD_KV_TAG = 12
 _RING_LABEL = COMM_LABEL + "ring"
-
-
-class _Transfer:
-    """Posted sends and receives; ``wait`` returns the received tensors."""
-
-    def __init__(self, received: tuple[Tensor, ...], works: list,
-                 keep_alive: tuple[Tensor, ...]):
-        self._received = received
-        self._works = works
-        self._keep_alive: tuple[Tensor, ...] | None = keep_alive
-
-    def wait(self) -> tuple[Tensor, ...]:
-        with record_function(_RING_LABEL):
-            for work in self._works:
-                work.wait()
-        self._keep_alive = None
-        return self._received
 
 
 @dataclass(frozen=True)
@@ -81,25 +63,19 @@ class _Ring:
         """Group rank whose key/value block this rank holds at ``step``."""
         return (self.rank - step) % self.size
 
-    def shift(self, tensors: tuple[Tensor, ...], step: int, tag: int) -> _Transfer:
+    def shift(self, tensors: tuple[Tensor, ...], step: int, tag: int) -> PendingTransfers:
         """Send ``tensors`` (``[b, s, h, d]`` blocks) to the next rank and receive, from the
         previous one, the blocks this rank holds at ``step``."""
         if self.size == 1:
-            return _Transfer(tensors, [], keep_alive=())
+            return PendingTransfers(tensors, [], (), _RING_LABEL)
         rows = self.block_sizes[self.source(step)]
         sent = tuple(tensor.contiguous() for tensor in tensors)
-        received = tuple(tensor.new_empty((tensor.shape[0], rows, *tensor.shape[2:]))
-                         for tensor in sent)
-        operations = []
-        for outgoing, incoming in zip(sent, received):
-            operations += [
-                dist.P2POp(dist.isend, outgoing, group=self.group,
-                           group_peer=(self.rank + 1) % self.size, tag=tag),
-                dist.P2POp(dist.irecv, incoming, group=self.group,
-                           group_peer=(self.rank - 1) % self.size, tag=tag)]
-        with record_function(_RING_LABEL):
-            works = dist.batch_isend_irecv(operations)
-        return _Transfer(received, works, keep_alive=sent)
+        received = [tensor.new_empty((tensor.shape[0], rows, *tensor.shape[2:]))
+                    for tensor in sent]
+        following, preceding = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        return post_transfers([(following, tensor) for tensor in sent],
+                              [(preceding, tensor) for tensor in received], self.group, tag,
+                              _RING_LABEL)
 
 
 class _RingAttentionFunction(torch.autograd.Function):

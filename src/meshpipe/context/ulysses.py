@@ -11,24 +11,27 @@ the inner attention sees the masks of the whole gathered sequence.
 Where q, k and v share one exchange, the inner attention is ``LocalAttention``, the tensors
 are on CPU in a float32/bf16/fp16 dtype and the sequence is plain (no documents),
 ``_PipelinedUlysses`` runs the heads in groups on the blockwise kernel: one group's exchange
-travels while another computes.
+travels while another computes, and the tiles of a rank's own rows and columns run while
+the first exchange is still on its way in (they need nothing from the other ranks).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.collectives import all_to_all, post_all_to_all
+from ..comm.collectives import COMM_LABEL, all_to_all, post_transfers
 from ..comm.shards import split_sizes
 from .heads import HeadPlan, plan_heads
 from .interface import Attention, AttentionError
-from .blockwise import heads_first, kernel_for
+from .blockwise import BlockKernel, heads_first, kernel_for
 from .layout import GroupLayout, attention_layout
 from .local import LocalAttention
-from .masks import is_plain_sequence
-from .tiles import (SEQ, Tile, TileGradients, accumulate, attend, causal_square, empty_output,
+from .masks import Piece, is_plain_sequence, split_causal
+from .tiles import (CAUSAL_LEAF, SEQ, Tile, TileGradients, accumulate, attend, empty_output,
                     runs_on_cpu_kernel)
 
 _SEQ_DIM = 1
@@ -80,8 +83,7 @@ class UlyssesAttention(nn.Module):
         fused = _can_fuse(q, k, v, plan, ranks)
         if fused and self._pipelines(q, layout, positions, doc_ids):
             scale = self.inner.scale if self.inner.scale is not None else q.shape[-1] ** -0.5
-            return _PipelinedUlysses.apply(q, k, v, self.group, layout.total,
-                                           causal_square(layout.total, causal), scale)
+            return _PipelinedUlysses.apply(q, k, v, self.group, layout.total, causal, scale)
         if fused:
             q_heads, k_heads, v_heads = self._exchange_qkv(q, k, v, ranks, layout.total)
         else:
@@ -165,9 +167,12 @@ def _as_grouped_query_heads(kv: Tensor, kv_of_query: list[int]) -> Tensor:
 
 
 HEAD_GROUPS = 2
-"""Ulysses on CPU runs a rank's heads in up to this many groups: one group's all-to-all
+"""Ulysses on CPU runs a rank's heads in up to this many groups: one group's exchange
 travels while another computes (with four, the smaller kernel calls cost more than the
 overlap hides on a 2-core machine)."""
+
+_EXCHANGE_TAG = 13  # ring attention uses 11 and 12
+_EXCHANGE_LABEL = COMM_LABEL + "ulysses"
 
 
 def _head_groups(kv_heads_per_rank: int) -> int:
@@ -184,79 +189,246 @@ def _group_heads(x: Tensor, ranks: int, groups: int, group: int) -> Tensor:
     return split[:, :, :, group].movedim(2, 0)
 
 
-def _place_group(whole: Tensor, part: Tensor, ranks: int, groups: int, group: int) -> None:
-    """Write ``part`` (``[ranks, b, s, heads_per_group, d]``) into head group ``group`` of
-    every rank's share of ``whole``'s heads (``[b, s, heads, d]``)."""
-    _group_heads(whole, ranks, groups, group).copy_(part)
+def _write_side_by_side(into: Tensor, parts: list[Tensor]) -> Tensor:
+    """Copy ``parts`` (``[b, s, h_i, d]``) next to each other along the heads of ``into``."""
+    for place, part in zip(into.split([part.shape[_HEAD_DIM] for part in parts],
+                                      dim=_HEAD_DIM), parts):
+        place.copy_(part)
+    return into
+
+
+def _side_by_side(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """``parts`` next to each other along the heads, in one new contiguous ``dtype`` tensor."""
+    shape = list(parts[0].shape)
+    shape[_HEAD_DIM] = sum(part.shape[_HEAD_DIM] for part in parts)
+    return _write_side_by_side(parts[0].new_empty(shape, dtype=dtype), parts)
+
+
+@dataclass(frozen=True)
+class _TilePlan:
+    """One rank's share of the attention square of a head group, by what each tile reads.
+
+    ``rows[r]`` are group rank ``r``'s tokens in the gathered sequence. ``local`` tiles read
+    only this rank's own rows and columns, which it holds before any exchange arrives;
+    ``peer_rows`` tiles make the output (forward) rows other ranks get back; ``own_rows``
+    are the rest: this rank's rows against other ranks' columns.
+    """
+
+    rows: list[slice]
+    rank: int
+    local: list[Tile]
+    peer_rows: list[Tile]
+    own_rows: list[Tile]
+
+    @property
+    def own(self) -> slice:
+        return self.rows[self.rank]
+
+    def peers(self) -> list[int]:
+        return [peer for peer in range(len(self.rows)) if peer != self.rank]
+
+
+def _tiles(rows: slice, cols: slice, causal: bool, total: int) -> list[Tile]:
+    """Tiles of a non-empty rectangle: a causal square cut down to ``CAUSAL_LEAF`` rows, or
+    one unmasked tile."""
+    if rows.stop == rows.start or cols.stop == cols.start:
+        return []
+    return [Tile.of_piece(piece) for piece in split_causal(Piece(rows, cols, causal), total,
+                                                            CAUSAL_LEAF)]
+
+
+def _plan_tiles(total: int, ranks: int, rank: int, causal: bool) -> _TilePlan:
+    """Cut the square of ``total`` tokens by who holds the rows and columns: this rank's own
+    square, the rows before and after it, and its rows against the other columns."""
+    sizes = split_sizes(total, ranks)
+    starts = [sum(sizes[:r]) for r in range(ranks)]
+    rows = [slice(start, start + size) for start, size in zip(starts, sizes)]
+    own = rows[rank]
+    before, after = slice(0, own.start), slice(own.stop, total)
+    if causal:
+        peer_rows = [*_tiles(before, before, True, total),
+                     *_tiles(after, slice(0, own.stop), False, total),
+                     *_tiles(after, after, True, total)]
+        own_rows = _tiles(own, before, False, total)
+    else:
+        everything = slice(0, total)
+        peer_rows = [*_tiles(before, everything, False, total),
+                     *_tiles(after, everything, False, total)]
+        own_rows = [*_tiles(own, before, False, total), *_tiles(own, after, False, total)]
+    return _TilePlan(rows, rank, _tiles(own, own, causal, total), peer_rows, own_rows)
+
+
+class _Exchange:
+    """One Ulysses exchange as point-to-point transfers: a block to every peer, and a block
+    from every peer that lands in its places (``[b, s, h_i, d]`` views, side by side along
+    the heads). A block whose one place is contiguous and of the wire dtype is received
+    straight into it; any other goes through a buffer copied into its places at ``wait``."""
+
+    def __init__(self, group: dist.ProcessGroup | None, sends: dict[int, Tensor],
+                 places: dict[int, list[Tensor]], dtype: torch.dtype):
+        receives, self._landings = [], []
+        for peer, targets in places.items():
+            if len(targets) == 1 and targets[0].is_contiguous() and targets[0].dtype == dtype:
+                receives.append((peer, targets[0]))
+                continue
+            shape = list(targets[0].shape)
+            shape[_HEAD_DIM] = sum(target.shape[_HEAD_DIM] for target in targets)
+            buffer = targets[0].new_empty(shape, dtype=dtype)
+            receives.append((peer, buffer))
+            self._landings.append((buffer, targets))
+        self._pending = post_transfers(
+            [(peer, block) for peer, block in sends.items() if block.numel()],
+            [(peer, block) for peer, block in receives if block.numel()], group,
+            _EXCHANGE_TAG, _EXCHANGE_LABEL)
+
+    def wait(self) -> None:
+        self._pending.wait()
+        for buffer, targets in self._landings:
+            for target, part in zip(targets, buffer.split(
+                    [target.shape[_HEAD_DIM] for target in targets], dim=_HEAD_DIM)):
+                target.copy_(part)
 
 
 class _PipelinedUlysses(torch.autograd.Function):
-    """Ulysses around blockwise local attention, head group by head group.
+    """Ulysses around blockwise local attention, head group by head group, own rows first.
 
-    Forward posts every group's q/k/v all-to-all at once (packed peer-major, as in
-    ``UlyssesAttention._exchange_qkv``), then computes group after group as each arrives and
-    posts its output's all-to-all while the next group computes. Backward does the same with
-    the output gradients and the q/k/v gradients. Only the first group's exchange in and the
-    last one's exchange out wait on the wire; the kernel is ``blockwise`` with the causal
-    square cut into tiles (``tiles.causal_square``).
+    Each head group gathers its q/k/v over the whole sequence into one float32 buffer,
+    ``[b, seq, (q, k, v heads), d]``. The rank writes its own rows itself and receives
+    every peer's rows straight into place (point-to-point, one transfer per peer and
+    direction). So the tiles that read only its own rows and columns (``_TilePlan.local``)
+    can run before anything arrives: the first group computes them while the exchange
+    travels. The output rows other ranks get back are computed next and sent, and the
+    group's remaining tiles (its own rows) run while they travel; the last group saves
+    its local tiles for then. Backward does the same with the output gradients, and sends
+    the q/k/v gradients of the other ranks' rows as soon as the non-local tiles are done.
+    The tiles are the causal square cut down to ``CAUSAL_LEAF`` rows on the ``blockwise``
+    kernel.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None,
-                total: int, tiles: list[Tile], scale: float) -> Tensor:
+                total: int, causal: bool, scale: float) -> Tensor:
         ranks = dist.get_world_size(group)
+        plan = _plan_tiles(total, ranks, dist.get_rank(group), causal)
         groups = _head_groups(k.shape[_HEAD_DIM] // ranks)
         kernel = kernel_for(q.device)
-        incoming = [post_all_to_all(torch.cat([_group_heads(x, ranks, groups, g)
-                                               for x in (q, k, v)], dim=_HEAD_DIM + 1),
-                                    group, scatter_dim=0, gather_dim=_SEQ_DIM + 1,
-                                    gather_size=total)
-                    for g in range(groups)]
         sizes = [x.shape[_HEAD_DIM] // (ranks * groups) for x in (q, k, v)]
+        gathered = [q.new_empty((q.shape[0], total, sum(sizes), q.shape[-1]),
+                                dtype=torch.float32) for _ in range(groups)]
+        incoming = [_post_gather(gathered[g], [_group_heads(x, ranks, groups, g)
+                                               for x in (q, k, v)], plan, group, q.dtype)
+                    for g in range(groups)]
+        result = q.new_empty(q.shape)
         saved, outgoing = [], []
         for g in range(groups):
-            q_g, k_g, v_g = incoming[g].wait().squeeze(0).split(sizes, dim=_HEAD_DIM)
-            queries = heads_first(q_g)
-            out, lse = attend(kernel, queries, (k_g, v_g), tiles, scale)
+            q_g, k_g, v_g = gathered[g].split(sizes, dim=_HEAD_DIM)
+            queries, kv = heads_first(q_g), (k_g, v_g)
+            first, last = g == 0, g == groups - 1
+            out, lse = attend(kernel, queries, kv, plan.local if first else [], scale)
+            incoming[g].wait()
+            out, lse = attend(kernel, queries, kv, plan.peer_rows, scale, out, lse)
             if out is None:
                 out, lse = empty_output(queries)
-            saved.append((queries, (k_g, v_g), out, lse))
-            outgoing.append(post_all_to_all(out.transpose(1, 2).to(q.dtype).unsqueeze(0), group,
-                                            scatter_dim=_SEQ_DIM + 1, gather_dim=0,
-                                            gather_size=ranks))
-        result = q.new_empty(q.shape)  # contiguous: _place_group writes through views
-        for g in range(groups):
-            _place_group(result, outgoing[g].wait(), ranks, groups, g)
-        ctx.group, ctx.total, ctx.tiles, ctx.scale, ctx.kernel = group, total, tiles, scale, kernel
-        ctx.ranks, ctx.groups, ctx.sizes, ctx.saved = ranks, groups, sizes, saved
+            places = _group_heads(result, ranks, groups, g)
+            outgoing.append(_Exchange(
+                group, {peer: _side_by_side([_rows_of(out, plan.rows[peer])], q.dtype)
+                        for peer in plan.peers()},
+                {peer: [places[peer]] for peer in plan.peers()}, q.dtype))
+            attend(kernel, queries, kv, plan.own_rows + (plan.local if last and not first
+                                                         else []), scale, out, lse)
+            places[plan.rank].copy_(_rows_of(out, plan.own))
+            saved.append((queries, kv, out, lse))
+        for exchange in outgoing:
+            exchange.wait()
+        ctx.group, ctx.plan, ctx.scale, ctx.kernel = group, plan, scale, kernel
+        ctx.ranks, ctx.groups, ctx.saved = ranks, groups, saved
         ctx.shapes = (q.shape, k.shape, v.shape)
         return result
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        ranks, groups, group = ctx.ranks, ctx.groups, ctx.group
-        incoming = [post_all_to_all(_group_heads(grad_output, ranks, groups, g), group,
-                                    scatter_dim=0, gather_dim=_SEQ_DIM + 1,
-                                    gather_size=ctx.total)
+        ranks, groups, plan = ctx.ranks, ctx.groups, ctx.plan
+        gathered = [grad_output.new_empty((grad_output.shape[0], plan.rows[-1].stop,
+                                           grad_output.shape[_HEAD_DIM] // (ranks * groups),
+                                           grad_output.shape[-1]), dtype=torch.float32)
+                    for _ in range(groups)]
+        incoming = [_post_gather(gathered[g], [_group_heads(grad_output, ranks, groups, g)],
+                                 plan, ctx.group, grad_output.dtype)
                     for g in range(groups)]
+        grads = [grad_output.new_empty(shape) for shape in ctx.shapes]
         outgoing = []
         for g in range(groups):
             queries, kv, out, lse = ctx.saved[g]
-            gradients = TileGradients(ctx.kernel, queries,
-                                      heads_first(incoming[g].wait().squeeze(0)), out, lse,
-                                      ctx.scale)
-            grad_k = grad_v = None
-            for tile in ctx.tiles:
-                block_k, block_v = gradients.gradients(tile, kv)
-                grad_k = accumulate(grad_k, block_k, SEQ, tile.cols, kv[0].shape)
-                grad_v = accumulate(grad_v, block_v, SEQ, tile.cols, kv[1].shape)
-            packed = torch.cat((gradients.grad_queries.transpose(1, 2), grad_k, grad_v),
-                               dim=_HEAD_DIM).to(grad_output.dtype)
-            outgoing.append(post_all_to_all(packed.unsqueeze(0), group,
-                                            scatter_dim=_SEQ_DIM + 1, gather_dim=0,
-                                            gather_size=ranks))
-        grads = [grad_output.new_empty(shape) for shape in ctx.shapes]
-        for g in range(groups):
-            for whole, part in zip(grads, outgoing[g].wait().split(ctx.sizes, dim=_HEAD_DIM + 1)):
-                _place_group(whole, part, ranks, groups, g)
+            first, last = g == 0, g == groups - 1
+            gradients = _GroupGradients(ctx.kernel, queries, heads_first(gathered[g]), out, lse,
+                                        ctx.scale, kv)
+            if first:
+                gradients.run(plan.local)
+            incoming[g].wait()
+            gradients.run(plan.peer_rows + plan.own_rows)
+            places = [_group_heads(whole, ranks, groups, g) for whole in grads]
+            outgoing.append(_Exchange(
+                ctx.group, {peer: _side_by_side(gradients.at(plan.rows[peer]),
+                                                grad_output.dtype) for peer in plan.peers()},
+                {peer: [place[peer] for place in places] for peer in plan.peers()},
+                grad_output.dtype))
+            if last and not first:
+                gradients.run(plan.local)
+            for place, part in zip(places, gradients.at(plan.own)):
+                place[plan.rank].copy_(part)
+        for exchange in outgoing:
+            exchange.wait()
         return (*grads, None, None, None, None)
+
+
+def _count(rows: slice) -> int:
+    return rows.stop - rows.start
+
+
+def _rows_of(heads_first_output: Tensor, rows: slice) -> Tensor:
+    """The tokens ``rows`` of a ``[b, h, s, d]`` output, as ``[b, s_rows, h, d]`` (a view)."""
+    return heads_first_output.narrow(2, rows.start, _count(rows)).transpose(1, 2)
+
+
+def _post_gather(gathered: Tensor, parts: list[Tensor], plan: _TilePlan,
+                 group: dist.ProcessGroup | None, dtype: torch.dtype) -> _Exchange:
+    """Start gathering one head group over the whole sequence into ``gathered``
+    (``[b, seq, heads, d]``): ``parts`` are ``[ranks, b, s_local, h_i, d]`` views of this
+    rank's tokens, one per tensor sent side by side. Writes this rank's own rows at once;
+    every peer's rows arrive in place by ``wait``."""
+    own = plan.own
+    _write_side_by_side(gathered.narrow(_SEQ_DIM, own.start, _count(own)),
+                        [part[plan.rank] for part in parts])
+    return _Exchange(group, {peer: _side_by_side([part[peer] for part in parts], dtype)
+                             for peer in plan.peers()},
+                     {peer: [gathered.narrow(_SEQ_DIM, plan.rows[peer].start,
+                                             _count(plan.rows[peer]))]
+                      for peer in plan.peers()}, dtype)
+
+
+class _GroupGradients:
+    """One head group's q/k/v gradients over the whole gathered sequence, tile by tile."""
+
+    def __init__(self, kernel: BlockKernel, queries: Tensor, grad_out: Tensor, out: Tensor,
+                 lse: Tensor, scale: float, kv: tuple[Tensor, Tensor]):
+        self._queries = TileGradients(kernel, queries, grad_out, out, lse, scale)
+        self._kv = kv
+        self._keys: Tensor | None = None
+        self._values: Tensor | None = None
+
+    def run(self, tiles: list[Tile]) -> None:
+        for tile in tiles:
+            block_k, block_v = self._queries.gradients(tile, self._kv)
+            self._keys = accumulate(self._keys, block_k, SEQ, tile.cols, self._kv[0].shape)
+            self._values = accumulate(self._values, block_v, SEQ, tile.cols, self._kv[1].shape)
+
+    def at(self, rows: slice) -> list[Tensor]:
+        """The q, k and v gradients of the tokens ``rows``, each ``[b, s, h, d]`` (views)."""
+        grad_q = self._queries.grad_queries
+        if grad_q is None:
+            grad_q = torch.zeros_like(self._queries.queries)
+        keys = self._keys if self._keys is not None else torch.zeros(self._kv[0].shape)
+        values = self._values if self._values is not None else torch.zeros(self._kv[1].shape)
+        count = _count(rows)
+        return [_rows_of(grad_q, rows), keys.narrow(SEQ, rows.start, count),
+                values.narrow(SEQ, rows.start, count)]
