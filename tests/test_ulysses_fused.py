@@ -122,6 +122,7 @@ def test_float32_ulysses_runs_head_group_by_head_group(seq, heads_q, heads_kv, c
     pytest.param(2, 2 * CAUSAL_LEAF + 5, True, id="cp2-long-uneven"),
     pytest.param(4, 4 * CAUSAL_LEAF + 3, True, id="cp4-long-uneven"),
     pytest.param(4, 3, True, id="cp4-a-rank-without-tokens"),
+    pytest.param(2, 1, True, id="cp2-one-token-no-peer-rows"),
     pytest.param(4, 21, False, id="cp4-not-causal"),
 ])
 def test_one_row_batch_receives_in_place(world, seq, causal):

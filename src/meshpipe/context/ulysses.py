@@ -427,8 +427,8 @@ class _GroupGradients:
         grad_q = self._queries.grad_queries
         if grad_q is None:
             grad_q = torch.zeros_like(self._queries.queries)
-        keys = self._keys if self._keys is not None else torch.zeros(self._kv[0].shape)
-        values = self._values if self._values is not None else torch.zeros(self._kv[1].shape)
+        keys = self._keys if self._keys is not None else torch.zeros_like(self._kv[0])
+        values = self._values if self._values is not None else torch.zeros_like(self._kv[1])
         count = _count(rows)
         return [_rows_of(grad_q, rows), keys.narrow(SEQ, rows.start, count),
                 values.narrow(SEQ, rows.start, count)]
