@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Literal, Sequence
+from typing import Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,8 +44,7 @@ __all__ = [
     "packed_gather", "packed_hybrid_gather", "packed_hybrid_positions", "packed_hybrid_split",
     "packed_positions", "packed_split", "positions_in_document", "split", "split_sizes",
     "zigzag_gather", "zigzag_positions", "zigzag_split", "exchange_counts", "exchange_rows",
-    "all_to_all_rows", "post_all_to_all", "PendingAllToAll", "post_transfers",
-    "PendingTransfers",
+    "all_to_all_rows", "post_transfers", "PendingTransfers",
 ]
 
 GradScale = Literal["up", "down"] | None
@@ -138,30 +137,6 @@ def _require_sizes_along(shapes: list[list[int]], dim: int, expected: list[int],
 def _all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gather_dim: int,
                 gather_size: int | None) -> Tensor:
     """Scatter ``scatter_dim`` over the group and gather ``gather_dim``, exactly."""
-    return post_all_to_all(x, group, scatter_dim, gather_dim, gather_size).wait()
-
-
-class PendingAllToAll:
-    """An all-to-all in flight (``post_all_to_all``): ``wait()`` returns the gathered tensor."""
-
-    def __init__(self, result: Tensor, work: Any = None, sent: Tensor | None = None,
-                 join: Callable[[Tensor], Tensor] | None = None):
-        self._result, self._work, self._sent, self._join = result, work, sent, join
-
-    def wait(self) -> Tensor:
-        if self._work is not None:
-            with record_function(COMM_LABEL + "all_to_all"):
-                self._work.wait()
-            self._work = self._sent = None
-        if self._join is not None:
-            self._result, self._join = self._join(self._result), None
-        return self._result
-
-
-def post_all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int,
-                    gather_dim: int, gather_size: int | None = None) -> PendingAllToAll:
-    """``all_to_all`` posted without waiting and without autograd: what a caller overlaps
-    with compute of its own (Ulysses, head group by head group)."""
     what = "all_to_all"
     if x.dim() < 2:
         raise ValueError(f"{what}: needs distinct scatter and gather dims, got a "
@@ -182,7 +157,7 @@ def post_all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int
             f"dim {gather_dim}, but a gathered size of {total_gather} gives it "
             f"{gather_sizes[rank]} (split {gather_sizes}); pass gather_size = the total size")
     if world == 1:
-        return PendingAllToAll(x)
+        return x
     scatter_sizes = split_sizes(x.size(scatter_dim), world)
     send, send_counts = _peer_blocks(x, scatter_dim, scatter_sizes)
     block_shape = list(x.shape)
@@ -191,11 +166,10 @@ def post_all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int
     received = torch.empty(sum(receive_counts), dtype=x.dtype, device=x.device)
     aligned = x.size(scatter_dim) % world == 0 and total_gather % world == 0
     with record_function(COMM_LABEL + "all_to_all"):
-        work = dist.all_to_all_single(
+        dist.all_to_all_single(
             received, send, output_split_sizes=None if aligned else receive_counts,
-            input_split_sizes=None if aligned else send_counts, group=group, async_op=True)
-    return PendingAllToAll(received, work, send, lambda flat: _joined_blocks(
-        flat, block_shape, gather_dim, gather_sizes))
+            input_split_sizes=None if aligned else send_counts, group=group)
+    return _joined_blocks(received, block_shape, gather_dim, gather_sizes)
 
 
 class PendingTransfers:
