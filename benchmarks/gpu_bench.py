@@ -6,8 +6,8 @@
 Part 1 times one causal attention forward + backward in bf16 (batch 1, 16 heads of 128) per
 sequence length: SDPA with its flash kernel forced (meshpipe's ``LocalAttention``), and
 meshpipe's ``RingAttention`` on a group of one rank, which runs the tile kernel ring
-attention uses on CUDA (``context.blockwise.MATH``: float32 scores materialised per tile;
-there is no CUDA flash tile kernel yet), so it shows what a ring step costs per tile. A
+attention uses on CUDA (``context.blockwise.CUDA_EFFICIENT``: the memory-efficient kernel in
+float32, which returns the log-sum-exp), so it shows what a ring step costs per tile. A
 configuration that runs out of memory is recorded as OOM.
 
 Part 2 times training steps of the reference transformer (default dim 2048, 16 layers,

@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshpipe.comm.shards import contiguous_positions, packed_positions, zigzag_positions
 from meshpipe.context import RingAttention
 from meshpipe.context.tiles import CAUSAL_LEAF
-from meshpipe.context.blockwise import CAUSAL, CPU_FLASH, MATH, tile_mask
+from meshpipe.context.blockwise import CAUSAL, CPU_FLASH, CUDA_EFFICIENT, MATH, kernel_for, tile_mask
 from meshpipe.context.masks import MAX_RUNS
 from meshpipe.testing import run_distributed
 
@@ -220,3 +221,66 @@ def test_long_diagonal_tiles_are_halved_and_stay_exact():
         causal_rows = [s_q for _, causal, _, s_q, _ in result["calls"] if causal]
         assert causal_rows and max(causal_rows) <= CAUSAL_LEAF, (rank, result["calls"])
         assert not any(has_mask for _, _, has_mask, _, _ in result["calls"])
+
+
+class _EfficientRecorder(TorchDispatchMode):
+    """Records the arguments (by name, defaults filled in) of every memory-efficient attention
+    op called under it (this CPU build runs those ops on the meta device only)."""
+
+    NAMES = ("_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_efficient_attention_backward")
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, list[dict]] = {name: [] for name in self.NAMES}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in self.calls:
+            named = {arg.name: arg.default_value for arg in func._schema.arguments}
+            named.update(zip(named, args), **kwargs)
+            self.calls[name].append(named)
+        return func(*args, **kwargs)
+
+
+def test_kernel_for_picks_each_devices_lse_kernel():
+    assert kernel_for(torch.device("cpu")) is CPU_FLASH
+    assert kernel_for(torch.device("cuda", 0)) is CUDA_EFFICIENT
+    assert kernel_for(torch.device("meta")) is MATH
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "none", "explicit"])
+def test_cuda_efficient_tile_calls_the_aten_ops_with_their_shapes(mask_kind):
+    """The CUDA kernel's wiring, run on meta tensors (this build has no CUDA kernels): grouped
+    key/value heads repeated for the op and their gradients summed back, the log-sum-exp
+    cut from the op's 32-row padding to the tile's rows, an explicit mask as a 4-d additive
+    bias whose rows are 16-element aligned, CAUSAL as the op's own causal mode."""
+    b, hq, hkv, s_q, s_k, d = 2, 4, 2, 37, 37 if mask_kind == "causal" else 21, 16
+    meta = dict(device="meta")
+    q, grad_out = torch.empty(b, hq, s_q, d, **meta), torch.empty(b, hq, s_q, d, **meta)
+    k, v = torch.empty(b, hkv, s_k, d, **meta), torch.empty(b, hkv, s_k, d, **meta)
+    mask = {"causal": CAUSAL, "none": None,
+            "explicit": torch.ones(s_q, s_k, dtype=torch.bool, **meta)}[mask_kind]
+
+    with _EfficientRecorder() as recorder:
+        out, lse = CUDA_EFFICIENT.forward(q, k, v, mask, 0.25)
+        dq, dk, dv = CUDA_EFFICIENT.backward(grad_out, q, k, v, out, lse, mask, 0.25)
+
+    assert out.shape == (b, hq, s_q, d) and lse.shape == (b, hq, s_q)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    (forward_args,) = recorder.calls[_EfficientRecorder.NAMES[0]]
+    (backward_args,) = recorder.calls[_EfficientRecorder.NAMES[1]]
+    for args in forward_args, backward_args:
+        assert args["key"].shape == args["value"].shape == (b, hq, s_k, d)
+        assert args["is_causal"] == (mask_kind == "causal") and args["scale"] == 0.25
+        assert args["dropout_p"] == 0.0
+        if mask_kind == "explicit":
+            bias = args["attn_bias"]
+            assert bias.shape == (b, hq, s_q, s_k) and bias.stride(2) % 16 == 0
+        else:
+            assert args["attn_bias"] is None
+    assert forward_args["compute_log_sumexp"] is True
+    assert backward_args["grad_input_mask"] == [True, True, True, False]
+    backward_lse = backward_args["logsumexp"]
+    assert backward_lse.shape == (b, hq, s_q) and backward_lse.is_contiguous()

@@ -18,8 +18,9 @@ materialises a mask or computes across documents. Only scattered positions fall 
 tile with an additive mask. With the zigzag layout (rank ``r`` holds chunks ``r`` and
 ``2n-1-r``) every rank does the same work.
 
-Tiles run on ``blockwise.CPU_FLASH`` on CPU (PyTorch's CPU flash kernel, which returns the
-log-sum-exp and takes it back in backward) and on ``blockwise.MATH`` elsewhere. Rows and
+Tiles run on ``blockwise.kernel_for`` the device: ``CPU_FLASH`` on CPU (PyTorch's CPU flash
+kernel, which returns the log-sum-exp and takes it back in backward), ``CUDA_EFFICIENT`` on
+CUDA (the memory-efficient kernel, which does the same) and ``MATH`` elsewhere. Rows and
 columns of a rectangle are views, not copies; partial results are merged in place, in
 float32 whatever the input dtype. The first tile that covers every row is the running output
 itself, so a step allocates nothing the size of the block beyond what the kernel returns.
