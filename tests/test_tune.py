@@ -134,8 +134,8 @@ def test_cli_bad_input_is_one_line(extra: list[str], expected: str, capsys) -> N
     assert expected in captured.err and captured.err.count("\n") == 1
 
 
-def _fake_measurement(config: TrainConfig, layout: Layout,
-                      cores: float | None = None) -> train_tune.Measurement:
+def _fake_measurement(config: TrainConfig, layout: Layout, cores: float | None = None,
+                      ulysses: dict[int, list[int]] | None = None) -> train_tune.Measurement:
     stages = layout.pp * layout.vpp
     return train_tune.Measurement(layout=layout, forward=(0.002,) * stages,
                                   backward=(0.004,) * stages,
@@ -169,8 +169,9 @@ def test_cli_prints_the_table_and_writes_a_config_train_reads(tmp_path, monkeypa
     assert expected.world_size == 4
 
 
-def _measure_body(rank: int, world_size: int, configs: list[TrainConfig], path: str) -> None:
-    train_tune._measure_on_this_rank(configs, path)
+def _measure_body(rank: int, world_size: int, configs: list[TrainConfig], path: str,
+                  ulysses: dict[int, list[int]]) -> None:
+    train_tune._measure_on_this_rank(configs, path, ulysses)
 
 
 def test_measurement_on_processes_prices_the_profile(tmp_path) -> None:
@@ -182,9 +183,13 @@ def test_measurement_on_processes_prices_the_profile(tmp_path) -> None:
     configs = train_tune.run_configs(config, layout, steps=3)
     assert [(c.schedule, c.microbatch_size) for c in configs] == [
         ("1f1b", 2), ("zb-h1", 2), ("1f1b", 1)]
+    ulysses = train_tune.ulysses_sizes(profile, 2, 4)
+    assert ulysses == {2: [1, 4]}  # cp 2 x 1 to 4 microbatches of 4 to 1 sequences
     path = tmp_path / "measured.json"
-    run_distributed(2, _measure_body, configs, str(path))
+    run_distributed(2, _measure_body, configs, str(path), ulysses)
     measurement = train_tune._measurement(layout, json.loads(path.read_text()))
+    ((cp, overhead),) = measurement.ulysses
+    assert cp == 2 and overhead.latency >= 0 and overhead.bytes_per_s > 0
     assert min(measurement.forward + measurement.backward + measurement.backward_weight) > 0
     assert measurement.half_forward_and_backward > 0
     assert measurement.step_s >= measurement.pipeline_s > 0
@@ -194,6 +199,39 @@ def test_measurement_on_processes_prices_the_profile(tmp_path) -> None:
     assert predicted.step_s == pytest.approx(measurement.step_s, rel=0.01) or (
         priced.step_overhead_s == 0 and predicted.step_s > measurement.step_s)
     assert profile.layer.activation_bytes > 0 and profile.layer.parameters > 0
+    assert priced.ulysses == measurement.ulysses
+
+
+def test_measured_ulysses_overhead_prices_context_parallel_layers() -> None:
+    layout = Layout(1, 1, 1, 2, 2, 2, "none")  # cp 2: 64 tokens of 256 bytes per rank
+    estimated = stage_costs(layout, _profile(), 1).a2a[0]
+    assert estimated > 0  # no measurement: the message-based estimate
+    overhead = Link(latency=1e-3, bytes_per_s=1e6)
+    measured = replace(_profile(), ulysses=((2, overhead),))
+    # Half of a layer's overhead in each pass, four layers on the one stage.
+    assert stage_costs(layout, measured, 1).a2a[0] == pytest.approx(
+        4 * overhead.seconds(256.0 * 64) / 2)
+    costlier = replace(_profile(), ulysses=((2, Link(5e-3, 1e6)),))
+    assert predict(layout, costlier).step_s > predict(layout, measured).step_s
+    # A cp size without a measurement keeps the estimate.
+    four = Layout(1, 1, 1, 4, 2, 2, "none")
+    assert stage_costs(four, measured, 1).a2a == stage_costs(four, _profile(), 1).a2a
+
+
+def test_ulysses_overhead_is_a_line_in_bytes_priced_as_if_alone() -> None:
+    times = [(2, 1000.0, 0.005, 0.002), (2, 3000.0, 0.009, 0.004),  # overheads 3 and 5 ms
+             (4, 1000.0, 0.010, 0.002), (4, 3000.0, 0.012, 0.002)]  # 8 and 10 ms on 4 ranks
+    links = dict(train_tune._ulysses_links(times, cores=2))
+    assert links[2].seconds(1000.0) == pytest.approx(0.003)
+    assert links[2].seconds(3000.0) == pytest.approx(0.005)
+    assert links[2].latency == pytest.approx(0.002)
+    # Four ranks on two cores ran at half speed: alone, half the time.
+    assert links[4].seconds(1000.0) == pytest.approx(0.004)
+    assert links[4].seconds(3000.0) == pytest.approx(0.005)
+    # Noise: an overhead that shrinks with size, or a negative one, is flat and not below 0.
+    flat = dict(train_tune._ulysses_links([(2, 1000.0, 0.006, 0.002),
+                                           (2, 3000.0, 0.001, 0.002)], cores=None))[2]
+    assert flat.seconds(0.0) == pytest.approx(0.002) == flat.seconds(1e6)
 
 
 def test_fused_and_split_backwards_are_priced_apart() -> None:

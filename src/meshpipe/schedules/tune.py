@@ -29,10 +29,13 @@ The model of one layout:
   plus ``message_overhead_s``, what a real step adds beyond a raw transfer (the runtime's
   message path, waking the receiver: measured as the producer's end to the waiting
   consumer's start).
-- context parallelism is costed as Ulysses: each layer's forward and its input-gradient pass
-  run two all-to-alls of a rank's activations (q/k/v in, attention output back), each priced
-  as a message to the ``cp - 1`` other ranks; this is an estimate, not a measurement, and
-  ring attention is not modelled.
+- context parallelism is costed as Ulysses. ``ulysses`` holds, per cp size, what a layer's
+  Ulysses attention costs beyond the same layer computing the rank's share of tokens alone
+  (measured: its exchanges, the token-layout all-gathers, the waits), forward and
+  input-gradient pass together, as a ``Link`` over the rank's hidden bytes per microbatch;
+  half of it goes to each pass. A cp size without a measurement falls back to an estimate:
+  two exchanges of a rank's activations (q/k/v in, attention output back) per pass, each
+  priced as a message to the ``cp - 1`` other ranks. Ring attention is not modelled.
 - the step: the simulated makespan of the schedule, then the gradient all-reduce over the
   ``dp x cp`` replicas of the rank's stages (ring all-reduce: ``latency + 2 (n-1)/n bytes /
   bandwidth``), the optimizer (seconds per parameter held) and a fixed per-step overhead
@@ -132,6 +135,7 @@ class Profile:
     state_bytes_per_parameter: float = 16.0
     cores: float | None = None
     token_curve: tuple[tuple[float, float], ...] = ()
+    ulysses: tuple[tuple[int, Link], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -315,10 +319,14 @@ def stage_sum(profile: Profile, field: str, stage: int, layers: int, num_stages:
 
 
 def _ulysses_s(layout: Layout, profile: Profile, tokens: float) -> float:
-    """One layer's Ulysses all-to-alls in a forward (the input-gradient pass repeats them):
-    two exchanges of a rank's activations with the other ``cp - 1`` ranks."""
+    """What Ulysses adds to one layer's forward (and again to its input-gradient pass): half
+    the measured overhead of ``profile.ulysses`` at this cp, else the estimate of two
+    exchanges of a rank's activations with the other ``cp - 1`` ranks."""
     if layout.cp == 1:
         return 0.0
+    measured = dict(profile.ulysses).get(layout.cp)
+    if measured is not None:
+        return measured.seconds(profile.hidden_bytes_per_token * tokens) / 2
     share = profile.hidden_bytes_per_token * tokens * (layout.cp - 1) / layout.cp
     return 2 * (profile.message.latency * (layout.cp - 1) + share / profile.message.bytes_per_s)
 

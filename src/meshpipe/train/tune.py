@@ -17,7 +17,9 @@ Three measurements make the ``Profile`` that ``meshpipe.schedules.tune`` ranks l
    costs whatever its size (the two sizes), what an input from another rank costs
    (``fit_message_seconds``) and the pipeline's span, and the trainer's step time the rest;
    the same processes time a message between two ranks, an all-reduce over all of them (at
-   two sizes each: latency and bandwidth) and an optimizer step;
+   two sizes each: latency and bandwidth), an optimizer step, and for each cp size the
+   layouts offer, a layer with Ulysses attention over cp ranks against the same layer on
+   the rank's tokens alone, at the smallest and largest microbatch (``_ulysses_times``);
 3. ``calibrate``: the pieces' compute is scaled so that the base layout's stages cost what
    was measured, the layer curve is taken relative to the base layout's size, a message
    costs what was measured beyond the raw transfer, and the step time beyond the simulated
@@ -25,7 +27,7 @@ Three measurements make the ``Profile`` that ``meshpipe.schedules.tune`` ranks l
    per-step overhead.
 
 Only the reference transformer (dense, no tensor parallelism) is tuned; context
-parallelism is offered as Ulysses, with its all-to-alls estimated from the message cost.
+parallelism is offered as Ulysses, priced by that measured overhead.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshpipe.context import LocalAttention, UlyssesAttention
 from meshpipe.models import causal_lm_loss
 from meshpipe.models.transformer import Transformer
 from meshpipe.schedules import Timeline, fit_costs
@@ -80,6 +83,7 @@ class Measurement:
     message: Link
     all_reduce: Link
     optimizer_s_per_parameter: float
+    ulysses: tuple[tuple[int, Link], ...] = ()  # per cp: a layer's overhead (``Profile``)
 
 
 @dataclass(frozen=True)
@@ -187,24 +191,43 @@ def token_counts(profile: Profile, world_size: int, global_batch: int) -> list[i
                    for layout in layouts(world_size, profile, global_batch)})
 
 
+def ulysses_sizes(profile: Profile, world_size: int, global_batch: int) -> dict[int, list[int]]:
+    """Per cp size above 1 that a layout of ``world_size`` uses: the smallest and largest
+    microbatch size it comes with (what ``_ulysses_times`` measures)."""
+    sizes: dict[int, set[int]] = {}
+    for layout in layouts(world_size, profile, global_batch):
+        if layout.cp > 1:
+            sizes.setdefault(layout.cp, set()).add(layout.microbatch_size)
+    return {cp: sorted({min(found), max(found)}) for cp, found in sorted(sizes.items())}
+
+
+def _layer(config: TrainConfig) -> torch.nn.Module:
+    torch.manual_seed(config.seed)
+    return Transformer(sources.model_config(config), recompute=config.recompute).layers[0]
+
+
+def _priced_shape(config: TrainConfig, tokens: int) -> tuple[int, int]:
+    """``(rows, length)`` of the input a layer over ``tokens`` tokens is priced at: rows of
+    ``seq_len`` tokens, or one shorter row."""
+    return max(1, tokens // config.seq_len), min(tokens, config.seq_len)
+
+
 def layer_curve(config: TrainConfig, counts: list[int]) -> tuple[tuple[float, float], ...]:
     """A transformer layer's forward and backward seconds per token, alone in this process,
-    at each of ``counts`` tokens (rows of ``seq_len`` tokens, or one shorter row): the
-    shape of the cost per token that one measured size cannot show. One thread, as the
-    training processes run."""
-    torch.manual_seed(config.seed)
-    model = Transformer(sources.model_config(config), recompute=config.recompute)
+    at each of ``counts`` tokens (``_priced_shape``): the shape of the cost per token that
+    one measured size cannot show. One thread, as the training processes run."""
+    layer = _layer(config)
     curve = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for tokens in counts:
-            rows, length = max(1, tokens // config.seq_len), min(tokens, config.seq_len)
+            rows, length = _priced_shape(config, tokens)
             hidden = torch.randn(rows, length, config.dim, requires_grad=True)
             positions = torch.arange(length)
 
             def step() -> None:
-                model.layers[0](hidden, positions, None).sum().backward()
+                layer(hidden, positions, None).sum().backward()
 
             # The fastest call: the least disturbed by other processes.
             curve.append((float(tokens), min(_call_seconds(step)) / tokens))
@@ -257,23 +280,26 @@ def run_configs(config: TrainConfig, layout: Layout,
             for measured in measured_layouts(layout).values()]
 
 
-def measure(config: TrainConfig, layout: Layout, cores: float | None = None) -> Measurement:
+def measure(config: TrainConfig, layout: Layout, cores: float | None = None,
+            ulysses: dict[int, list[int]] | None = None) -> Measurement:
     """Run a few training steps of each of ``measured_layouts(layout)`` on local processes
-    and time them; ``cores``: the cores they share (None: each its own)."""
+    and time them; ``cores``: the cores they share (None: each its own); ``ulysses``: the
+    cp sizes and microbatch sizes to time Ulysses at (``ulysses_sizes``)."""
     configs = run_configs(config, layout)
     with tempfile.TemporaryDirectory(prefix="meshpipe-tune-") as tmp:
         result = Path(tmp) / "measured.json"
         launch(_measure_on_this_rank, configs[0].world_size, configs, str(result),
-               supervision=Supervision(hang_timeout=configs[0].hang_timeout,
-                                       log_dir=Path(tmp) / "logs"))
+               ulysses or {}, supervision=Supervision(hang_timeout=configs[0].hang_timeout,
+                                                      log_dir=Path(tmp) / "logs"))
         return _measurement(layout, json.loads(result.read_text()), cores)
 
 
-def _measure_on_this_rank(configs: list[TrainConfig], result_path: str) -> None:
+def _measure_on_this_rank(configs: list[TrainConfig], result_path: str,
+                          ulysses: dict[int, list[int]] | None = None) -> None:
     """Every rank: the configs' training steps, taken in turn (one step of each, then the
     next step of each: a slow spell of the machine touches every run alike, so what they
-    differ by is the layouts'), then the link and optimizer timings; rank 0 writes what its
-    pipeline measured to ``result_path``."""
+    differ by is the layouts'), then the link, optimizer and Ulysses timings; rank 0 writes
+    what its pipeline measured to ``result_path``."""
     # Imported here: the trainer is only needed in the measuring processes.
     from meshpipe.train.trainer import Trainer
 
@@ -290,7 +316,8 @@ def _measure_on_this_rank(configs: list[TrainConfig], result_path: str) -> None:
             "pp_rank": trainer.topology.pp_rank, "runs": runs,
             "message": _message_times(hidden), "all_reduce": _all_reduce_times(parameters),
             "optimizer_s_per_parameter": _optimizer_seconds(trainer) / max(
-                1, sum(p.numel() for p in parameters))}
+                1, sum(p.numel() for p in parameters)),
+            "ulysses": _ulysses_times(config, ulysses or {})}
     gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if dist.get_rank() == 0:
@@ -348,6 +375,70 @@ def _all_reduce_times(parameters: list[torch.nn.Parameter]) -> list[tuple[int, f
     return results
 
 
+def _ulysses_times(config: TrainConfig,
+                   sizes: dict[int, list[int]]) -> list[tuple[int, float, float, float]]:
+    """``(cp, hidden bytes, ulysses_s, local_s)`` per cp size and microbatch size of
+    ``sizes``: the median seconds of one layer's forward + backward with Ulysses attention
+    over cp ranks on this rank's contiguous share of the sequence, and of the same layer
+    with local attention on as many tokens shaped as ``layer_curve`` prices them, the two
+    taken in turn. The cp groups take turns too, the other ranks waiting at a barrier, so
+    that a group shares the machine with nobody."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layer = _layer(config)
+    results = []
+    for cp, microbatch_sizes in sizes.items():
+        groups = [dist.new_group(list(range(first, first + cp))) for first in range(0, world, cp)]
+        member, place = divmod(rank, cp)
+        share = config.seq_len // cp
+        attentions = {"ulysses": UlyssesAttention(group=groups[member]),
+                      "local": LocalAttention()}
+        for size in microbatch_sizes:
+            inputs = {"ulysses": (torch.randn(size, share, config.dim, requires_grad=True),
+                                  torch.arange(place * share, (place + 1) * share))}
+            rows, length = _priced_shape(config, size * share)
+            inputs["local"] = (torch.randn(rows, length, config.dim, requires_grad=True),
+                               torch.arange(length))
+            seconds: dict[str, list[float]] = {name: [] for name in attentions}
+            for turn in range(len(groups)):
+                if turn == member:
+                    for repeat in range(REPEATS + 1):
+                        for name, attention in attentions.items():
+                            layer.attention.core_attention = attention
+                            hidden, positions = inputs[name]
+                            dist.barrier(groups[member])
+                            start = time.perf_counter()
+                            layer(hidden, positions, None).sum().backward()
+                            if repeat:  # the first is a warm-up
+                                seconds[name].append(time.perf_counter() - start)
+                dist.barrier()
+            results.append((cp, 4.0 * config.dim * size * share,
+                            statistics.median(seconds["ulysses"]),
+                            statistics.median(seconds["local"])))
+    return results
+
+
+def _ulysses_links(times: list[tuple[int, float, float, float]],
+                   cores: float | None) -> tuple[tuple[int, Link], ...]:
+    """Per cp: Ulysses' overhead over local attention (``_ulysses_times``) as a line in the
+    hidden bytes, each time as if its ranks ran alone (a group of more ranks than ``cores``
+    ran at ``cores / cp`` of their speed: ``simulate(..., cores=)`` slows them again)."""
+    points: dict[int, list[tuple[float, float]]] = {}
+    for cp, size, ulysses_s, local_s in times:
+        speed = 1.0 if cores is None else min(1.0, cores / cp)
+        points.setdefault(cp, []).append((size, max(0.0, ulysses_s - local_s) * speed))
+    return tuple((cp, _line(sorted(found))) for cp, found in sorted(points.items()))
+
+
+def _line(points: list[tuple[float, float]]) -> Link:
+    """The ``Link`` through the first and last ``(bytes, seconds)`` points, by size; a
+    single point, or times that do not grow with size, is all latency (their mean)."""
+    (small, small_s), (large, large_s) = points[0], points[-1]
+    if large <= small or large_s <= small_s:
+        return Link(latency=statistics.mean(s for _, s in points), bytes_per_s=1e15)
+    per_byte = (large_s - small_s) / (large - small)
+    return Link(latency=max(0.0, small_s - small * per_byte), bytes_per_s=1 / per_byte)
+
+
 def _optimizer_seconds(trainer: Any) -> float:
     """One AdamW step over this rank's parameters (zero gradients: the run is thrown away)."""
     for _, param in trainer.parameters:
@@ -394,7 +485,8 @@ def _measurement(layout: Layout, gathered: list[dict[str, Any]],
         all_reduce=_link(gathered[0]["all_reduce"], 2 * (world - 1) / world if world > 1
                          else 1.0),
         optimizer_s_per_parameter=statistics.median(g["optimizer_s_per_parameter"]
-                                                    for g in gathered))
+                                                    for g in gathered),
+        ulysses=_ulysses_links(gathered[0]["ulysses"], cores))
 
 
 def _fit_run(gathered: list[dict[str, Any]], run: int, stages: int,
@@ -460,7 +552,7 @@ def calibrate(profile: Profile, measurement: Measurement, cores: float | None = 
     fitted = replace(profile, embedding=priced(profile.embedding), action_overhead_s=fixed,
                      layer=priced(profile.layer), head=priced(profile.head), token_curve=curve,
                      message=measurement.message, all_reduce=measurement.all_reduce,
-                     message_overhead_s=extra, cores=cores,
+                     message_overhead_s=extra, cores=cores, ulysses=measurement.ulysses,
                      optimizer_s_per_parameter=measurement.optimizer_s_per_parameter)
     base = predict(layout, fitted)
     rest = measurement.step_s - base.step_s
@@ -495,7 +587,7 @@ def tune(config: TrainConfig, world_size: int, memory_budget: float | None,
         config, token_counts(profile, world_size, batch)))
     layout = base_layout(world_size, profile, batch, config.microbatch_size)
     cores = None if under_torchrun() else os.cpu_count()
-    measurement = measure(config, layout, cores)
+    measurement = measure(config, layout, cores, ulysses_sizes(profile, world_size, batch))
     priced = calibrate(profile, measurement, cores)
     return TuneResult(rank_layouts(world_size, priced, batch, memory_budget), priced,
                       measurement)
