@@ -4,7 +4,9 @@ Before a context-parallel attention moves any activation, the ranks of the group
 their local sequence length, the shapes they were given and their ``positions`` /
 ``doc_ids`` (small int64 tensors). Every rank then knows the mask of every block, and a
 rank whose shapes disagree with its peers' makes *every* rank raise the same clear error
-instead of one rank hanging in a mismatched send.
+instead of one rank hanging in a mismatched send. Positions that are one run of
+consecutive indices on every rank (a contiguous split) travel as their first index in that
+first exchange, which saves a second one.
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ def _all_gather_ragged(tensor: Tensor, sizes: list[int],
     return [part[:size] for part, size in zip(_all_gather_equal(padded, group), sizes)]
 
 
+def _run_start(positions: Tensor) -> int:
+    """The first of ``positions`` if they are consecutive increasing indices from a
+    non-negative start (0 when there are none), else -1."""
+    if positions.numel() == 0:
+        return 0
+    start = int(positions[0])
+    run = torch.arange(start, start + positions.numel(), device=positions.device)
+    return start if start >= 0 and torch.equal(positions.to(torch.int64), run) else -1
+
+
 def gather_layout(positions: Tensor | None, doc_ids: Tensor | None, seq_local: int,
                   signature: dict[str, int], group: dist.ProcessGroup | None,
                   where: str, device: torch.device) -> GroupLayout:
@@ -60,11 +72,15 @@ def gather_layout(positions: Tensor | None, doc_ids: Tensor | None, seq_local: i
     ``positions=None`` means the group holds one sequence split contiguously in rank order,
     so rank ``i``'s tokens are the global indices following those of ranks ``0..i-1``.
     """
-    names = ["seq_local", "has positions", "has doc_ids", *signature]
-    values = [seq_local, positions is not None, doc_ids is not None, *signature.values()]
+    run_start = None if positions is None else _run_start(positions)
+    # Per rank: its length, and the first position of its run (-1: not a run); then what
+    # every rank must agree on.
+    names = ["has positions", "has doc_ids", *signature]
+    values = [seq_local, -1 if run_start is None else run_start,
+              positions is not None, doc_ids is not None, *signature.values()]
     mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
     table = torch.stack(_all_gather_equal(mine, group)).tolist()
-    for column, name in enumerate(names[1:], start=1):
+    for column, name in enumerate(names, start=2):
         column_values = [row[column] for row in table]
         if len(set(column_values)) > 1:
             raise AttentionError(
@@ -73,9 +89,12 @@ def gather_layout(positions: Tensor | None, doc_ids: Tensor | None, seq_local: i
                 f"the same optional inputs")
     sizes = [row[0] for row in table]
     if positions is None:
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        all_positions = [torch.arange(offset, offset + size, device=device)
-                         for offset, size in zip(offsets, sizes)]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    else:
+        starts = [row[1] for row in table]
+    if min(starts) >= 0:
+        all_positions = [torch.arange(start, start + size, device=device)
+                         for start, size in zip(starts, sizes)]
     else:
         all_positions = _all_gather_ragged(positions.to(torch.int64), sizes, group)
     all_doc_ids = None if doc_ids is None else _all_gather_ragged(doc_ids.to(torch.int64), sizes,
