@@ -60,6 +60,13 @@ def test_a_hang_follows_who_waits_on_whom_to_the_stuck_rank():
     assert "rank 0: waits 40 s for message from rank 1 [step 2] -> rank 1" in picture
 
 
+def test_a_rank_waiting_on_the_stuck_one_is_named_before_its_own_limit():
+    statuses = {0: {**_status("message", 30.0, True, peer=1), "limit": 60.0},
+                1: _status("1F0", 0.0, step=1, stage=1, microbatch=0, action="1F0")}
+    _, line, rank = hang_report(statuses, 40.0, 30.0, [None, None])
+    assert rank == 1 and line.endswith("; rank 0 waits on it")
+
+
 def test_a_cycle_of_waits_is_a_deadlock():
     statuses = {0: _status("message", 0.0, True, peer=1), 1: _status("message", 0.0, True,
                                                                        peer=0)}

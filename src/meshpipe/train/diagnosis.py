@@ -122,7 +122,10 @@ def hang_report(statuses: dict[int, dict], now: float, hang_timeout: float,
     if not overdue:
         return "\n".join(lines), "", -1
     culprit, cycle = max(ends.values(), key=lambda end: sum(e == end for e in ends.values()))
-    waiters = sorted(rank for rank, end in ends.items() if end[0] == culprit and rank != culprit)
+    # Every rank whose waits lead to the culprit, overdue or not: a waiting rank is given
+    # longer than the rank it waits on, so it is often not overdue yet.
+    waiters = sorted(rank for rank in blocked_by
+                     if rank != culprit and _chain_end(rank, blocked_by)[0] == culprit)
     waiting = f"; {_ranks_word(waiters)} {_join(waiters)} wait{'s' if len(waiters) == 1 else ''} on it" if waiters else ""
     if cycle:
         line = (f"ranks {' -> '.join(str(r) for r in cycle)} wait on each other (a deadlock): "
