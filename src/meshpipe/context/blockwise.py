@@ -170,10 +170,7 @@ def _repeat_kv(x: Tensor, heads_q: int) -> Tensor:
 
 def _sum_groups(grad: Tensor, heads_kv: int) -> Tensor:
     """The gradient of repeated key/value heads summed back onto ``heads_kv`` heads."""
-    if grad.shape[1] == heads_kv:
-        return grad
-    batch, heads_q, seq, head_dim = grad.shape
-    return grad.view(batch, heads_kv, heads_q // heads_kv, seq, head_dim).sum(dim=2)
+    return grad if grad.shape[1] == heads_kv else _grouped(grad, heads_kv).sum(dim=2)
 
 
 def _cuda_efficient_forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask,

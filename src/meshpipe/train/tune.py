@@ -295,7 +295,7 @@ def measure(config: TrainConfig, layout: Layout, cores: float | None = None,
 
 
 def _measure_on_this_rank(configs: list[TrainConfig], result_path: str,
-                          ulysses: dict[int, list[int]] | None = None) -> None:
+                          ulysses: dict[int, list[int]]) -> None:
     """Every rank: the configs' training steps, taken in turn (one step of each, then the
     next step of each: a slow spell of the machine touches every run alike, so what they
     differ by is the layouts'), then the link, optimizer and Ulysses timings; rank 0 writes
@@ -317,7 +317,7 @@ def _measure_on_this_rank(configs: list[TrainConfig], result_path: str,
             "message": _message_times(hidden), "all_reduce": _all_reduce_times(parameters),
             "optimizer_s_per_parameter": _optimizer_seconds(trainer) / max(
                 1, sum(p.numel() for p in parameters)),
-            "ulysses": _ulysses_times(config, ulysses or {})}
+            "ulysses": _ulysses_times(config, ulysses)}
     gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if dist.get_rank() == 0:
@@ -398,23 +398,32 @@ def _ulysses_times(config: TrainConfig,
             rows, length = _priced_shape(config, size * share)
             inputs["local"] = (torch.randn(rows, length, config.dim, requires_grad=True),
                                torch.arange(length))
-            seconds: dict[str, list[float]] = {name: [] for name in attentions}
             for turn in range(len(groups)):
                 if turn == member:
-                    for repeat in range(REPEATS + 1):
-                        for name, attention in attentions.items():
-                            layer.attention.core_attention = attention
-                            hidden, positions = inputs[name]
-                            dist.barrier(groups[member])
-                            start = time.perf_counter()
-                            layer(hidden, positions, None).sum().backward()
-                            if repeat:  # the first is a warm-up
-                                seconds[name].append(time.perf_counter() - start)
+                    medians = _medians_in_turn(layer, attentions, inputs, groups[member])
                 dist.barrier()
             results.append((cp, 4.0 * config.dim * size * share,
-                            statistics.median(seconds["ulysses"]),
-                            statistics.median(seconds["local"])))
+                            medians["ulysses"], medians["local"]))
     return results
+
+
+def _medians_in_turn(layer: torch.nn.Module, attentions: dict[str, torch.nn.Module],
+                     inputs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                     group: dist.ProcessGroup) -> dict[str, float]:
+    """Median seconds of ``layer``'s forward + backward with each of ``attentions`` on its
+    ``inputs``, the attentions taken in turn, ``REPEATS`` times after a warm-up round; the
+    ranks of ``group`` start each call together."""
+    seconds: dict[str, list[float]] = {name: [] for name in attentions}
+    for repeat in range(REPEATS + 1):
+        for name, attention in attentions.items():
+            layer.attention.core_attention = attention
+            hidden, positions = inputs[name]
+            dist.barrier(group)
+            start = time.perf_counter()
+            layer(hidden, positions, None).sum().backward()
+            if repeat:
+                seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in seconds.items()}
 
 
 def _ulysses_links(times: list[tuple[int, float, float, float]],
@@ -426,17 +435,7 @@ def _ulysses_links(times: list[tuple[int, float, float, float]],
     for cp, size, ulysses_s, local_s in times:
         speed = 1.0 if cores is None else min(1.0, cores / cp)
         points.setdefault(cp, []).append((size, max(0.0, ulysses_s - local_s) * speed))
-    return tuple((cp, _line(sorted(found))) for cp, found in sorted(points.items()))
-
-
-def _line(points: list[tuple[float, float]]) -> Link:
-    """The ``Link`` through the first and last ``(bytes, seconds)`` points, by size; a
-    single point, or times that do not grow with size, is all latency (their mean)."""
-    (small, small_s), (large, large_s) = points[0], points[-1]
-    if large <= small or large_s <= small_s:
-        return Link(latency=statistics.mean(s for _, s in points), bytes_per_s=1e15)
-    per_byte = (large_s - small_s) / (large - small)
-    return Link(latency=max(0.0, small_s - small * per_byte), bytes_per_s=1 / per_byte)
+    return tuple((cp, _link(sorted(found))) for cp, found in sorted(points.items()))
 
 
 def _optimizer_seconds(trainer: Any) -> float:
@@ -446,13 +445,15 @@ def _optimizer_seconds(trainer: Any) -> float:
     return _timed(trainer.optimizer.step)
 
 
-def _link(times: list[tuple[int, float]], factor: float = 1.0) -> Link:
-    """Latency and bandwidth from a small and a large transfer's seconds (``factor``: the
-    bytes each rank moves per byte reduced)."""
-    (small_bytes, small_s), (large_bytes, large_s) = times
-    extra = max(large_s - small_s, 1e-9)
-    return Link(latency=small_s, bytes_per_s=factor * (large_bytes - small_bytes) / extra
-                if large_bytes > small_bytes else 1e12)
+def _link(points: list[tuple[float, float]], factor: float = 1.0) -> Link:
+    """The ``Link`` through the first and last ``(bytes, seconds)`` points (bytes
+    increasing; ``factor``: the bytes each rank moves per byte given, as in an all-reduce);
+    a single point, or times that do not grow with size, is all latency (their mean)."""
+    (small, small_s), (large, large_s) = points[0], points[-1]
+    if large <= small or large_s <= small_s:
+        return Link(latency=statistics.mean(s for _, s in points), bytes_per_s=1e15)
+    per_byte = (large_s - small_s) / (factor * (large - small))
+    return Link(latency=max(0.0, small_s - factor * small * per_byte), bytes_per_s=1 / per_byte)
 
 
 def _measurement(layout: Layout, gathered: list[dict[str, Any]],
