@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -162,6 +164,26 @@ def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
     scores = scores.masked_fill(torch.arange(seq, device="cuda") > rows[:, None], float("-inf"))
     expected = (scores.softmax(-1) @ vf).transpose(1, 2)
     torch.testing.assert_close(out[:, rows].float(), expected, rtol=1.6e-2, atol=2e-3)
+
+
+def test_tune_under_torchrun_measures_on_the_gpu(tmp_path):
+    """Under torchrun the tuner's in-process profile, its measuring steps and its probes
+    (message, all-reduce, optimizer) run on the rank's GPU, timed after a synchronize."""
+    from meshpipe.train import tune as train_tune
+    from meshpipe.train.config import TrainConfig
+
+    config = TrainConfig(dim=64, layers=2, heads=4, kv_heads=2, seq_len=64, microbatch_size=2)
+    profile = train_tune.model_profile(config, torch.device("cuda"))
+    assert profile.layer.forward > 0 and profile.layer.activation_bytes > 0
+    ((tokens, per_token),) = train_tune.layer_curve(config, [128], torch.device("cuda"))
+    assert tokens == 128 and per_token > 0
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m",
+         "meshpipe", "tune", "--world-size", "1", "--dim", "64", "--layers", "2", "--heads",
+         "4", "--seq-len", "64", "--top", "3"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("| rank | pp |") == 1, done.stdout
 
 
 # ---------------------------------------------------------------- two GPUs (NCCL)

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -167,6 +173,49 @@ def test_cli_prints_the_table_and_writes_a_config_train_reads(tmp_path, monkeypa
     train_args = cli._parser().parse_args(["train", "--config", str(path)])
     assert cli.train_config_from_arguments(train_args) == expected
     assert expected.world_size == 4
+
+
+def test_one_process_is_measured_without_messages() -> None:
+    """With one rank the measuring run sends nothing (a ping-pong to a rank that does not
+    exist crashed the process): the message link is free, the rest is measured."""
+    config = TrainConfig(dim=16, layers=2, heads=2, kv_heads=1, seq_len=16, microbatch_size=2,
+                         microbatches=2)
+    result = train_tune.tune(config, 1, None)
+    measured = result.measurement
+    assert (measured.layout.pp, measured.layout.dp, measured.layout.schedule) == (1, 1, "none")
+    assert measured.message == train_tune._UNMEASURED_LINK
+    assert measured.step_s >= measured.pipeline_s > 0 and min(measured.forward) > 0
+    assert result.predictions and all(p.layout.pp == 1 for p in result.predictions)
+
+
+def test_under_torchrun_every_rank_measures_and_rank_0_reports(tmp_path) -> None:
+    """torchrun runs the command on every rank: each gets the measurement (each its own
+    result file), and only rank 0 prints the table and writes the config."""
+    path = tmp_path / "run.toml"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "-m", "meshpipe", "tune", *TINY, "--world-size", "2", "--top", "2",
+         "--write", str(path)],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("| rank | pp |") == 1, done.stdout
+    assert done.stdout.count(f"wrote {path}") == 1
+    config = cli.train_config_from_arguments(cli._parser().parse_args(
+        ["train", "--config", str(path)]))
+    assert config.world_size == 2
+
+
+def test_a_failed_measuring_run_is_one_line_naming_the_rank_and_its_kept_log(
+        monkeypatch, capsys) -> None:
+    monkeypatch.setenv("MESHPIPE_FAULT", "kind=raise,at=forward,rank=1,step=1")
+    assert cli.main(["tune", *TINY, "--world-size", "2"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("meshpipe: the measuring run failed: rank 1 failed at step 1")
+    assert error.count("\n") == 1
+    log = Path(re.search(r"(\S+rank-1\.log)", error).group(1))
+    assert "injected fault at forward of step 1" in log.read_text()
+    shutil.rmtree(log.parent)
 
 
 def _measure_body(rank: int, world_size: int, configs: list[TrainConfig], path: str,

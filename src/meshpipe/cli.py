@@ -272,7 +272,7 @@ def _add_tune_parser(commands) -> None:
 def _tune(args: argparse.Namespace, out: TextIO) -> int:
     """Tune, print the table; exit status 1 if the measuring run failed."""
     from meshpipe.schedules.tune import table
-    from meshpipe.train.launch import LaunchError
+    from meshpipe.train.launch import LaunchError, reports_for_the_job
     from meshpipe.train.toml_config import to_toml
     from meshpipe.train.tune import config_for, tune
 
@@ -286,6 +286,8 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     except LaunchError as error:
         print(f"meshpipe: the measuring run failed: {error}", file=sys.stderr)
         return 1
+    if not reports_for_the_job():
+        return 0
     measured = result.measurement
     out.write(f"measured {measured.layout.describe()} on {args.world_size} processes: step "
               f"{1000 * measured.step_s:.1f} ms, pipeline {1000 * measured.pipeline_s:.1f} ms; "

@@ -90,6 +90,12 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def reports_for_the_job() -> bool:
+    """Whether this process speaks for the whole job (prints, writes the results): a local
+    run's launcher, or rank 0 of a torchrun job (every rank runs the command there)."""
+    return not under_torchrun() or int(os.environ["RANK"]) == 0
+
+
 def device_for_this_rank() -> torch.device:
     """Under torchrun, CUDA device LOCAL_RANK where CUDA exists; otherwise the CPU.
 

@@ -65,7 +65,7 @@ from meshpipe.topology import Topology, new_groups
 from meshpipe.train import checkpoint, faults, sources
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.launch import (PROCESS_GROUP_TIMEOUT_S, Supervision, device_for_this_rank,
-                                   launch, under_torchrun)
+                                   launch, reports_for_the_job)
 from meshpipe.train.metrics import FILE_NAME as METRICS_FILE
 from meshpipe.train.metrics import MetricsLog, dumps
 from meshpipe.train.metrics import read as read_metrics
@@ -99,7 +99,7 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
     out = check_out_dir(config.out_dir)
     plan = plan_resume(config) if config.resume else None
     sources.check_sources(config)
-    is_main = not under_torchrun() or int(os.environ["RANK"]) == 0
+    is_main = reports_for_the_job()
     if is_main:
         for note in plan.notes if plan is not None else _earlier_checkpoints_note(out):
             print(f"meshpipe: {note}", flush=True)

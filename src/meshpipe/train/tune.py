@@ -8,7 +8,8 @@ Three measurements make the ``Profile`` that ``meshpipe.schedules.tune`` ranks l
    microbatch's forward, weights excluded) and its forward time per token, which only sets
    the pieces' relative weights; and a layer's forward + backward per token, one thread, at
    every token count a layout gives a rank (the shape of cost against size);
-2. short training runs of a base layout on ``world_size`` local processes (``measure``):
+2. short training runs of a base layout on ``world_size`` processes (``measure``; local
+   CPU processes, or under torchrun the job's ranks on their GPUs):
    the smallest pp above 1 the world size allows, with 1F1B, with ZB-H1, and with 1F1B at
    half the microbatch size, taking steps in turn (so a slow spell of the machine touches
    all three alike); the executor's per-action timeline of each step gives every stage's F
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -49,6 +51,7 @@ import torch.distributed as dist
 from meshpipe.context import LocalAttention, UlyssesAttention
 from meshpipe.models import causal_lm_loss
 from meshpipe.models.transformer import Transformer
+from meshpipe.runtime import activity
 from meshpipe.schedules import Timeline, fit_costs
 from meshpipe.schedules.costs import fit_message_seconds
 from meshpipe.schedules.simulator import mean_speeds
@@ -57,7 +60,7 @@ from meshpipe.schedules.tune import (Layout, Link, Piece, Prediction, Profile, T
                                      predict, rank_layouts, stage_sum)
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.launch import Supervision, launch, under_torchrun
+from meshpipe.train.launch import Supervision, device_for_this_rank, launch, under_torchrun
 
 # Training steps of the measured run; the first is a warm-up and not used.
 MEASURE_STEPS = 6
@@ -111,14 +114,16 @@ def global_batch_of(config: TrainConfig) -> int:
     return config.dp * config.microbatches * config.microbatch_size
 
 
-def model_profile(config: TrainConfig) -> Profile:
+def model_profile(config: TrainConfig, device: torch.device | None = None) -> Profile:
     """The in-process part of the profile (parameters, activation bytes and relative
-    forward time per piece); links and overheads are placeholders until ``calibrate``."""
+    forward time per piece), on ``device`` (default: this rank's training device); links
+    and overheads are placeholders until ``calibrate``."""
+    device = device_for_this_rank() if device is None else device
     torch.manual_seed(config.seed)
-    model = Transformer(sources.model_config(config), recompute=config.recompute)
+    model = Transformer(sources.model_config(config), recompute=config.recompute).to(device)
     tokens = config.microbatch_size * config.seq_len
-    pieces = _pieces(model, config)
-    measured = {name: (_saved_bytes(run, model) / tokens, _median_seconds(run) / tokens)
+    pieces = _pieces(model, config, device)
+    measured = {name: (_saved_bytes(run, model) / tokens, _median_seconds(run, device) / tokens)
                 for name, run in pieces.items()}
     parameters = {"embedding": model.embedding.weight.numel(),
                   "layer": sum(p.numel() for p in model.layers[0].parameters()),
@@ -135,14 +140,15 @@ def model_profile(config: TrainConfig) -> Profile:
                    all_reduce=_UNMEASURED_LINK)
 
 
-def _pieces(model: Transformer, config: TrainConfig) -> dict[str, Callable[[], torch.Tensor]]:
+def _pieces(model: Transformer, config: TrainConfig,
+            device: torch.device) -> dict[str, Callable[[], torch.Tensor]]:
     """One microbatch's forward through each piece, as a function returning its output."""
     vocab = model.config.vocab_size
     shape = (config.microbatch_size, config.seq_len)
-    tokens = torch.randint(vocab, shape)
-    targets = torch.randint(vocab, shape)
-    positions = torch.arange(config.seq_len)
-    hidden = torch.randn(*shape, config.dim, requires_grad=True)
+    tokens = torch.randint(vocab, shape, device=device)
+    targets = torch.randint(vocab, shape, device=device)
+    positions = torch.arange(config.seq_len, device=device)
+    hidden = torch.randn(*shape, config.dim, requires_grad=True, device=device)
 
     def head() -> torch.Tensor:
         return causal_lm_loss(model.head(model.norm(hidden)), targets, reduction="sum")[0]
@@ -169,18 +175,27 @@ def _saved_bytes(run: Callable[[], torch.Tensor], model: torch.nn.Module) -> flo
     return float(sum(saved.values()))
 
 
-def _median_seconds(run: Callable[[], Any]) -> float:
+def _median_seconds(run: Callable[[], Any], device: torch.device) -> float:
     with torch.no_grad():
-        return statistics.median(_call_seconds(run))
+        return statistics.median(_call_seconds(run, device))
 
 
-def _call_seconds(run: Callable[[], Any]) -> list[float]:
+def _synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: CUDA runs asynchronously, and the host's
+    clock must see its end."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _call_seconds(run: Callable[[], Any], device: torch.device) -> list[float]:
     """The seconds of ``REPEATS`` calls of ``run`` after an untimed warm-up call."""
     run()
     times = []
     for _ in range(REPEATS):
+        _synchronize(device)
         start = time.perf_counter()
         run()
+        _synchronize(device)
         times.append(time.perf_counter() - start)
     return times
 
@@ -201,9 +216,10 @@ def ulysses_sizes(profile: Profile, world_size: int, global_batch: int) -> dict[
     return {cp: sorted({min(found), max(found)}) for cp, found in sorted(sizes.items())}
 
 
-def _layer(config: TrainConfig) -> torch.nn.Module:
+def _layer(config: TrainConfig, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(config.seed)
-    return Transformer(sources.model_config(config), recompute=config.recompute).layers[0]
+    model = Transformer(sources.model_config(config), recompute=config.recompute)
+    return model.layers[0].to(device)
 
 
 def _priced_shape(config: TrainConfig, tokens: int) -> tuple[int, int]:
@@ -212,25 +228,28 @@ def _priced_shape(config: TrainConfig, tokens: int) -> tuple[int, int]:
     return max(1, tokens // config.seq_len), min(tokens, config.seq_len)
 
 
-def layer_curve(config: TrainConfig, counts: list[int]) -> tuple[tuple[float, float], ...]:
+def layer_curve(config: TrainConfig, counts: list[int], device: torch.device | None = None
+                ) -> tuple[tuple[float, float], ...]:
     """A transformer layer's forward and backward seconds per token, alone in this process,
-    at each of ``counts`` tokens (``_priced_shape``): the shape of the cost per token that
-    one measured size cannot show. One thread, as the training processes run."""
-    layer = _layer(config)
+    at each of ``counts`` tokens (``_priced_shape``), on ``device`` (default: this rank's
+    training device): the shape of the cost per token that one measured size cannot show.
+    One thread, as the training processes run."""
+    device = device_for_this_rank() if device is None else device
+    layer = _layer(config, device)
     curve = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for tokens in counts:
             rows, length = _priced_shape(config, tokens)
-            hidden = torch.randn(rows, length, config.dim, requires_grad=True)
-            positions = torch.arange(length)
+            hidden = torch.randn(rows, length, config.dim, requires_grad=True, device=device)
+            positions = torch.arange(length, device=device)
 
             def step() -> None:
                 layer(hidden, positions, None).sum().backward()
 
             # The fastest call: the least disturbed by other processes.
-            curve.append((float(tokens), min(_call_seconds(step)) / tokens))
+            curve.append((float(tokens), min(_call_seconds(step, device)) / tokens))
     finally:
         torch.set_num_threads(threads)
     return tuple(curve)
@@ -286,11 +305,14 @@ def measure(config: TrainConfig, layout: Layout, cores: float | None = None,
     and time them; ``cores``: the cores they share (None: each its own); ``ulysses``: the
     cp sizes and microbatch sizes to time Ulysses at (``ulysses_sizes``)."""
     configs = run_configs(config, layout)
+    logs = Path(tempfile.mkdtemp(prefix="meshpipe-tune-logs-"))
     with tempfile.TemporaryDirectory(prefix="meshpipe-tune-") as tmp:
         result = Path(tmp) / "measured.json"
         launch(_measure_on_this_rank, configs[0].world_size, configs, str(result),
                ulysses or {}, supervision=Supervision(hang_timeout=configs[0].hang_timeout,
-                                                      log_dir=Path(tmp) / "logs"))
+                                                      log_dir=logs))
+        # Only a failed run's logs are kept: its error names them.
+        shutil.rmtree(logs, ignore_errors=True)
         return _measurement(layout, json.loads(result.read_text()), cores)
 
 
@@ -298,8 +320,9 @@ def _measure_on_this_rank(configs: list[TrainConfig], result_path: str,
                           ulysses: dict[int, list[int]]) -> None:
     """Every rank: the configs' training steps, taken in turn (one step of each, then the
     next step of each: a slow spell of the machine touches every run alike, so what they
-    differ by is the layouts'), then the link, optimizer and Ulysses timings; rank 0 writes
-    what its pipeline measured to ``result_path``."""
+    differ by is the layouts'), then the link, optimizer and Ulysses timings. What every
+    rank measured goes to ``result_path``: written by rank 0 of local processes, by every
+    rank under torchrun (each rank there runs ``tune`` and reads its own file)."""
     # Imported here: the trainer is only needed in the measuring processes.
     from meshpipe.train.trainer import Trainer
 
@@ -310,46 +333,54 @@ def _measure_on_this_rank(configs: list[TrainConfig], result_path: str,
         for trainer, timed in zip(trainers, runs):
             timed.append(_timed_step(trainer, step))
     trainer, config = trainers[-1], configs[-1]
+    device = trainer.device
     parameters = [p for _, p in trainer.parameters]
     hidden = config.microbatch_size * config.seq_len // config.layout.cp * config.dim
     mine = {"pipeline": list(trainer.topology.pipeline_ranks),
             "pp_rank": trainer.topology.pp_rank, "runs": runs,
-            "message": _message_times(hidden), "all_reduce": _all_reduce_times(parameters),
+            "message": _message_times(hidden, device),
+            "all_reduce": _all_reduce_times(parameters, device),
             "optimizer_s_per_parameter": _optimizer_seconds(trainer) / max(
                 1, sum(p.numel() for p in parameters)),
-            "ulysses": _ulysses_times(config, ulysses)}
-    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    if dist.get_rank() == 0:
+            "ulysses": _ulysses_times(config, ulysses, device)}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() == 0 or under_torchrun():
         Path(result_path).write_text(json.dumps(gathered))
 
 
 def _timed_step(trainer: Any, step: int) -> dict[str, Any]:
     """One step's time and this rank's executor timeline (every rank starts together)."""
+    trainer.step = step  # what an injected fault (MESHPIPE_FAULT) counts
     dist.barrier()
-    stats = trainer.train_step(step)
+    with activity.doing(f"step {step}", step=step):
+        stats = trainer.train_step(step)
     return {"seconds": stats.seconds,
             "actions": [(str(t.action), t.start, t.end) for t in trainer.last_result.timeline]}
 
 
-def _timed(operation: Callable[[], None]) -> float:
+def _timed(operation: Callable[[], None], device: torch.device) -> float:
     """Median seconds of ``operation`` after one untimed call; every rank calls it."""
     operation()
     times = []
     for _ in range(REPEATS):
+        _synchronize(device)
         dist.barrier()
         start = time.perf_counter()
         operation()
+        _synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def _message_times(hidden_floats: int) -> list[tuple[int, float]]:
+def _message_times(hidden_floats: int, device: torch.device) -> list[tuple[int, float]]:
     """One-way seconds of a message rank 0 -> rank 1 (half a ping-pong) of one float and of
-    one activation message; the other ranks wait."""
+    one activation message; the other ranks wait. Nothing with one rank: it sends nothing."""
+    if dist.get_world_size() < 2:
+        return []
     results = []
     for floats in (1, hidden_floats):
-        buffer = torch.zeros(floats)
+        buffer = torch.zeros(floats, device=device)
 
         def ping_pong() -> None:
             if dist.get_rank() == 0:
@@ -359,24 +390,25 @@ def _message_times(hidden_floats: int) -> list[tuple[int, float]]:
                 dist.recv(buffer, 0)
                 dist.send(buffer, 0)
 
-        results.append((4 * floats, _timed(ping_pong) / 2))
+        results.append((4 * floats, _timed(ping_pong, device) / 2))
     return results
 
 
-def _all_reduce_times(parameters: list[torch.nn.Parameter]) -> list[tuple[int, float]]:
+def _all_reduce_times(parameters: list[torch.nn.Parameter],
+                      device: torch.device) -> list[tuple[int, float]]:
     """Seconds of an all-reduce over every rank of one float and of this rank's gradients
     (the largest size over the ranks, so every rank reduces the same tensor)."""
-    size = torch.tensor([sum(p.numel() for p in parameters)])
+    size = torch.tensor([sum(p.numel() for p in parameters)], device=device)
     dist.all_reduce(size, op=dist.ReduceOp.MAX)
     results = []
     for floats in (1, int(size.item())):
-        buffer = torch.zeros(floats)
-        results.append((4 * floats, _timed(lambda: dist.all_reduce(buffer))))
+        buffer = torch.zeros(floats, device=device)
+        results.append((4 * floats, _timed(lambda: dist.all_reduce(buffer), device)))
     return results
 
 
-def _ulysses_times(config: TrainConfig,
-                   sizes: dict[int, list[int]]) -> list[tuple[int, float, float, float]]:
+def _ulysses_times(config: TrainConfig, sizes: dict[int, list[int]],
+                   device: torch.device) -> list[tuple[int, float, float, float]]:
     """``(cp, hidden bytes, ulysses_s, local_s)`` per cp size and microbatch size of
     ``sizes``: the median seconds of one layer's forward + backward with Ulysses attention
     over cp ranks on this rank's contiguous share of the sequence, and of the same layer
@@ -384,7 +416,7 @@ def _ulysses_times(config: TrainConfig,
     taken in turn. The cp groups take turns too, the other ranks waiting at a barrier, so
     that a group shares the machine with nobody."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    layer = _layer(config)
+    layer = _layer(config, device)
     results = []
     for cp, microbatch_sizes in sizes.items():
         groups = [dist.new_group(list(range(first, first + cp))) for first in range(0, world, cp)]
@@ -393,14 +425,17 @@ def _ulysses_times(config: TrainConfig,
         attentions = {"ulysses": UlyssesAttention(group=groups[member]),
                       "local": LocalAttention()}
         for size in microbatch_sizes:
-            inputs = {"ulysses": (torch.randn(size, share, config.dim, requires_grad=True),
-                                  torch.arange(place * share, (place + 1) * share))}
+            inputs = {"ulysses": (
+                torch.randn(size, share, config.dim, requires_grad=True, device=device),
+                torch.arange(place * share, (place + 1) * share, device=device))}
             rows, length = _priced_shape(config, size * share)
-            inputs["local"] = (torch.randn(rows, length, config.dim, requires_grad=True),
-                               torch.arange(length))
+            inputs["local"] = (
+                torch.randn(rows, length, config.dim, requires_grad=True, device=device),
+                torch.arange(length, device=device))
             for turn in range(len(groups)):
                 if turn == member:
-                    medians = _medians_in_turn(layer, attentions, inputs, groups[member])
+                    medians = _medians_in_turn(layer, attentions, inputs, groups[member],
+                                               device)
                 dist.barrier()
             results.append((cp, 4.0 * config.dim * size * share,
                             medians["ulysses"], medians["local"]))
@@ -409,7 +444,7 @@ def _ulysses_times(config: TrainConfig,
 
 def _medians_in_turn(layer: torch.nn.Module, attentions: dict[str, torch.nn.Module],
                      inputs: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                     group: dist.ProcessGroup) -> dict[str, float]:
+                     group: dist.ProcessGroup, device: torch.device) -> dict[str, float]:
     """Median seconds of ``layer``'s forward + backward with each of ``attentions`` on its
     ``inputs``, the attentions taken in turn, ``REPEATS`` times after a warm-up round; the
     ranks of ``group`` start each call together."""
@@ -418,9 +453,11 @@ def _medians_in_turn(layer: torch.nn.Module, attentions: dict[str, torch.nn.Modu
         for name, attention in attentions.items():
             layer.attention.core_attention = attention
             hidden, positions = inputs[name]
+            _synchronize(device)
             dist.barrier(group)
             start = time.perf_counter()
             layer(hidden, positions, None).sum().backward()
+            _synchronize(device)
             if repeat:
                 seconds[name].append(time.perf_counter() - start)
     return {name: statistics.median(times) for name, times in seconds.items()}
@@ -442,13 +479,16 @@ def _optimizer_seconds(trainer: Any) -> float:
     """One AdamW step over this rank's parameters (zero gradients: the run is thrown away)."""
     for _, param in trainer.parameters:
         param.grad = torch.zeros_like(param)
-    return _timed(trainer.optimizer.step)
+    return _timed(trainer.optimizer.step, trainer.device)
 
 
 def _link(points: list[tuple[float, float]], factor: float = 1.0) -> Link:
     """The ``Link`` through the first and last ``(bytes, seconds)`` points (bytes
     increasing; ``factor``: the bytes each rank moves per byte given, as in an all-reduce);
-    a single point, or times that do not grow with size, is all latency (their mean)."""
+    a single point, or times that do not grow with size, is all latency (their mean); no
+    points (nothing was sent) is free."""
+    if not points:
+        return _UNMEASURED_LINK
     (small, small_s), (large, large_s) = points[0], points[-1]
     if large <= small or large_s <= small_s:
         return Link(latency=statistics.mean(s for _, s in points), bytes_per_s=1e15)
