@@ -10,8 +10,10 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from meshpipe import cli
 from meshpipe.schedules.tune import (Layout, Link, MemoryBudgetError, NoLayoutError, Piece,
@@ -173,6 +175,29 @@ def test_cli_prints_the_table_and_writes_a_config_train_reads(tmp_path, monkeypa
     train_args = cli._parser().parse_args(["train", "--config", str(path)])
     assert cli.train_config_from_arguments(train_args) == expected
     assert expected.world_size == 4
+
+
+def test_in_process_timings_take_the_functions_in_turn(monkeypatch) -> None:
+    """A slow spell of the machine spoils one turn of a function, not all its calls (the
+    layer curve is the fastest call per size, relative to one size: one spoilt size once
+    scaled every prediction by a third)."""
+    clock, calls = [0.0], []
+
+    def run(name: str, seconds: float, slow_calls: int = 0):
+        def call() -> None:
+            calls.append(name)
+            clock[0] += 5 * seconds if calls.count(name) <= slow_calls else seconds
+        return call
+
+    monkeypatch.setattr(train_tune, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    per_turn = 1 + train_tune.CALLS_PER_TURN
+    times = train_tune._seconds_in_turn(
+        {"spoilt": run("spoilt", 1.0, slow_calls=per_turn), "steady": run("steady", 2.0)},
+        torch.device("cpu"))
+    assert calls[:2 * per_turn] == ["spoilt"] * per_turn + ["steady"] * per_turn
+    assert len(calls) == 2 * per_turn * train_tune.TURNS
+    assert times["spoilt"][:train_tune.CALLS_PER_TURN] == [5.0] * train_tune.CALLS_PER_TURN
+    assert min(times["spoilt"]) == 1.0 and set(times["steady"]) == {2.0}
 
 
 def test_one_process_is_measured_without_messages() -> None:

@@ -66,6 +66,9 @@ from meshpipe.train.launch import Supervision, device_for_this_rank, launch, und
 MEASURE_STEPS = 6
 # Repetitions of each timed operation (the median counts).
 REPEATS = 7
+# In-process timings (``_seconds_in_turn``): turns over the timed functions, calls per turn.
+TURNS = 3
+CALLS_PER_TURN = 3
 # Placeholder link of the first, compute-free pass (memory and input checks only).
 _UNMEASURED_LINK = Link(latency=0.0, bytes_per_s=1e12)
 
@@ -123,7 +126,10 @@ def model_profile(config: TrainConfig, device: torch.device | None = None) -> Pr
     model = Transformer(sources.model_config(config), recompute=config.recompute).to(device)
     tokens = config.microbatch_size * config.seq_len
     pieces = _pieces(model, config, device)
-    measured = {name: (_saved_bytes(run, model) / tokens, _median_seconds(run, device) / tokens)
+    with torch.no_grad():
+        seconds = _seconds_in_turn(pieces, device)
+    measured = {name: (_saved_bytes(run, model) / tokens,
+                       statistics.median(seconds[name]) / tokens)
                 for name, run in pieces.items()}
     parameters = {"embedding": model.embedding.weight.numel(),
                   "layer": sum(p.numel() for p in model.layers[0].parameters()),
@@ -175,11 +181,6 @@ def _saved_bytes(run: Callable[[], torch.Tensor], model: torch.nn.Module) -> flo
     return float(sum(saved.values()))
 
 
-def _median_seconds(run: Callable[[], Any], device: torch.device) -> float:
-    with torch.no_grad():
-        return statistics.median(_call_seconds(run, device))
-
-
 def _synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device``: CUDA runs asynchronously, and the host's
     clock must see its end."""
@@ -187,16 +188,22 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _call_seconds(run: Callable[[], Any], device: torch.device) -> list[float]:
-    """The seconds of ``REPEATS`` calls of ``run`` after an untimed warm-up call."""
-    run()
-    times = []
-    for _ in range(REPEATS):
-        _synchronize(device)
-        start = time.perf_counter()
-        run()
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
+def _seconds_in_turn(runs: dict[Any, Callable[[], Any]],
+                     device: torch.device) -> dict[Any, list[float]]:
+    """The seconds of ``CALLS_PER_TURN`` calls of each of ``runs``, in ``TURNS`` turns over
+    the runs, each turn's calls after an untimed one (the run's data back in the caches
+    the other runs used): a slow spell of the machine spoils a turn, not every call of
+    one run."""
+    times: dict[Any, list[float]] = {name: [] for name in runs}
+    for _ in range(TURNS):
+        for name, run in runs.items():
+            run()
+            for _ in range(CALLS_PER_TURN):
+                _synchronize(device)
+                start = time.perf_counter()
+                run()
+                _synchronize(device)
+                times[name].append(time.perf_counter() - start)
     return times
 
 
@@ -236,23 +243,21 @@ def layer_curve(config: TrainConfig, counts: list[int], device: torch.device | N
     One thread, as the training processes run."""
     device = device_for_this_rank() if device is None else device
     layer = _layer(config, device)
-    curve = []
+
+    def step(tokens: int) -> Callable[[], None]:
+        rows, length = _priced_shape(config, tokens)
+        hidden = torch.randn(rows, length, config.dim, requires_grad=True, device=device)
+        positions = torch.arange(length, device=device)
+        return lambda: layer(hidden, positions, None).sum().backward()
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for tokens in counts:
-            rows, length = _priced_shape(config, tokens)
-            hidden = torch.randn(rows, length, config.dim, requires_grad=True, device=device)
-            positions = torch.arange(length, device=device)
-
-            def step() -> None:
-                layer(hidden, positions, None).sum().backward()
-
-            # The fastest call: the least disturbed by other processes.
-            curve.append((float(tokens), min(_call_seconds(step, device)) / tokens))
+        seconds = _seconds_in_turn({tokens: step(tokens) for tokens in counts}, device)
     finally:
         torch.set_num_threads(threads)
-    return tuple(curve)
+    # The fastest call: the least disturbed by other processes.
+    return tuple((float(tokens), min(seconds[tokens]) / tokens) for tokens in counts)
 
 
 def base_layout(world_size: int, profile: Profile, global_batch: int,
