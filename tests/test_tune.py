@@ -200,6 +200,16 @@ def test_in_process_timings_take_the_functions_in_turn(monkeypatch) -> None:
     assert min(times["spoilt"]) == 1.0 and set(times["steady"]) == {2.0}
 
 
+def test_cpu_ranks_share_the_machine_also_under_torchrun(monkeypatch) -> None:
+    """torchrun's CPU processes on one machine share its cores as local ones do; ranks on
+    GPUs compute apart."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_tune._shared_cores() == os.cpu_count()
+    monkeypatch.setattr(train_tune, "device_for_this_rank", lambda: torch.device("cuda", 0))
+    assert train_tune._shared_cores() is None
+
+
 def test_one_process_is_measured_without_messages() -> None:
     """With one rank the measuring run sends nothing (a ping-pong to a rank that does not
     exist crashed the process): the message link is free, the rest is measured."""

@@ -619,6 +619,12 @@ def _action_overhead(measurement: Measurement, half_ratio: float) -> float:
     return min(max(0.0, (full - variable) / (2 * stages)), full / (4 * stages))
 
 
+def _shared_cores() -> int | None:
+    """The cores the measured ranks share: this machine's for CPU processes (local, or
+    torchrun's on one node), None for ranks on GPUs (each computes on its own)."""
+    return None if device_for_this_rank().type == "cuda" else os.cpu_count()
+
+
 def tune(config: TrainConfig, world_size: int, memory_budget: float | None,
          global_batch: int | None = None) -> TuneResult:
     """Rank every layout of ``world_size`` processes for ``config``'s model and batch.
@@ -632,7 +638,7 @@ def tune(config: TrainConfig, world_size: int, memory_budget: float | None,
     profile = replace(profile, token_curve=layer_curve(
         config, token_counts(profile, world_size, batch)))
     layout = base_layout(world_size, profile, batch, config.microbatch_size)
-    cores = None if under_torchrun() else os.cpu_count()
+    cores = _shared_cores()
     measurement = measure(config, layout, cores, ulysses_sizes(profile, world_size, batch))
     priced = calibrate(profile, measurement, cores)
     return TuneResult(rank_layouts(world_size, priced, batch, memory_budget), priced,
