@@ -380,7 +380,7 @@ def _timed(operation: Callable[[], None], device: torch.device) -> float:
 
 def _message_times(hidden_floats: int, device: torch.device) -> list[tuple[int, float]]:
     """One-way seconds of a message rank 0 -> rank 1 (half a ping-pong) of one float and of
-    one activation message; the other ranks wait. Nothing with one rank: it sends nothing."""
+    one activation message; the other ranks wait. No points with one rank: nothing travels."""
     if dist.get_world_size() < 2:
         return []
     results = []
