@@ -188,6 +188,18 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _clocked(run: Callable[[], Any], device: torch.device,
+             start_together: Callable[[], Any] = lambda: None) -> float:
+    """Seconds of one call of ``run``, its device work included, started on an idle
+    device (and after ``start_together``, a barrier where ranks time together)."""
+    _synchronize(device)
+    start_together()
+    start = time.perf_counter()
+    run()
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
 def _seconds_in_turn(runs: dict[Any, Callable[[], Any]],
                      device: torch.device) -> dict[Any, list[float]]:
     """The seconds of ``CALLS_PER_TURN`` calls of each of ``runs``, in ``TURNS`` turns over
@@ -198,12 +210,7 @@ def _seconds_in_turn(runs: dict[Any, Callable[[], Any]],
     for _ in range(TURNS):
         for name, run in runs.items():
             run()
-            for _ in range(CALLS_PER_TURN):
-                _synchronize(device)
-                start = time.perf_counter()
-                run()
-                _synchronize(device)
-                times[name].append(time.perf_counter() - start)
+            times[name].extend(_clocked(run, device) for _ in range(CALLS_PER_TURN))
     return times
 
 
@@ -367,15 +374,7 @@ def _timed_step(trainer: Any, step: int) -> dict[str, Any]:
 def _timed(operation: Callable[[], None], device: torch.device) -> float:
     """Median seconds of ``operation`` after one untimed call; every rank calls it."""
     operation()
-    times = []
-    for _ in range(REPEATS):
-        _synchronize(device)
-        dist.barrier()
-        start = time.perf_counter()
-        operation()
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(_clocked(operation, device, dist.barrier) for _ in range(REPEATS))
 
 
 def _message_times(hidden_floats: int, device: torch.device) -> list[tuple[int, float]]:
@@ -458,13 +457,10 @@ def _medians_in_turn(layer: torch.nn.Module, attentions: dict[str, torch.nn.Modu
         for name, attention in attentions.items():
             layer.attention.core_attention = attention
             hidden, positions = inputs[name]
-            _synchronize(device)
-            dist.barrier(group)
-            start = time.perf_counter()
-            layer(hidden, positions, None).sum().backward()
-            _synchronize(device)
+            call_s = _clocked(lambda: layer(hidden, positions, None).sum().backward(), device,
+                              lambda: dist.barrier(group))
             if repeat:
-                seconds[name].append(time.perf_counter() - start)
+                seconds[name].append(call_s)
     return {name: statistics.median(times) for name, times in seconds.items()}
 
 
