@@ -99,21 +99,43 @@ def test_the_token_curve_prices_each_size_by_its_own_cost_per_token() -> None:
             tuple(factor * f for f in stage_costs(layout, flat, 2).forward))
 
 
-def test_action_overhead_separates_what_an_action_costs_whatever_its_size() -> None:
-    # Two stages, F + B summed: 2 S c + V at the measured size, 2 S c + r V at half.
+def test_action_overhead_is_the_line_through_the_measured_sizes() -> None:
+    # Two stages, F + B summed: 2 S c + r V at each size, r the curve's cost against size 2.
     c, variable = 0.001, 0.040
-    for ratio in (0.5, 0.6):
-        measured = replace(_fake_measurement(None, Layout(2, 1, 1, 1, 2, 2, "1f1b")),
-                           forward=(0.5 * (4 * c + variable) / 2,) * 2,
-                           backward=(0.5 * (4 * c + variable) / 2,) * 2,
-                           half_forward_and_backward=4 * c + ratio * variable)
-        assert train_tune._action_overhead(measured, ratio) == pytest.approx(c)
-    full = sum(measured.forward) + sum(measured.backward)
-    # Noise may make it neither negative nor more than half an action.
+    relative = {1: 0.55, 2: 1.0, 4: 1.9}
+    measured = replace(_fake_measurement(None, Layout(2, 1, 1, 1, 2, 2, "1f1b")),
+                       forward=(0.5 * (4 * c + variable) / 2,) * 2,
+                       backward=(0.5 * (4 * c + variable) / 2,) * 2,
+                       sizes=tuple((size, 4 * c + r * variable) for size, r in relative.items()))
+    assert train_tune._action_overhead(measured, relative) == pytest.approx(c)
+    # One size says nothing; noise may make it neither negative nor more than half an
+    # action at the smallest size.
+    assert train_tune._action_overhead(replace(measured, sizes=measured.sizes[1:2]),
+                                       relative) == 0.0
     assert train_tune._action_overhead(
-        replace(measured, half_forward_and_backward=0.0), 0.5) == 0.0
-    assert train_tune._action_overhead(
-        replace(measured, half_forward_and_backward=10.0), 0.5) == pytest.approx(full / 8)
+        replace(measured, sizes=((1, 0.01), (2, 0.03), (4, 0.06))), relative) == 0.0
+    shrinking = replace(measured, sizes=((1, 0.02), (2, 0.019), (4, 0.018)))
+    assert train_tune._action_overhead(shrinking, relative) == pytest.approx(0.018 / 8)
+
+
+def test_calibration_prices_each_measured_size_at_what_training_measured() -> None:
+    layout = Layout(2, 1, 1, 1, 4, 2, "1f1b")  # 128 tokens per microbatch
+    sizes = ((1, 0.008), (2, 0.012), (4, 0.030))  # F + B per microbatch over both stages
+    measured = replace(_fake_measurement(None, layout), sizes=sizes)  # base: 2 x (2 + 4) ms
+    profile = replace(_profile(), token_curve=((64.0, 1.2), (128.0, 1.0), (256.0, 0.8),
+                                               (512.0, 0.7)))
+    priced = train_tune.calibrate(profile, measured)
+
+    def forward_and_backward(size: int) -> float:
+        costs = stage_costs(train_tune.size_layout(layout, size), priced, 2)
+        return sum(costs.forward) + sum(costs.backward)
+
+    for size, seconds in sizes:
+        assert forward_and_backward(size) == pytest.approx(seconds)
+    # Beyond the sizes, the curve's shape from the nearest one.
+    fixed = 4 * priced.action_overhead_s
+    assert (forward_and_backward(8) - fixed) / (forward_and_backward(4) - fixed) == (
+        pytest.approx(512 * 0.7 / (256 * 0.8)))
 
 
 @pytest.mark.parametrize("text, size", [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20),
@@ -142,14 +164,15 @@ def test_cli_bad_input_is_one_line(extra: list[str], expected: str, capsys) -> N
     assert expected in captured.err and captured.err.count("\n") == 1
 
 
-def _fake_measurement(config: TrainConfig, layout: Layout, cores: float | None = None,
-                      ulysses: dict[int, list[int]] | None = None) -> train_tune.Measurement:
+def _fake_measurement(config: TrainConfig, layout: Layout, sizes: list[int] = (),
+                      cores: float | None = None, ulysses: dict[int, list[int]] | None = None
+                      ) -> train_tune.Measurement:
     stages = layout.pp * layout.vpp
     return train_tune.Measurement(layout=layout, forward=(0.002,) * stages,
                                   backward=(0.004,) * stages,
                                   backward_input=(0.002,) * stages,
                                   backward_weight=(0.003,) * stages,
-                                  half_forward_and_backward=0.004 * stages,
+                                  sizes=((layout.microbatch_size, 0.006 * stages),),
                                   pipeline_s=0.03, step_s=0.05, message_s=4e-4,
                                   message=Link(2e-4, 1e9),
                                   all_reduce=Link(5e-4, 1e9), optimizer_s_per_parameter=1e-8)
@@ -253,9 +276,9 @@ def test_a_failed_measuring_run_is_one_line_naming_the_rank_and_its_kept_log(
     shutil.rmtree(log.parent)
 
 
-def _measure_body(rank: int, world_size: int, configs: list[TrainConfig], path: str,
+def _measure_body(rank: int, world_size: int, phases: list[list[TrainConfig]], path: str,
                   ulysses: dict[int, list[int]]) -> None:
-    train_tune._measure_on_this_rank(configs, path, ulysses)
+    train_tune._measure_on_this_rank(phases, path, ulysses)
 
 
 def test_measurement_on_processes_prices_the_profile(tmp_path) -> None:
@@ -264,18 +287,25 @@ def test_measurement_on_processes_prices_the_profile(tmp_path) -> None:
     profile = train_tune.model_profile(config)
     layout = train_tune.base_layout(2, profile, 4, 2)
     assert (layout.pp, layout.schedule) == (2, "1f1b")
-    configs = train_tune.run_configs(config, layout, steps=3)
-    assert [(c.schedule, c.microbatch_size) for c in configs] == [
-        ("1f1b", 2), ("zb-h1", 2), ("1f1b", 1)]
+    sizes = train_tune.measured_sizes(rank_layouts(2, profile, 4), layout, profile)
+    assert sizes == [1, 2, 4]
+    phases = train_tune.run_configs(config, layout, sizes, steps=3)
+    assert [[(c.schedule, c.microbatches, c.microbatch_size) for c in configs]
+            for configs in phases] == [[("1f1b", 2, 2), ("zb-h1", 2, 2)],
+                                       [("1f1b", 4, 1), ("1f1b", 2, 2), ("1f1b", 1, 4)]]
     ulysses = train_tune.ulysses_sizes(profile, 2, 4)
     assert ulysses == {2: [1, 4]}  # cp 2 x 1 to 4 microbatches of 4 to 1 sequences
     path = tmp_path / "measured.json"
-    run_distributed(2, _measure_body, configs, str(path), ulysses)
-    measurement = train_tune._measurement(layout, json.loads(path.read_text()))
+    run_distributed(2, _measure_body, phases, str(path), ulysses)
+    measurement = train_tune._measurement(layout, json.loads(path.read_text()), sizes)
     ((cp, overhead),) = measurement.ulysses
     assert cp == 2 and overhead.latency >= 0 and overhead.bytes_per_s > 0
     assert min(measurement.forward + measurement.backward + measurement.backward_weight) > 0
-    assert measurement.half_forward_and_backward > 0
+    assert [size for size, _ in measurement.sizes] == sizes
+    # The size runs give ratios; the base run (fewer runs beside it) the level.
+    assert dict(measurement.sizes)[2] == pytest.approx(
+        sum(measurement.forward) + sum(measurement.backward))
+    assert min(seconds for _, seconds in measurement.sizes) > 0
     assert measurement.step_s >= measurement.pipeline_s > 0
     assert measurement.message_s is not None  # stage 1's first forward waits for stage 0's
     priced = train_tune.calibrate(profile, measurement, cores=2)

@@ -10,22 +10,26 @@ Three measurements make the ``Profile`` that ``meshpipe.schedules.tune`` ranks l
    every token count a layout gives a rank (the shape of cost against size);
 2. short training runs of a base layout on ``world_size`` processes (``measure``; local
    CPU processes, or under torchrun the job's ranks on their GPUs):
-   the smallest pp above 1 the world size allows, with 1F1B, with ZB-H1, and with 1F1B at
-   half the microbatch size, taking steps in turn (so a slow spell of the machine touches
-   all three alike); the executor's per-action timeline of each step gives every stage's F
-   and B (1F1B), I and W (ZB-H1) (``fit_costs``; on shared cores each action shortened to
-   what it would have taken alone, from the ranks computing beside it), what an action
-   costs whatever its size (the two sizes), what an input from another rank costs
-   (``fit_message_seconds``) and the pipeline's span, and the trainer's step time the rest;
-   the same processes time a message between two ranks, an all-reduce over all of them (at
-   two sizes each: latency and bandwidth), an optimizer step, and for each cp size the
-   layouts offer, a layer with Ulysses attention over cp ranks against the same layer on
-   the rank's tokens alone, at the smallest and largest microbatch (``_ulysses_times``);
+   the smallest pp above 1 the world size allows, with 1F1B and with ZB-H1, then in a
+   second phase with 1F1B at every microbatch size the ranked layouts use
+   (``measured_sizes``, ``measured_phases``), the runs of a phase taking steps in turn
+   (so a slow spell of the machine touches them alike); the executor's
+   per-action timeline of each step gives every stage's F and B (1F1B), I and W (ZB-H1)
+   (``fit_costs``; on shared cores each action shortened to what it would have taken
+   alone, from the ranks computing beside it), F + B at each microbatch size, what an
+   input from another rank costs (``fit_message_seconds``) and the pipeline's span, and
+   the trainer's step time the rest; the same processes time a message between two ranks,
+   an all-reduce over all of them (at two sizes each: latency and bandwidth), an optimizer
+   step, and for each cp size the layouts offer, a layer with Ulysses attention over cp
+   ranks against the same layer on the rank's tokens alone, at the smallest and largest
+   microbatch (``_ulysses_times``);
 3. ``calibrate``: the pieces' compute is scaled so that the base layout's stages cost what
-   was measured, the layer curve is taken relative to the base layout's size, a message
-   costs what was measured beyond the raw transfer, and the step time beyond the simulated
-   base layout (pipeline on shared cores, gradient all-reduce, optimizer) becomes a fixed
-   per-step overhead.
+   was measured; the layer curve, taken relative to the base layout's size, is pinned to
+   what each measured microbatch size cost (the one process's curve only shapes the cost
+   between and beyond them), and the least-squares line through the sizes gives what an
+   action costs whatever its size; a message costs what was measured beyond the raw
+   transfer, and the step time beyond the simulated base layout (pipeline on shared cores,
+   gradient all-reduce, optimizer) becomes a fixed per-step overhead.
 
 Only the reference transformer (dense, no tensor parallelism) is tuned; context
 parallelism is offered as Ulysses, priced by that measured overhead.
@@ -39,7 +43,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -82,7 +86,9 @@ class Measurement:
     backward: tuple[float, ...]
     backward_input: tuple[float, ...]
     backward_weight: tuple[float, ...]
-    half_forward_and_backward: float | None  # summed over stages, microbatches half as large
+    # Per microbatch size trained (the base size among them): F + B of one microbatch,
+    # summed over the stages.
+    sizes: tuple[tuple[int, float], ...]
     pipeline_s: float
     step_s: float
     message_s: float | None  # an input from another rank: producer's end to consumer's start
@@ -289,76 +295,112 @@ def config_for(layout: Layout, config: TrainConfig, **overrides: Any) -> TrainCo
                    placement="auto", **overrides)
 
 
-def measured_layouts(layout: Layout) -> dict[str, Layout]:
-    """The runs measured: ``fused`` (the base layout), ``split`` (with ZB-H1, which times I
-    and W apart) and ``half`` (microbatches half as large, which separates what an action
-    costs whatever its size); the last two where they can run."""
-    runs = {"fused": layout, "split": replace(layout, schedule="zb-h1"),
-            "half": replace(layout, microbatches=2 * layout.microbatches,
-                            microbatch_size=layout.microbatch_size // 2)}
-    if layout.pp == 1 or not buildable(runs["split"]):
-        del runs["split"]
-    if layout.microbatch_size % 2 or not buildable(runs["half"]):
-        del runs["half"]
-    return runs
+def size_layout(layout: Layout, size: int) -> Layout:
+    """``layout`` at microbatches of ``size`` sequences, about as many sequences per step."""
+    return replace(layout, microbatch_size=size,
+                   microbatches=max(1, layout.microbatches * layout.microbatch_size // size))
 
 
-def run_configs(config: TrainConfig, layout: Layout,
-                steps: int = MEASURE_STEPS) -> list[TrainConfig]:
-    """The measured runs' configs, in ``measured_layouts`` order."""
-    return [config_for(measured, config, steps=steps, timeline_step=0, eval_every=0,
-                       check=False, progress=False, resume=False, checkpoint_every=0, export="")
-            for measured in measured_layouts(layout).values()]
+def measured_sizes(predictions: list[Prediction], layout: Layout, profile: Profile,
+                   memory_budget: float | None = None) -> list[int]:
+    """The microbatch sizes to train ``layout`` at: its own, and every size a ranked layout
+    uses where ``layout`` at that size can run and fits ``memory_budget``."""
+    sizes = {prediction.layout.microbatch_size for prediction in predictions}
+    return sorted({layout.microbatch_size} | {
+        size for size in sizes if buildable(size_layout(layout, size)) and (
+            memory_budget is None
+            or predict(size_layout(layout, size), profile).peak_bytes <= memory_budget)})
 
 
-def measure(config: TrainConfig, layout: Layout, cores: float | None = None,
+def measured_phases(layout: Layout, sizes: Sequence[int] = ()) -> list[dict[str, Layout]]:
+    """The runs measured, in two phases (the runs of a phase take their steps in turn):
+    ``fused`` (the base layout) and ``split`` (with ZB-H1, which times I and W apart; where
+    it can run), then, with more than one of ``sizes``, one run per microbatch size (the
+    base size among them: each size's cost is taken against it, in the same phase).
+
+    The sizes run apart because every run taking its steps in turn slows the others (each
+    step starts with caches the other runs filled): with five more runs, the base layout's
+    step came out 9-15 % slower than with the split run alone, so the base level is taken
+    where fewer runs share the processes and the sizes give only ratios."""
+    first = {"fused": layout, "split": replace(layout, schedule="zb-h1")}
+    if layout.pp == 1 or not buildable(first["split"]):
+        del first["split"]
+    if len(sizes) < 2:
+        return [first]
+    return [first, {f"size {size}": size_layout(layout, size) for size in sizes}]
+
+
+def run_configs(config: TrainConfig, layout: Layout, sizes: Sequence[int] = (),
+                steps: int = MEASURE_STEPS) -> list[list[TrainConfig]]:
+    """The measured runs' configs, phase by phase, in ``measured_phases`` order."""
+    return [[config_for(measured, config, steps=steps, timeline_step=0, eval_every=0,
+                        check=False, progress=False, resume=False, checkpoint_every=0,
+                        export="")
+             for measured in phase.values()] for phase in measured_phases(layout, sizes)]
+
+
+def measure(config: TrainConfig, layout: Layout, sizes: Sequence[int] = (),
+            cores: float | None = None,
             ulysses: dict[int, list[int]] | None = None) -> Measurement:
-    """Run a few training steps of each of ``measured_layouts(layout)`` on local processes
-    and time them; ``cores``: the cores they share (None: each its own); ``ulysses``: the
-    cp sizes and microbatch sizes to time Ulysses at (``ulysses_sizes``)."""
-    configs = run_configs(config, layout)
+    """Run a few training steps of each of ``measured_phases(layout, sizes)`` on local
+    processes (or the job's ranks under torchrun) and time them; ``cores``: the cores they
+    share (None: each its own); ``ulysses``: the cp sizes and microbatch sizes to time
+    Ulysses at (``ulysses_sizes``)."""
+    phases = run_configs(config, layout, sizes)
+    first = phases[0][0]
     logs = Path(tempfile.mkdtemp(prefix="meshpipe-tune-logs-"))
     with tempfile.TemporaryDirectory(prefix="meshpipe-tune-") as tmp:
         result = Path(tmp) / "measured.json"
-        launch(_measure_on_this_rank, configs[0].world_size, configs, str(result),
-               ulysses or {}, supervision=Supervision(hang_timeout=configs[0].hang_timeout,
+        launch(_measure_on_this_rank, first.world_size, phases, str(result),
+               ulysses or {}, supervision=Supervision(hang_timeout=first.hang_timeout,
                                                       log_dir=logs))
         # Only a failed run's logs are kept: its error names them.
         shutil.rmtree(logs, ignore_errors=True)
-        return _measurement(layout, json.loads(result.read_text()), cores)
+        return _measurement(layout, json.loads(result.read_text()), sizes, cores)
 
 
-def _measure_on_this_rank(configs: list[TrainConfig], result_path: str,
+def _measure_on_this_rank(phases: list[list[TrainConfig]], result_path: str,
                           ulysses: dict[int, list[int]]) -> None:
-    """Every rank: the configs' training steps, taken in turn (one step of each, then the
-    next step of each: a slow spell of the machine touches every run alike, so what they
-    differ by is the layouts'), then the link, optimizer and Ulysses timings. What every
-    rank measured goes to ``result_path``: written by rank 0 of local processes, by every
-    rank under torchrun (each rank there runs ``tune`` and reads its own file)."""
+    """Every rank: each phase's training steps, its runs taking steps in turn (one step of
+    each, then the next step of each: a slow spell of the machine touches every run alike,
+    so what they differ by is the layouts'); after the first phase, the link, optimizer
+    and Ulysses timings. What every rank measured goes to ``result_path``: written by rank
+    0 of local processes, by every rank under torchrun (each rank there runs ``tune`` and
+    reads its own file)."""
     # Imported here: the trainer is only needed in the measuring processes.
     from meshpipe.train.trainer import Trainer
 
     torch.set_num_threads(1)
-    trainers = [Trainer(config) for config in configs]
-    runs: list[list[dict[str, Any]]] = [[] for _ in configs]
-    for step in range(configs[0].steps):
-        for trainer, timed in zip(trainers, runs):
-            timed.append(_timed_step(trainer, step))
-    trainer, config = trainers[-1], configs[-1]
+    runs: list[list[dict[str, Any]]] = []
+    mine: dict[str, Any] = {}
+    for configs in phases:
+        trainers = [Trainer(config) for config in configs]
+        timed_runs: list[list[dict[str, Any]]] = [[] for _ in trainers]
+        for step in range(configs[0].steps):
+            for trainer, timed in zip(trainers, timed_runs):
+                timed.append(_timed_step(trainer, step))
+        runs.extend(timed_runs)
+        mine = mine or _probes(trainers[0], configs[0], ulysses)
+        del trainers
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {**mine, "runs": runs})
+    if dist.get_rank() == 0 or under_torchrun():
+        Path(result_path).write_text(json.dumps(gathered))
+
+
+def _probes(trainer: Any, config: TrainConfig, ulysses: dict[int, list[int]]
+            ) -> dict[str, Any]:
+    """This rank's place, and the message, all-reduce, optimizer and Ulysses timings."""
     device = trainer.device
     parameters = [p for _, p in trainer.parameters]
     hidden = config.microbatch_size * config.seq_len // config.layout.cp * config.dim
-    mine = {"pipeline": list(trainer.topology.pipeline_ranks),
-            "pp_rank": trainer.topology.pp_rank, "runs": runs,
+    return {"pipeline": list(trainer.topology.pipeline_ranks),
+            "pp_rank": trainer.topology.pp_rank,
             "message": _message_times(hidden, device),
             "all_reduce": _all_reduce_times(parameters, device),
             "optimizer_s_per_parameter": _optimizer_seconds(trainer) / max(
                 1, sum(p.numel() for p in parameters)),
             "ulysses": _ulysses_times(config, ulysses, device)}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    if dist.get_rank() == 0 or under_torchrun():
-        Path(result_path).write_text(json.dumps(gathered))
 
 
 def _timed_step(trainer: Any, step: int) -> dict[str, Any]:
@@ -497,24 +539,29 @@ def _link(points: list[tuple[float, float]], factor: float = 1.0) -> Link:
     return Link(latency=max(0.0, small_s - factor * small * per_byte), bytes_per_s=1 / per_byte)
 
 
-def _measurement(layout: Layout, gathered: list[dict[str, Any]],
+def _measurement(layout: Layout, gathered: list[dict[str, Any]], sizes: Sequence[int] = (),
                  cores: float | None = None) -> Measurement:
     """Fit the costs of rank 0's pipeline from the steps after the first: F, B, the span
-    and the step time from the first run, I and W from the ZB-H1 run if there was one;
-    with ``cores``, each action's time is what it would take alone (``_alone``)."""
+    and the step time from the first run, I and W from the ZB-H1 run if there was one,
+    F + B at each microbatch size from the size runs (``_size_costs``); with ``cores``,
+    each action's time is what it would take alone (``_alone``)."""
     stages = layout.pp * layout.vpp
-    runs = list(measured_layouts(layout))
-
-    fits = [_fit_run(gathered, run, stages, cores) for run in range(len(runs))]
-    fused, fused_span, _ = fits[0]
-    split = fits[runs.index("split")][0] if "split" in runs else None
-    half = fits[runs.index("half")][0] if "half" in runs else None
-    hops = [hop for _, _, hop in fits if hop is not None]
+    runs = {name: run for phase in measured_phases(layout, sizes) for name, run in phase.items()}
+    fits = dict(zip(runs, (_fit_run(gathered, run, stages, cores) for run in range(len(runs)))))
+    fused, fused_span, _ = fits["fused"]
+    split = fits["split"][0] if "split" in fits else None
+    hops = [hop for _, _, hop in fits.values() if hop is not None]
     world = len(gathered)
     backward = fused.per_stage("backward", stages)
+
+    def forward_and_backward(name: str) -> float:
+        costs = fits[name][0]
+        return sum(costs.per_stage("forward", stages) + costs.per_stage("backward", stages))
+
     return Measurement(
-        half_forward_and_backward=None if half is None else sum(
-            half.per_stage("forward", stages) + half.per_stage("backward", stages)),
+        sizes=_size_costs(layout, {run.microbatch_size: forward_and_backward(name)
+                                   for name, run in runs.items() if name.startswith("size")},
+                          forward_and_backward("fused")),
         layout=layout, forward=fused.per_stage("forward", stages), backward=backward,
         backward_input=(split.per_stage("backward_input", stages) if split
                         else tuple(b / 2 for b in backward)),
@@ -529,6 +576,17 @@ def _measurement(layout: Layout, gathered: list[dict[str, Any]],
         optimizer_s_per_parameter=statistics.median(g["optimizer_s_per_parameter"]
                                                     for g in gathered),
         ulysses=_ulysses_links(gathered[0]["ulysses"], cores))
+
+
+def _size_costs(layout: Layout, measured: dict[int, float], base_s: float
+                ) -> tuple[tuple[int, float], ...]:
+    """F + B per microbatch size, ``measured`` (the size runs) scaled so that the base size
+    costs ``base_s`` (the fused run's): the size runs give ratios, the base run the level;
+    without size runs, the base size alone."""
+    if not measured:
+        return ((layout.microbatch_size, base_s),)
+    scale = base_s / measured[layout.microbatch_size]
+    return tuple((size, seconds * scale) for size, seconds in sorted(measured.items()))
 
 
 def _fit_run(gathered: list[dict[str, Any]], run: int, stages: int,
@@ -577,7 +635,10 @@ def calibrate(profile: Profile, measurement: Measurement, cores: float | None = 
                  for stage, layers in enumerate(layers_per_stage(profile.layers, stages)))
     reference = curve_factor(profile.token_curve, tokens)
     curve = tuple((size, factor / reference) for size, factor in profile.token_curve)
-    fixed = _action_overhead(measurement, curve_factor(curve, tokens / 2) / 2)
+    relative = {size: size * profile.seq_len * curve_factor(curve, size * profile.seq_len)
+                / tokens for size, _ in measurement.sizes}
+    fixed = _action_overhead(measurement, relative)
+    curve = _pinned_curve(curve, measurement, relative, fixed, profile.seq_len)
 
     def factor(measured: tuple[float, ...]) -> float:
         return max(0.0, sum(measured) - stages * fixed) / (tokens * weight)
@@ -601,18 +662,38 @@ def calibrate(profile: Profile, measurement: Measurement, cores: float | None = 
     return replace(fitted, step_overhead_s=max(0.0, rest))
 
 
-def _action_overhead(measurement: Measurement, half_ratio: float) -> float:
-    """What a compute action costs whatever its size: F + B summed over the stages is
-    ``2 S c + V`` at the measured microbatch and ``2 S c + r V`` at half of it, where ``r``
-    (``half_ratio``) is what the layer curve says half the tokens cost; that gives ``c``
-    (0 without the half-size run; noise may not make it negative, nor more than half of
-    an action's time)."""
-    if measurement.half_forward_and_backward is None or half_ratio >= 1:
+def _action_overhead(measurement: Measurement, relative: dict[int, float]) -> float:
+    """What a compute action costs whatever its size: F + B summed over the ``S`` stages is
+    ``2 S c + r V`` at each measured microbatch size, where ``r`` (``relative``) is what
+    the layer curve says that size costs against the base size; the least-squares line
+    through the sizes gives ``c`` (0 with one size; noise may not make it negative, nor
+    more than half of an action's time at any measured size)."""
+    if len(measurement.sizes) < 2:
         return 0.0
     stages = len(measurement.forward)
-    full = sum(measurement.forward) + sum(measurement.backward)
-    variable = (full - measurement.half_forward_and_backward) / (1 - half_ratio)
-    return min(max(0.0, (full - variable) / (2 * stages)), full / (4 * stages))
+    sizes, seconds = zip(*measurement.sizes)
+    _, intercept = np.polyfit([relative[size] for size in sizes], seconds, 1)
+    return float(min(max(0.0, intercept / (2 * stages)), min(seconds) / (4 * stages)))
+
+
+def _pinned_curve(curve: tuple[tuple[float, float], ...], measurement: Measurement,
+                  relative: dict[int, float], fixed: float, seq_len: int
+                  ) -> tuple[tuple[float, float], ...]:
+    """The layer curve (1 at the base size) pinned to the training runs: at each measured
+    microbatch size its factor times what F + B measured over what the curve predicts, so
+    that a microbatch of a measured size is priced at what it cost in the training
+    processes (which one layer alone in this process does not show: the other ranks
+    computing beside it, the stage's other pieces, its caches); between sizes the
+    correction is interpolated in log tokens as the curve is, beyond them the nearest
+    size's holds."""
+    stages = len(measurement.forward)
+    variable = sum(measurement.forward) + sum(measurement.backward) - 2 * stages * fixed
+    corrections = tuple((float(size * seq_len),
+                         (seconds - 2 * stages * fixed) / (variable * relative[size]))
+                        for size, seconds in measurement.sizes)
+    knots = sorted({tokens for tokens, _ in curve} | {tokens for tokens, _ in corrections})
+    return tuple((tokens, curve_factor(curve, tokens) * curve_factor(corrections, tokens))
+                 for tokens in knots)
 
 
 def _shared_cores() -> int | None:
@@ -630,12 +711,13 @@ def tune(config: TrainConfig, world_size: int, memory_budget: float | None,
     check_tunable(config)
     batch = global_batch_of(config) if global_batch is None else global_batch
     profile = model_profile(config)
-    rank_layouts(world_size, profile, batch, memory_budget)
+    fitting = rank_layouts(world_size, profile, batch, memory_budget)
     profile = replace(profile, token_curve=layer_curve(
         config, token_counts(profile, world_size, batch)))
     layout = base_layout(world_size, profile, batch, config.microbatch_size)
     cores = _shared_cores()
-    measurement = measure(config, layout, cores, ulysses_sizes(profile, world_size, batch))
+    measurement = measure(config, layout, measured_sizes(fitting, layout, profile, memory_budget),
+                          cores, ulysses_sizes(profile, world_size, batch))
     priced = calibrate(profile, measurement, cores)
     return TuneResult(rank_layouts(world_size, priced, batch, memory_budget), priced,
                       measurement)
