@@ -305,11 +305,13 @@ def measured_sizes(predictions: list[Prediction], layout: Layout, profile: Profi
                    memory_budget: float | None = None) -> list[int]:
     """The microbatch sizes to train ``layout`` at: its own, and every size a ranked layout
     uses where ``layout`` at that size can run and fits ``memory_budget``."""
+    def runs(sized: Layout) -> bool:
+        return buildable(sized) and (memory_budget is None
+                                     or predict(sized, profile).peak_bytes <= memory_budget)
+
     sizes = {prediction.layout.microbatch_size for prediction in predictions}
-    return sorted({layout.microbatch_size} | {
-        size for size in sizes if buildable(size_layout(layout, size)) and (
-            memory_budget is None
-            or predict(size_layout(layout, size), profile).peak_bytes <= memory_budget)})
+    return sorted({layout.microbatch_size}
+                  | {size for size in sizes if runs(size_layout(layout, size))})
 
 
 def measured_phases(layout: Layout, sizes: Sequence[int] = ()) -> list[dict[str, Layout]]:
@@ -375,17 +377,22 @@ def _measure_on_this_rank(phases: list[list[TrainConfig]], result_path: str,
     mine: dict[str, Any] = {}
     for configs in phases:
         trainers = [Trainer(config) for config in configs]
-        timed_runs: list[list[dict[str, Any]]] = [[] for _ in trainers]
-        for step in range(configs[0].steps):
-            for trainer, timed in zip(trainers, timed_runs):
-                timed.append(_timed_step(trainer, step))
-        runs.extend(timed_runs)
+        runs.extend(_steps_in_turn(trainers, configs[0].steps))
         mine = mine or _probes(trainers[0], configs[0], ulysses)
-        del trainers
+        del trainers  # the next phase's trainers need the memory
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {**mine, "runs": runs})
     if dist.get_rank() == 0 or under_torchrun():
         Path(result_path).write_text(json.dumps(gathered))
+
+
+def _steps_in_turn(trainers: list[Any], steps: int) -> list[list[dict[str, Any]]]:
+    """``steps`` timed steps of each trainer (``_timed_step``), one step of each in turn."""
+    runs: list[list[dict[str, Any]]] = [[] for _ in trainers]
+    for step in range(steps):
+        for trainer, timed in zip(trainers, runs):
+            timed.append(_timed_step(trainer, step))
+    return runs
 
 
 def _probes(trainer: Any, config: TrainConfig, ulysses: dict[int, list[int]]
