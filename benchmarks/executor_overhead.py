@@ -1,6 +1,6 @@
 """How close the executor gets to the simulator, on stages that only sleep.
 
-    .venv/bin/python benchmarks/executor_overhead.py                 # defaults, about 2-3 min
+    .venv/bin/python benchmarks/executor_overhead.py                 # defaults, about 5 min
     .venv/bin/python benchmarks/executor_overhead.py --steps 9 --forward-ms 10
     .venv/bin/python benchmarks/executor_overhead.py --schedules 1f1b zb-v --libraries meshpipe
 
@@ -51,8 +51,8 @@ Timing: each step of each library starts at a barrier; each rank reads ``perf_co
 ``step`` call. The step time is the span from the earliest start to the latest end over the
 ranks (what a simulated makespan is: from when the first rank may start until the last
 finishes); the slowest rank's own step time is recorded beside it. ``--warmup`` untimed
-steps of each library, then ``--steps`` timed steps alternating the two libraries (torch
-first on even steps); the median is reported. Gradients are set to None between steps,
+steps of each runner, then ``--steps`` timed steps taking the runners in turn (in reverse
+order on even steps); the median is reported. Gradients are set to None between steps,
 outside the timing; there is no optimizer.
 
 Where the time goes: meshpipe's ``StepResult.timeline`` gives every compute action's start
@@ -82,6 +82,13 @@ counterpart. torch's own compute order (``pipeline_order`` of its multi-stage sc
 for GPipe and 1F1B the order its ranks ran in the first timed step) is simulated too:
 ``torch / simulated`` divides by meshpipe's simulated figure, and the notes say whether
 torch's order is the same (where it is not, its own simulated makespan is given as well).
+
+Two floors run meshpipe's order beside the libraries, with no pipeline runtime at all
+(``hand_runner``): every receive a bare gloo ``irecv`` posted when the step starts, every
+send a bare ``isend`` right after its action, nothing else between actions. "hand" runs
+the same sleeping modules with plain autograd: nothing runs beside the stages' own code,
+so ``hand / simulated`` is the least a runtime running these stages can expect here. "bare" runs only the pauses, at exactly the simulated costs: what it takes
+beyond the simulation is the machine's own (late wake-ups, message latency after idling).
 
 Writes ``<out>/executor_overhead.json`` and ``<out>/executor_overhead.md`` (default
 ``benchmarks/results``). A benchmark prints and records; it never asserts.
@@ -119,7 +126,7 @@ from meshpipe.schedules import (Action, CostModel, Kind, Schedule, Timeline, bui
                                 simulate)
 
 WIDTH = 16
-LIBRARIES = ("meshpipe", "torch")
+LIBRARIES = ("meshpipe", "torch", "hand", "bare")
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=5)
 PR_SET_TIMERSLACK = 29
 PINGPONG_WARMUP = 20
@@ -184,7 +191,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedules", nargs="+", choices=list(CASE_BY_LABEL),
                         default=list(CASE_BY_LABEL))
     parser.add_argument("--libraries", nargs="+", choices=list(LIBRARIES),
-                        default=list(LIBRARIES))
+                        default=list(LIBRARIES),
+                        help="the runners: the two libraries and the two floors (hand, bare)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--raw", type=Path, default=None, metavar="PATH",
                         help="also write every step's raw records (all ranks) to PATH")
@@ -518,6 +526,105 @@ def meshpipe_runner(case: Case, args: argparse.Namespace, stage_ids: list[int],
     return Runner(modules, step, comm_log, lambda: dataclasses.asdict(transport.stats))
 
 
+def hand_runner(case: Case, args: argparse.Namespace, stage_ids: list[int], num_stages: int,
+                group: dist.ProcessGroup, batch: tuple[Tensor, Tensor], pauses: Pauses,
+                with_modules: bool) -> Runner:
+    """meshpipe's compute order on this rank with no pipeline runtime, as a floor.
+
+    Every receive is a bare gloo ``irecv`` posted when the step starts, every send a bare
+    ``isend`` right after its action; nothing else runs between actions. "hand"
+    (``with_modules``) runs the stages' sleeping modules with plain autograd: the forward
+    (and the loss on the last stage), ``torch.autograd.backward`` toward the stage input
+    for I, toward the weights for W, toward both for B. "bare" runs only each action's
+    pauses, of exactly the simulation's "effective" costs, and sends zeros: what it takes
+    beyond the simulation is the machine's own (late wake-ups, message latency after
+    idling); "hand" adds the modules' own code."""
+    vpp = case.vpp(args)
+    schedule = build(case.meshpipe_name, args.pp, args.microbatches, stages_per_rank=vpp)
+    costs = cost_models(args, num_stages, vpp, 0.0)["effective"]
+    modules = make_modules(args, vpp, stage_ids, pauses) if with_modules else {}
+    rank, last = dist.get_rank(), num_stages - 1
+    placement = schedule.placement
+    actions = schedule.ranks[rank]
+    zeros = torch.zeros(1, WIDTH)
+
+    def tag(token: str, stage: int, microbatch: int) -> int:
+        return (("F", "G").index(token) * num_stages + stage) * args.microbatches + microbatch
+
+    def consumer(part: Action) -> tuple[str, int] | None:
+        """Where the output of ``part`` goes: (token, stage), or None."""
+        if part.kind is Kind.F and part.stage < last:
+            return "F", part.stage + 1
+        if part.kind in (Kind.B, Kind.I) and part.stage > 0:
+            return "G", part.stage - 1
+        return None
+
+    receives = [[need for need in _dependencies(action, last)
+                 if need[0] in ("F", "G") and placement[need[1]] != rank]
+                for action in actions]
+    saved: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (stage, mb): input, output
+    grads: dict[tuple[int, int], Tensor | None] = {}  # (stage, mb): output gradient
+    arrived: dict[tuple[str, int, int], Tensor] = {}  # token, producer stage, mb: message
+
+    def run(part: Action) -> Tensor:
+        """One part's work; returns what it sends on (its output or input gradient)."""
+        s, m = part.stage, part.microbatch
+        if not with_modules:
+            pauses(part.kind.name, action_cost(part, costs) / 1e3)
+            return zeros
+        module = modules[s]
+        if part.kind is Kind.F:
+            x = batch[0][m:m + 1] if s == 0 else arrived.pop(("F", s - 1, m)).requires_grad_()
+            out = module(x)
+            saved[s, m] = x, (loss_fn(out, batch[1][m:m + 1]) if s == last else out)
+            return out.detach()
+        x, out = saved[s, m]
+        if part.kind is not Kind.W:
+            grads[s, m] = None if s == last else arrived.pop(("G", s + 1, m))
+        toward = {Kind.B: [x, *module.parameters()], Kind.I: [x],
+                  Kind.W: list(module.parameters())}[part.kind]
+        toward = [t for t in toward if t.requires_grad]
+        if toward:
+            torch.autograd.backward(out, grads[s, m], inputs=toward,
+                                    retain_graph=part.kind is Kind.I)
+        if part.kind is not Kind.I:
+            del saved[s, m], grads[s, m]
+        return x.grad if x.grad is not None else zeros
+
+    def post(need: tuple[str, int, int]) -> tuple[Any, Tensor]:
+        buffer = torch.empty(1, WIDTH)
+        return dist.irecv(buffer, placement[need[1]], group=group, tag=tag(*need)), buffer
+
+    def step() -> list[tuple[str, float, float]]:
+        arrived.clear()
+        posted = {need: post(need) for needs in receives for need in needs}
+        outgoing, timeline = [], []
+        for action, needs in zip(actions, receives):
+            for need in needs:
+                work, buffer = posted.pop(need)
+                work.wait()
+                arrived[need] = buffer
+            start = clock()
+            produced = [(part, run(part)) for part in action.computations]
+            timeline.append((str(action), start, clock()))
+            for part, message in produced:
+                target = consumer(part)
+                if target is None:
+                    continue
+                token, stage = target
+                if placement[stage] == rank:
+                    arrived[token, part.stage, part.microbatch] = message
+                else:
+                    outgoing.append((dist.isend(message, placement[stage], group=group,
+                                                tag=tag(token, part.stage, part.microbatch)),
+                                     message))
+        for work, _ in outgoing:
+            work.wait()
+        return timeline
+
+    return Runner(modules, step, [])
+
+
 def torch_schedule_class(name: str) -> type | None:
     import torch.distributed.pipelining as pipelining
     return getattr(pipelining, name, None)
@@ -653,6 +760,14 @@ def bench_case(case: Case, args: argparse.Namespace, groups: dict[str, dist.Proc
         else:
             runners["meshpipe"] = meshpipe_runner(case, args, stage_ids, num_stages,
                                                   groups["meshpipe"], batch, pauses)
+    for name in ("hand", "bare"):
+        if name not in args.libraries:
+            continue
+        if case.meshpipe_name is None:
+            row["skipped"][name] = "it runs meshpipe's order, and there is none"
+        else:
+            runners[name] = hand_runner(case, args, stage_ids, num_stages, groups[name],
+                                        batch, pauses, with_modules=name == "hand")
     if "torch" in args.libraries:
         if case.torch_class is None:
             row["skipped"]["torch"] = "torch.distributed.pipelining has no such schedule"
@@ -678,7 +793,7 @@ def bench_case(case: Case, args: argparse.Namespace, groups: dict[str, dist.Proc
     steps: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in runners}
     names = [name for name in LIBRARIES if name in runners]
     for iteration in range(args.steps):
-        order = names if iteration % 2 else names[::-1]  # torch first on even steps
+        order = names if iteration % 2 else names[::-1]  # reversed on even steps
         for name in order:
             steps[name].append(run_step(runners[name], pauses))
     row["steps"] = steps
@@ -1130,9 +1245,9 @@ def analyse(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
             ordered = sorted(range(len(spans)), key=spans.__getitem__)
             median_index = ordered[(len(ordered) - 1) // 2]
             step = steps[median_index]
-            own = schedule if library == "meshpipe" else torch_schedule
-            own_sim = (sims["meshpipe_order"] if library == "meshpipe"
-                       else sims.get("torch_order", {})).get("effective")
+            own = torch_schedule if library == "torch" else schedule
+            own_sim = (sims.get("torch_order", {}) if library == "torch"
+                       else sims["meshpipe_order"]).get("effective")
             result = {
                 "span_ms": spans, "slowest_rank_ms": slowest,
                 "median_ms": statistics.median(spans),
@@ -1186,7 +1301,7 @@ def markdown(config: dict[str, Any], message_cost: dict[str, Any],
         f"pp {config['pp']}, {config['microbatches']} microbatches; every stage only sleeps "
         f"({pauses}): F = {config['forward_ms']:g} ms, I = {config['input_grad_ms']:g} ms, "
         f"W = {config['weight_grad_ms']:g} ms per rank's share (each of v stages on a rank "
-        f"sleeps 1/v of it; stage 0's input half runs in its W, in both libraries). "
+        f"sleeps 1/v of it; stage 0's input half runs in its W, in every runner). "
         f"Activations [1, {WIDTH}] float32. Machine: {config['cpu_count']} CPU cores (a VM), "
         f"{config['pp']} gloo processes with one thread each, torch {config['torch']}; other "
         f"processes were running beside it (load average before "
@@ -1200,13 +1315,22 @@ def markdown(config: dict[str, Any], message_cost: dict[str, Any],
         "",
         f"Step time: from the earliest rank's start to the latest rank's end of one step "
         f"(ranks start at a barrier; one clock for all processes), median of "
-        f"{config['steps']} timed steps after {config['warmup']} warm-up steps, libraries "
-        f"alternating. Simulated: `simulate(schedule, CostModel(forward, backward_input, "
+        f"{config['steps']} timed steps after {config['warmup']} warm-up steps, the runners "
+        f"taking turns. Simulated: `simulate(schedule, CostModel(forward, backward_input, "
         f"backward_weight per stage, comm=c)).makespan` of meshpipe's order.",
         "",
-        "| schedule | simulated ms | meshpipe ms | meshpipe / simulated | torch ms "
-        "| torch / simulated |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "Two floors run meshpipe's order with no pipeline runtime: every receive a bare gloo "
+        "`irecv` posted when the step starts, every send a bare `isend` right after its "
+        "action, nothing else between actions. **hand** runs the same sleeping modules with "
+        "plain autograd (forward and loss; `torch.autograd.backward` toward the input for I, "
+        "the weights for W, both for B): the least a runtime running these stages can "
+        "expect here. **bare** runs only each action's pauses at the simulated costs: "
+        "what it takes beyond the simulation is the machine's own (late wake-ups, message "
+        "latency after idling).",
+        "",
+        "| schedule | simulated ms | "
+        + " | ".join(f"{library} ms | {library} / simulated" for library in LIBRARIES) + " |",
+        "| --- | ---: |" + " ---: | ---: |" * len(LIBRARIES),
     ]
     notes = []
     for row in analysis["rows"]:
