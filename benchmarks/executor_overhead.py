@@ -500,12 +500,10 @@ def instrument_transport(transport: P2PTransport,
     transport.wait_sends = timed_wait_sends
 
 
-def meshpipe_runner(case: Case, args: argparse.Namespace, stage_ids: list[int],
-                    num_stages: int, group: dist.ProcessGroup, batch: tuple[Tensor, Tensor],
-                    pauses: Pauses) -> Runner:
-    vpp = case.vpp(args)
-    schedule = build(case.meshpipe_name, args.pp, args.microbatches, stages_per_rank=vpp)
-    modules = make_modules(args, vpp, stage_ids, pauses)
+def meshpipe_runner(case: Case, args: argparse.Namespace, schedule: Schedule,
+                    stage_ids: list[int], num_stages: int, group: dist.ProcessGroup,
+                    batch: tuple[Tensor, Tensor], pauses: Pauses) -> Runner:
+    modules = make_modules(args, case.vpp(args), stage_ids, pauses)
     last = num_stages - 1
     stages = {s: Stage(modules[s], s, num_stages, loss_fn=loss_fn if s == last else None)
               for s in stage_ids}
@@ -526,9 +524,9 @@ def meshpipe_runner(case: Case, args: argparse.Namespace, stage_ids: list[int],
     return Runner(modules, step, comm_log, lambda: dataclasses.asdict(transport.stats))
 
 
-def hand_runner(case: Case, args: argparse.Namespace, stage_ids: list[int], num_stages: int,
-                group: dist.ProcessGroup, batch: tuple[Tensor, Tensor], pauses: Pauses,
-                with_modules: bool) -> Runner:
+def hand_runner(case: Case, args: argparse.Namespace, schedule: Schedule,
+                stage_ids: list[int], num_stages: int, group: dist.ProcessGroup,
+                batch: tuple[Tensor, Tensor], pauses: Pauses, with_modules: bool) -> Runner:
     """meshpipe's compute order on this rank with no pipeline runtime, as a floor.
 
     Every receive is a bare gloo ``irecv`` posted when the step starts, every send a bare
@@ -540,9 +538,9 @@ def hand_runner(case: Case, args: argparse.Namespace, stage_ids: list[int], num_
     beyond the simulation is the machine's own (late wake-ups, message latency after
     idling); "hand" adds the modules' own code."""
     vpp = case.vpp(args)
-    schedule = build(case.meshpipe_name, args.pp, args.microbatches, stages_per_rank=vpp)
     costs = cost_models(args, num_stages, vpp, 0.0)["effective"]
     modules = make_modules(args, vpp, stage_ids, pauses) if with_modules else {}
+    weights = {s: list(module.parameters()) for s, module in modules.items()}
     rank, last = dist.get_rank(), num_stages - 1
     placement = schedule.placement
     actions = schedule.ranks[rank]
@@ -566,30 +564,32 @@ def hand_runner(case: Case, args: argparse.Namespace, stage_ids: list[int], num_
     grads: dict[tuple[int, int], Tensor | None] = {}  # (stage, mb): output gradient
     arrived: dict[tuple[str, int, int], Tensor] = {}  # token, producer stage, mb: message
 
-    def run(part: Action) -> Tensor:
-        """One part's work; returns what it sends on (its output or input gradient)."""
+    def pauses_only(part: Action) -> Tensor:
+        pauses(part.kind.name, action_cost(part, costs) / 1e3)
+        return zeros
+
+    def modules_by_hand(part: Action) -> Tensor:
         s, m = part.stage, part.microbatch
-        if not with_modules:
-            pauses(part.kind.name, action_cost(part, costs) / 1e3)
-            return zeros
-        module = modules[s]
         if part.kind is Kind.F:
             x = batch[0][m:m + 1] if s == 0 else arrived.pop(("F", s - 1, m)).requires_grad_()
-            out = module(x)
+            out = modules[s](x)
             saved[s, m] = x, (loss_fn(out, batch[1][m:m + 1]) if s == last else out)
             return out.detach()
         x, out = saved[s, m]
         if part.kind is not Kind.W:
             grads[s, m] = None if s == last else arrived.pop(("G", s + 1, m))
-        toward = {Kind.B: [x, *module.parameters()], Kind.I: [x],
-                  Kind.W: list(module.parameters())}[part.kind]
-        toward = [t for t in toward if t.requires_grad]
+        # I and B reach the stage input (stage 0's needs no gradient), W and B the weights.
+        toward = [] if part.kind is Kind.W or s == 0 else [x]
+        if part.kind is not Kind.I:
+            toward = [*toward, *weights[s]]
         if toward:
             torch.autograd.backward(out, grads[s, m], inputs=toward,
                                     retain_graph=part.kind is Kind.I)
         if part.kind is not Kind.I:
             del saved[s, m], grads[s, m]
         return x.grad if x.grad is not None else zeros
+
+    run = modules_by_hand if with_modules else pauses_only  # a part's work; what it sends on
 
     def post(need: tuple[str, int, int]) -> tuple[Any, Tensor]:
         buffer = torch.empty(1, WIDTH)
@@ -702,16 +702,15 @@ def torch_order_rows(schedule: Any) -> list[str] | None:
 # ------------------------------------------------------------------------- per rank
 
 
-def stages_here(case: Case, args: argparse.Namespace) -> tuple[list[int], int]:
-    """This rank's stages and the number of stages (after checking that meshpipe and torch
-    place stages alike)."""
+def stages_here(case: Case, args: argparse.Namespace,
+                schedule: Schedule | None) -> tuple[list[int], int]:
+    """This rank's stages and the number of stages (after checking that meshpipe's
+    ``schedule``, where there is one, and torch place stages alike)."""
     from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-    vpp = case.vpp(args)
-    num_stages = args.pp * vpp
+    num_stages = args.pp * case.vpp(args)
     theirs = generate_stage_to_rank_mapping(args.pp, num_stages, style=case.placement_style)
-    if case.meshpipe_name is not None:
-        schedule = build(case.meshpipe_name, args.pp, args.microbatches, stages_per_rank=vpp)
+    if schedule is not None:
         ours = dict(enumerate(schedule.placement))
         if ours != theirs:
             raise RuntimeError(f"{case.label}: meshpipe places stages {ours} but torch "
@@ -747,7 +746,10 @@ def agreed(ok: bool) -> bool:
 
 def bench_case(case: Case, args: argparse.Namespace, groups: dict[str, dist.ProcessGroup],
                pauses: Pauses) -> dict[str, Any]:
-    stage_ids, num_stages = stages_here(case, args)
+    schedule = (build(case.meshpipe_name, args.pp, args.microbatches,
+                      stages_per_rank=case.vpp(args))
+                if case.meshpipe_name is not None else None)
+    stage_ids, num_stages = stages_here(case, args, schedule)
     batch = make_batch(args)
     row: dict[str, Any] = {"schedule": case.label, "meshpipe_name": case.meshpipe_name,
                            "vpp": case.vpp(args), "stages": num_stages,
@@ -755,19 +757,20 @@ def bench_case(case: Case, args: argparse.Namespace, groups: dict[str, dist.Proc
                            "skipped": {}}
     runners: dict[str, Runner] = {}
     if "meshpipe" in args.libraries:
-        if case.meshpipe_name is None:
+        if schedule is None:
             row["skipped"]["meshpipe"] = "no meshpipe builder for this schedule"
         else:
-            runners["meshpipe"] = meshpipe_runner(case, args, stage_ids, num_stages,
+            runners["meshpipe"] = meshpipe_runner(case, args, schedule, stage_ids, num_stages,
                                                   groups["meshpipe"], batch, pauses)
     for name in ("hand", "bare"):
         if name not in args.libraries:
             continue
-        if case.meshpipe_name is None:
+        if schedule is None:
             row["skipped"][name] = "it runs meshpipe's order, and there is none"
         else:
-            runners[name] = hand_runner(case, args, stage_ids, num_stages, groups[name],
-                                        batch, pauses, with_modules=name == "hand")
+            runners[name] = hand_runner(case, args, schedule, stage_ids, num_stages,
+                                        groups[name], batch, pauses,
+                                        with_modules=name == "hand")
     if "torch" in args.libraries:
         if case.torch_class is None:
             row["skipped"]["torch"] = "torch.distributed.pipelining has no such schedule"
