@@ -87,8 +87,9 @@ Two floors run meshpipe's order beside the libraries, with no pipeline runtime a
 (``hand_runner``): every receive a bare gloo ``irecv`` posted when the step starts, every
 send a bare ``isend`` right after its action, nothing else between actions. "hand" runs
 the same sleeping modules with plain autograd: nothing runs beside the stages' own code,
-so ``hand / simulated`` is the least a runtime running these stages can expect here. "bare" runs only the pauses, at exactly the simulated costs: what it takes
-beyond the simulation is the machine's own (late wake-ups, message latency after idling).
+so ``hand / simulated`` is the least a runtime running these stages can expect here.
+"bare" runs only the pauses, at exactly the simulated costs: what it takes beyond the
+simulation is the machine's own (late wake-ups, message latency after idling).
 
 Writes ``<out>/executor_overhead.json`` and ``<out>/executor_overhead.md`` (default
 ``benchmarks/results``). A benchmark prints and records; it never asserts.
