@@ -11,12 +11,14 @@ from meshpipe.train.launch import LaunchError, launch
 def _write_rank(out_dir):
     import torch
     import torch.distributed as dist
+    from malloc_probe import where_large_blocks_go
 
     value = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(value)
     with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
         json.dump({"sum": value.item(), "threads": torch.get_num_threads(),
-                   "world": dist.get_world_size()}, f)
+                   "world": dist.get_world_size(), "large blocks": where_large_blocks_go()},
+                  f)
 
 
 def _fail_on_rank_one_while_others_wait():
@@ -29,10 +31,13 @@ def _fail_on_rank_one_while_others_wait():
 
 
 def test_every_rank_runs_in_an_initialised_group(tmp_path):
+    """... each with one thread, and a malloc that keeps freed memory
+    (``runtime.host_memory``)."""
     launch(_write_rank, 2, str(tmp_path))
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {
-            "sum": 1.0, "threads": 1, "world": 2}
+            "sum": 1.0, "threads": 1, "world": 2,
+            "large blocks": {"mapped": False, "kept": True}}
 
 
 def test_a_failing_rank_stops_the_others_and_is_named():

@@ -57,7 +57,10 @@ def _worker_main(rank: int, world_size: int, init_file: str, tasks: Any, results
     import torch
     import torch.distributed as dist
 
+    from .runtime.host_memory import keep_freed_memory
+
     torch.set_num_threads(1)
+    keep_freed_memory()
     os.environ["MESHPIPE_TEST_WORKER"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size,

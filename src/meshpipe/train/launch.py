@@ -5,7 +5,8 @@ group initialised. Under ``torchrun`` (RANK/WORLD_SIZE in the environment) it ru
 current process with NCCL when CUDA is present, and torchrun's own failure handling stops
 the job; each rank judges its own hangs.
 
-Locally it spawns ``world_size`` processes (gloo, CPU, one thread each) and supervises them:
+Locally it spawns ``world_size`` processes (gloo, CPU, one thread each; on CPU every rank's
+malloc keeps freed memory for the next step, ``runtime.host_memory``) and supervises them:
 
 - a rank that raises, exits or is killed stops the whole job at once (every process is
   terminated, whatever group it was waiting in), and ``LaunchError`` names the rank that
@@ -43,6 +44,7 @@ import torch.distributed as dist
 
 from meshpipe.runtime import activity
 from meshpipe.runtime.executor import PeerFailedError
+from meshpipe.runtime.host_memory import keep_freed_memory
 from meshpipe.train.diagnosis import failure_report, hang_report, read_statuses
 
 PROCESS_GROUP_TIMEOUT_S = 60.0
@@ -353,6 +355,8 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str |
     device = device_for_this_rank()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
     try:
         with activity.doing("rendezvous"):
             dist.init_process_group(backend_for(device), init_method=init_method or "env://",
