@@ -3,8 +3,9 @@
 Counts ``torch.distributed.all_to_all_single`` and ``batch_isend_irecv`` calls in one
 forward and one backward of ``UlyssesAttention``, and checks output and gradients against
 SDPA on the whole sequence. In float64 the local attention is SDPA: one all-to-all each way.
-In float32 on CPU the heads run in groups (``_PipelinedUlysses``), one point-to-point
-exchange each way per group, own rows first.
+In float32 on CPU the attention runs tile by tile around point-to-point exchanges
+(``_PipelinedUlysses``): in forward one gathers q/k/v and one returns the output, in
+backward one gathers the output gradient and one returns the q/k/v gradients.
 """
 
 from __future__ import annotations
@@ -99,23 +100,23 @@ def test_ulysses_all_to_all_count(seq, heads_q, heads_kv, causal, expected):
         assert calls == {"forward": counts, "backward": counts}, (rank, calls)
 
 
-def _assert_group_by_group(results: list[dict], groups: int) -> None:
-    counts = {"all_to_all": 0, "transfers": 2 * groups}
+def _assert_pipelined(results: list[dict]) -> None:
+    counts = {"all_to_all": 0, "transfers": 2}
     for rank, calls in enumerate(results):
         assert calls == {"forward": counts, "backward": counts}, (rank, calls)
 
 
-@pytest.mark.parametrize(("seq", "heads_q", "heads_kv", "causal", "groups"), [
-    pytest.param(16, 8, 8, True, 2, id="mha-2-groups"),
-    pytest.param(13, 8, 4, False, 2, id="gqa-uneven-seq-2-groups"),
-    pytest.param(2 * CAUSAL_LEAF + 7, 4, 2, True, 1, id="long-gqa-1-group"),
+@pytest.mark.parametrize(("seq", "heads_q", "heads_kv", "causal"), [
+    pytest.param(16, 8, 8, True, id="mha"),
+    pytest.param(13, 8, 4, False, id="gqa-uneven-seq"),
+    pytest.param(2 * CAUSAL_LEAF + 7, 4, 2, True, id="long-gqa"),
 ])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-def test_float32_ulysses_runs_head_group_by_head_group(seq, heads_q, heads_kv, causal, groups,
-                                                       strided):
+def test_float32_ulysses_runs_tiles_around_one_exchange_each_way(seq, heads_q, heads_kv,
+                                                                 causal, strided):
     results = run_distributed(2, _count_ulysses_exchanges, seq, heads_q, heads_kv, causal,
                               torch.float32, strided)
-    _assert_group_by_group(results, groups)
+    _assert_pipelined(results)
 
 
 @pytest.mark.parametrize(("world", "seq", "causal"), [
@@ -130,13 +131,13 @@ def test_one_row_batch_receives_in_place(world, seq, causal):
     path the benchmark's long sequences take), at cp 2 and 4, with uneven shards."""
     results = run_distributed(world, _count_ulysses_exchanges, seq, 8, 8, causal,
                               torch.float32, False, 1)
-    _assert_group_by_group(results, 2)
+    _assert_pipelined(results)
 
 
 def test_bfloat16_ulysses_exchanges_in_its_own_dtype():
     results = run_distributed(2, _count_ulysses_exchanges, 2 * CAUSAL_LEAF + 1, 4, 4, True,
                               torch.bfloat16, False, 1)
-    _assert_group_by_group(results, 2)
+    _assert_pipelined(results)
 
 
 def _inside(span: slice, own: slice) -> bool:
@@ -177,3 +178,18 @@ def test_tile_plan_covers_the_square_once(total, ranks, causal):
                     block = 1
                 covered[rows, cols] += block
         assert torch.equal(covered, expected), rank
+
+
+def _work(tiles) -> int:
+    return sum((t.rows.stop - t.rows.start) * (t.cols.stop - t.cols.start) for t in tiles)
+
+
+@pytest.mark.parametrize(("total", "ranks", "rank"), [(2048, 2, 0), (2048, 2, 1),
+                                                      (4 * CAUSAL_LEAF + 3, 4, 3), (16, 2, 1)])
+def test_local_tiles_are_cut_where_half_their_work_is_done(total, ranks, rank):
+    """The first local tiles run while the gather comes in, the rest while the rows for the
+    other ranks go out: the cut is the first tile boundary at or past half the work."""
+    plan = _plan_tiles(total, ranks, rank, True)
+    early, late = plan.local_halves()
+    assert early + late == plan.local
+    assert 2 * _work(early) >= _work(plan.local) > 2 * _work(early[:-1])

@@ -10,9 +10,9 @@ the inner attention sees the masks of the whole gathered sequence.
 
 Where q, k and v share one exchange, the inner attention is ``LocalAttention``, the tensors
 are on CPU in a float32/bf16/fp16 dtype and the sequence is plain (no documents),
-``_PipelinedUlysses`` runs the heads in groups on the blockwise kernel: one group's exchange
-travels while another computes, and the tiles of a rank's own rows and columns run while
-the first exchange is still on its way in (they need nothing from the other ranks).
+``_PipelinedUlysses`` runs on the blockwise kernel: the tiles of a rank's own rows and
+columns run while the exchange is still on its way in (they need nothing from the other
+ranks), and the rows the other ranks get back are computed and sent first.
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ class UlyssesAttention(nn.Module):
 
     def _pipelines(self, q: Tensor, layout: GroupLayout, positions: Tensor | None,
                    doc_ids: Tensor | None) -> bool:
-        """Whether this call runs head group by head group (``_PipelinedUlysses``): local
-        attention on the CPU kernel (``tiles.runs_on_cpu_kernel``) over one plain
+        """Whether this call runs tile by tile around its exchanges (``_PipelinedUlysses``):
+        local attention on the CPU kernel (``tiles.runs_on_cpu_kernel``) over one plain
         sequence."""
         return (type(self.inner) is LocalAttention and runs_on_cpu_kernel(q)
                 and doc_ids is None
@@ -119,7 +119,7 @@ class UlyssesAttention(nn.Module):
         all-to-all and one copy of each gradient back into its place.
         """
         per_rank = [x.shape[_HEAD_DIM] // ranks for x in (q, k, v)]
-        packed = torch.cat([_group_heads(x, ranks, 1, 0) for x in (q, k, v)], dim=_HEAD_DIM + 1)
+        packed = torch.cat([_by_peer(x, ranks) for x in (q, k, v)], dim=_HEAD_DIM + 1)
         gathered = all_to_all(packed, self.group, scatter_dim=0, gather_dim=_SEQ_DIM + 1,
                               gather_size=total).squeeze(0)
         q_heads, k_heads, v_heads = gathered.split(per_rank, dim=_HEAD_DIM)
@@ -166,27 +166,15 @@ def _as_grouped_query_heads(kv: Tensor, kv_of_query: list[int]) -> Tensor:
     return kv.index_select(_HEAD_DIM + 1, torch.tensor(kv_of_query, device=kv.device))
 
 
-HEAD_GROUPS = 2
-"""Ulysses on CPU runs a rank's heads in up to this many groups: one group's exchange
-travels while another computes (with four, the smaller kernel calls cost more than the
-overlap hides on a 2-core machine)."""
-
 _EXCHANGE_TAG = 13  # ring attention uses 11 and 12
 _EXCHANGE_LABEL = COMM_LABEL + "ulysses"
 
 
-def _head_groups(kv_heads_per_rank: int) -> int:
-    """The most groups, up to ``HEAD_GROUPS``, that split a rank's key/value heads evenly
-    (and so its query heads, a multiple of them)."""
-    return max(g for g in range(1, HEAD_GROUPS + 1) if kv_heads_per_rank % g == 0)
-
-
-def _group_heads(x: Tensor, ranks: int, groups: int, group: int) -> Tensor:
-    """``[b, s, heads, d]`` -> ``[ranks, b, s, heads_per_group, d]``: head group ``group`` of
-    every rank's share of the heads, peer-major (a view of a contiguous ``x``)."""
+def _by_peer(x: Tensor, ranks: int) -> Tensor:
+    """``[b, s, heads, d]`` -> ``[ranks, b, s, heads_per_rank, d]``: every rank's share of
+    the heads, peer-major (a view of a contiguous ``x``)."""
     batch, seq, heads, head_dim = x.shape
-    split = x.reshape(batch, seq, ranks, groups, heads // (ranks * groups), head_dim)
-    return split[:, :, :, group].movedim(2, 0)
+    return x.reshape(batch, seq, ranks, heads // ranks, head_dim).movedim(2, 0)
 
 
 def _write_side_by_side(into: Tensor, parts: list[Tensor]) -> Tensor:
@@ -206,7 +194,7 @@ def _side_by_side(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
 
 @dataclass(frozen=True)
 class _TilePlan:
-    """One rank's share of the attention square of a head group, by what each tile reads.
+    """One rank's share of the attention square of its heads, by what each tile reads.
 
     ``rows[r]`` are group rank ``r``'s tokens in the gathered sequence. ``local`` tiles read
     only this rank's own rows and columns, which it holds before any exchange arrives;
@@ -226,6 +214,18 @@ class _TilePlan:
 
     def peers(self) -> list[int]:
         return [peer for peer in range(len(self.rows)) if peer != self.rank]
+
+    def local_halves(self) -> tuple[list[Tile], list[Tile]]:
+        """The local tiles cut where half their work (rows x columns) is done: the first
+        half runs while an exchange comes in, the second while one goes out. (Which
+        transfer has arrived cannot be asked of gloo without waiting for it.)"""
+        work = [_count(tile.rows) * _count(tile.cols) for tile in self.local]
+        done, half = 0, sum(work) / 2
+        for cut, tile_work in enumerate(work):
+            if done >= half:
+                return self.local[:cut], self.local[cut:]
+            done += tile_work
+        return self.local, []
 
 
 def _tiles(rows: slice, cols: slice, causal: bool, total: int) -> list[Tile]:
@@ -290,19 +290,20 @@ class _Exchange:
 
 
 class _PipelinedUlysses(torch.autograd.Function):
-    """Ulysses around blockwise local attention, head group by head group, own rows first.
+    """Ulysses around blockwise local attention, own rows first.
 
-    Each head group gathers its q/k/v over the whole sequence into one float32 buffer,
+    The rank's heads gather their q/k/v over the whole sequence into one float32 buffer,
     ``[b, seq, (q, k, v heads), d]``. The rank writes its own rows itself and receives
     every peer's rows straight into place (point-to-point, one transfer per peer and
-    direction). So the tiles that read only its own rows and columns (``_TilePlan.local``)
-    can run before anything arrives: the first group computes them while the exchange
-    travels. The output rows other ranks get back are computed next and sent, and the
-    group's remaining tiles (its own rows) run while they travel; the last group saves
-    its local tiles for then. Backward does the same with the output gradients, and sends
-    the q/k/v gradients of the other ranks' rows as soon as the non-local tiles are done.
-    The tiles are the causal square cut down to ``CAUSAL_LEAF`` rows on the ``blockwise``
-    kernel.
+    direction). So the first half (by work) of the tiles that read only its own rows and
+    columns (``_TilePlan.local_halves``) runs while the exchange travels. The output rows
+    other ranks get back are computed next and sent, and the remaining tiles (its own rows,
+    the second local half) run while they travel. Backward does the same with the output
+    gradients, and sends the q/k/v gradients of the other ranks' rows once every other
+    tile is done. The tiles are the causal square cut down to ``CAUSAL_LEAF`` rows on the
+    ``blockwise`` kernel. (Splitting the heads into groups whose exchanges overlap each
+    other's compute was slower in every measurement, by up to 6 %, at cp 2 and 4 on CPU:
+    the local tiles hide the exchange as well, and smaller kernel calls cost more.)
     """
 
     @staticmethod
@@ -310,74 +311,60 @@ class _PipelinedUlysses(torch.autograd.Function):
                 total: int, causal: bool, scale: float) -> Tensor:
         ranks = dist.get_world_size(group)
         plan = _plan_tiles(total, ranks, dist.get_rank(group), causal)
-        groups = _head_groups(k.shape[_HEAD_DIM] // ranks)
         kernel = kernel_for(q.device)
-        sizes = [x.shape[_HEAD_DIM] // (ranks * groups) for x in (q, k, v)]
-        gathered = [q.new_empty((q.shape[0], total, sum(sizes), q.shape[-1]),
-                                dtype=torch.float32) for _ in range(groups)]
-        incoming = [_post_gather(gathered[g], [_group_heads(x, ranks, groups, g)
-                                               for x in (q, k, v)], plan, group, q.dtype)
-                    for g in range(groups)]
+        sizes = [x.shape[_HEAD_DIM] // ranks for x in (q, k, v)]
+        gathered = q.new_empty((q.shape[0], total, sum(sizes), q.shape[-1]),
+                               dtype=torch.float32)
+        incoming = _post_gather(gathered, [_by_peer(x, ranks) for x in (q, k, v)], plan,
+                                group, q.dtype)
+        q_heads, k_heads, v_heads = gathered.split(sizes, dim=_HEAD_DIM)
+        queries, kv = heads_first(q_heads), (k_heads, v_heads)
+        early, late = plan.local_halves()
+        out, lse = attend(kernel, queries, kv, early, scale)
+        incoming.wait()
+        out, lse = attend(kernel, queries, kv, plan.peer_rows, scale, out, lse)
+        if out is None:
+            out, lse = empty_output(queries)
         result = q.new_empty(q.shape)
-        saved, outgoing = [], []
-        for g in range(groups):
-            q_g, k_g, v_g = gathered[g].split(sizes, dim=_HEAD_DIM)
-            queries, kv = heads_first(q_g), (k_g, v_g)
-            first, last = g == 0, g == groups - 1
-            out, lse = attend(kernel, queries, kv, plan.local if first else [], scale)
-            incoming[g].wait()
-            out, lse = attend(kernel, queries, kv, plan.peer_rows, scale, out, lse)
-            if out is None:
-                out, lse = empty_output(queries)
-            places = _group_heads(result, ranks, groups, g)
-            outgoing.append(_Exchange(
-                group, {peer: _side_by_side([_rows_of(out, plan.rows[peer])], q.dtype)
-                        for peer in plan.peers()},
-                {peer: [places[peer]] for peer in plan.peers()}, q.dtype))
-            attend(kernel, queries, kv, plan.own_rows + (plan.local if last and not first
-                                                         else []), scale, out, lse)
-            places[plan.rank].copy_(_rows_of(out, plan.own))
-            saved.append((queries, kv, out, lse))
-        for exchange in outgoing:
-            exchange.wait()
+        places = _by_peer(result, ranks)
+        outgoing = _Exchange(
+            group, {peer: _side_by_side([_rows_of(out, plan.rows[peer])], q.dtype)
+                    for peer in plan.peers()},
+            {peer: [places[peer]] for peer in plan.peers()}, q.dtype)
+        attend(kernel, queries, kv, plan.own_rows + late, scale, out, lse)
+        places[plan.rank].copy_(_rows_of(out, plan.own))
+        outgoing.wait()
         ctx.group, ctx.plan, ctx.scale, ctx.kernel = group, plan, scale, kernel
-        ctx.ranks, ctx.groups, ctx.saved = ranks, groups, saved
+        ctx.ranks, ctx.saved = ranks, (queries, kv, out, lse)
         ctx.shapes = (q.shape, k.shape, v.shape)
         return result
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        ranks, groups, plan = ctx.ranks, ctx.groups, ctx.plan
-        gathered = [grad_output.new_empty((grad_output.shape[0], plan.rows[-1].stop,
-                                           grad_output.shape[_HEAD_DIM] // (ranks * groups),
-                                           grad_output.shape[-1]), dtype=torch.float32)
-                    for _ in range(groups)]
-        incoming = [_post_gather(gathered[g], [_group_heads(grad_output, ranks, groups, g)],
-                                 plan, ctx.group, grad_output.dtype)
-                    for g in range(groups)]
+        ranks, plan = ctx.ranks, ctx.plan
+        gathered = grad_output.new_empty((grad_output.shape[0], plan.rows[-1].stop,
+                                          grad_output.shape[_HEAD_DIM] // ranks,
+                                          grad_output.shape[-1]), dtype=torch.float32)
+        incoming = _post_gather(gathered, [_by_peer(grad_output, ranks)], plan, ctx.group,
+                                grad_output.dtype)
+        queries, kv, out, lse = ctx.saved
+        gradients = _Gradients(ctx.kernel, queries, heads_first(gathered), out, lse, ctx.scale,
+                               kv)
+        early, late = plan.local_halves()
+        gradients.run(early)
+        incoming.wait()
+        gradients.run(plan.peer_rows + plan.own_rows)
         grads = [grad_output.new_empty(shape) for shape in ctx.shapes]
-        outgoing = []
-        for g in range(groups):
-            queries, kv, out, lse = ctx.saved[g]
-            first, last = g == 0, g == groups - 1
-            gradients = _GroupGradients(ctx.kernel, queries, heads_first(gathered[g]), out, lse,
-                                        ctx.scale, kv)
-            if first:
-                gradients.run(plan.local)
-            incoming[g].wait()
-            gradients.run(plan.peer_rows + plan.own_rows)
-            places = [_group_heads(whole, ranks, groups, g) for whole in grads]
-            outgoing.append(_Exchange(
-                ctx.group, {peer: _side_by_side(gradients.at(plan.rows[peer]),
-                                                grad_output.dtype) for peer in plan.peers()},
-                {peer: [place[peer] for place in places] for peer in plan.peers()},
-                grad_output.dtype))
-            if last and not first:
-                gradients.run(plan.local)
-            for place, part in zip(places, gradients.at(plan.own)):
-                place[plan.rank].copy_(part)
-        for exchange in outgoing:
-            exchange.wait()
+        places = [_by_peer(whole, ranks) for whole in grads]
+        outgoing = _Exchange(
+            ctx.group, {peer: _side_by_side(gradients.at(plan.rows[peer]), grad_output.dtype)
+                        for peer in plan.peers()},
+            {peer: [place[peer] for place in places] for peer in plan.peers()},
+            grad_output.dtype)
+        gradients.run(late)
+        for place, part in zip(places, gradients.at(plan.own)):
+            place[plan.rank].copy_(part)
+        outgoing.wait()
         return (*grads, None, None, None, None)
 
 
@@ -392,7 +379,7 @@ def _rows_of(heads_first_output: Tensor, rows: slice) -> Tensor:
 
 def _post_gather(gathered: Tensor, parts: list[Tensor], plan: _TilePlan,
                  group: dist.ProcessGroup | None, dtype: torch.dtype) -> _Exchange:
-    """Start gathering one head group over the whole sequence into ``gathered``
+    """Start gathering this rank's heads over the whole sequence into ``gathered``
     (``[b, seq, heads, d]``): ``parts`` are ``[ranks, b, s_local, h_i, d]`` views of this
     rank's tokens, one per tensor sent side by side. Writes this rank's own rows at once;
     every peer's rows arrive in place by ``wait``."""
@@ -406,8 +393,8 @@ def _post_gather(gathered: Tensor, parts: list[Tensor], plan: _TilePlan,
                       for peer in plan.peers()}, dtype)
 
 
-class _GroupGradients:
-    """One head group's q/k/v gradients over the whole gathered sequence, tile by tile."""
+class _Gradients:
+    """This rank's heads' q/k/v gradients over the whole gathered sequence, tile by tile."""
 
     def __init__(self, kernel: BlockKernel, queries: Tensor, grad_out: Tensor, out: Tensor,
                  lse: Tensor, scale: float, kv: tuple[Tensor, Tensor]):
