@@ -14,7 +14,8 @@ thread), and, from one extra profiled iteration on rank 0, how much of the step 
 attention kernels take and how much communication (the ``meshpipe.comm.*`` profiler ranges:
 posting, and waiting for, all-to-alls and ring transfers); the rest is copies and Python. A
 step's time is the slowest rank's; the table shows the median over iterations. Every
-configuration runs in freshly spawned gloo processes with ``torch.set_num_threads(1)``; on a
+configuration runs in freshly spawned gloo processes with ``torch.set_num_threads(1)`` and
+malloc keeping freed memory (``runtime.host_memory``, as ``meshpipe train`` does); on a
 machine with fewer cores than ranks the ranks share cores, so read cp 4 on 2 cores as
 oversubscribed.
 
@@ -48,6 +49,7 @@ from meshpipe.comm.shards import (contiguous_positions, hybrid_positions, split_
                                    zigzag_positions)
 from meshpipe.context import (HybridAttention, LocalAttention, RingAttention,
                               UlyssesAttention)
+from meshpipe.runtime.host_memory import keep_freed_memory
 from meshpipe.topology import ParallelLayout, Topology
 
 HEAD_DIM_A2A = 64
@@ -255,6 +257,7 @@ def _attention_rows(world: int, args: argparse.Namespace) -> list[dict]:
 def _worker(rank: int, world: int, init_file: str, result_file: str,
             args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
+    keep_freed_memory()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
