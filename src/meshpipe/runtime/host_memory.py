@@ -29,7 +29,7 @@ _M_MMAP_THRESHOLD = -3
 _USERS_OWN_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
-def users_own_malloc_settings() -> bool:
+def _users_own_malloc_settings() -> bool:
     """Whether the environment already tunes glibc's malloc (its own variables, or
     ``GLIBC_TUNABLES`` naming ``glibc.malloc``): those win, untouched."""
     return (any(name in os.environ for name in _USERS_OWN_SETTINGS)
@@ -44,7 +44,7 @@ def keep_freed_memory() -> bool:
     environment. Safe to call more than once; a preloaded jemalloc or tcmalloc does not
     read these settings and keeps its own behaviour.
     """
-    if not sys.platform.startswith("linux") or users_own_malloc_settings():
+    if not sys.platform.startswith("linux") or _users_own_malloc_settings():
         return False
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
