@@ -19,9 +19,10 @@ Both parts time their cases in rounds: each round runs every case once, in turn,
 same processes. In part 2 every round also runs the two one-process baselines on rank 0
 (the other ranks idle), so each speed-up is a median of ratios taken within a round, and
 a slower minute of a shared machine slows both sides of it. Every configuration runs in
-freshly spawned gloo processes with ``torch.set_num_threads(1)`` and malloc keeping freed
-memory (``runtime.host_memory``, as ``meshpipe train`` does); on a machine with fewer cores
-than ranks the ranks share cores, so read cp 4 on 2 cores as oversubscribed.
+freshly spawned gloo processes with ``torch.set_num_threads(1)``, malloc keeping freed
+memory (``runtime.host_memory``) and, with a core per rank, each rank on cores of its own
+(``runtime.host_cores``), as ``meshpipe train`` runs them; on a machine with fewer cores
+than ranks the ranks share cores unbound, so read cp 4 on 2 cores as oversubscribed.
 
 Writes ``<out>/cp.json`` and ``<out>/cp.md`` (default ``benchmarks/results``). A benchmark
 prints and records times; it never asserts them.
@@ -53,6 +54,7 @@ from meshpipe.comm.shards import (contiguous_positions, hybrid_positions, split_
                                    zigzag_positions)
 from meshpipe.context import (HybridAttention, LocalAttention, RingAttention,
                               UlyssesAttention)
+from meshpipe.runtime.host_cores import bind_to_own_cores
 from meshpipe.runtime.host_memory import keep_freed_memory
 from meshpipe.topology import ParallelLayout, Topology
 
@@ -308,6 +310,7 @@ def _attention_rows(world: int, args: argparse.Namespace) -> list[dict]:
 
 def _worker(rank: int, world: int, init_file: str, result_file: str,
             args: argparse.Namespace) -> None:
+    bind_to_own_cores(rank, world)
     torch.set_num_threads(1)
     keep_freed_memory()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

@@ -1,6 +1,7 @@
 """The local launcher runs every rank and stops the run when one rank fails."""
 
 import json
+import os
 import time
 
 import pytest
@@ -13,12 +14,13 @@ def _write_rank(out_dir):
     import torch.distributed as dist
     from malloc_probe import where_large_blocks_go
 
+    cores = sorted(os.sched_getaffinity(0))
     value = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(value)
     with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
         json.dump({"sum": value.item(), "threads": torch.get_num_threads(),
-                   "world": dist.get_world_size(), "large blocks": where_large_blocks_go()},
-                  f)
+                   "world": dist.get_world_size(), "large blocks": where_large_blocks_go(),
+                   "cores": cores}, f)
 
 
 def _fail_on_rank_one_while_others_wait():
@@ -31,13 +33,26 @@ def _fail_on_rank_one_while_others_wait():
 
 
 def test_every_rank_runs_in_an_initialised_group(tmp_path):
-    """... each with one thread, and a malloc that keeps freed memory
-    (``runtime.host_memory``)."""
+    """... each with one thread, a malloc that keeps freed memory (``runtime.host_memory``)
+    and, with a core for each, cores of its own (``runtime.host_cores``): here half of the
+    cores the test may use each."""
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 2:
+        pytest.skip("needs 2 cores for 2 ranks to get cores of their own")
+    half = (len(available) + 1) // 2
     launch(_write_rank, 2, str(tmp_path))
-    for rank in range(2):
+    for rank, cores in enumerate([available[:half], available[half:]]):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {
             "sum": 1.0, "threads": 1, "world": 2,
-            "large blocks": {"mapped": False, "kept": True}}
+            "large blocks": {"mapped": False, "kept": True}, "cores": cores}
+
+
+def test_ranks_stay_unbound_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHPIPE_BIND_CORES", "0")
+    launch(_write_rank, 2, str(tmp_path))
+    for rank in range(2):
+        written = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert written["cores"] == sorted(os.sched_getaffinity(0))
 
 
 def test_a_failing_rank_stops_the_others_and_is_named():

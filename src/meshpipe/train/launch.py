@@ -5,8 +5,9 @@ group initialised. Under ``torchrun`` (RANK/WORLD_SIZE in the environment) it ru
 current process with NCCL when CUDA is present, and torchrun's own failure handling stops
 the job; each rank judges its own hangs.
 
-Locally it spawns ``world_size`` processes (gloo, CPU, one thread each; on CPU every rank's
-malloc keeps freed memory for the next step, ``runtime.host_memory``) and supervises them:
+Locally it spawns ``world_size`` processes (gloo, CPU, one thread each; every rank's malloc
+keeps freed memory for the next step, ``runtime.host_memory``, and with enough cores every
+rank runs on cores of its own, ``runtime.host_cores``) and supervises them:
 
 - a rank that raises, exits or is killed stops the whole job at once (every process is
   terminated, whatever group it was waiting in), and ``LaunchError`` names the rank that
@@ -44,6 +45,7 @@ import torch.distributed as dist
 
 from meshpipe.runtime import activity
 from meshpipe.runtime.executor import PeerFailedError
+from meshpipe.runtime.host_cores import bind_to_own_cores
 from meshpipe.runtime.host_memory import keep_freed_memory
 from meshpipe.train.diagnosis import failure_report, hang_report, read_statuses
 
@@ -343,9 +345,10 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str |
               world_size: int, threads: int, timeout_s: float, supervision: Supervision,
               control: Path | None, launcher_pid: int | None) -> None:
     activity.reset()
-    torch.set_num_threads(threads)
     if control is not None:
+        bind_to_own_cores(rank, world_size, threads)  # local ranks are CPU processes
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which decides
+    torch.set_num_threads(threads)
     log = _rank_log(supervision.log_dir, rank)
     if log is not None:
         # Under torchrun each rank reports its own failure in one line on the terminal.
