@@ -2,14 +2,14 @@
 
 Left to the scheduler, the ranks of a local run and their communication threads move
 between cores: a rank's threads preempt another rank's compute, and a rank that moves
-finds its caches cold. With a core per thread of every rank, ``bind_to_own_cores`` splits the
-cores this process may use into disjoint shares, one per rank (as PyTorch's CPU launcher
-and DeepSpeed's ``--bind_cores_to_rank`` do). Each rank's threads, gloo's included, stay on
+finds its caches cold. With a core per thread of every rank, ``bind_to_own_cores`` splits
+the cores this process may use into disjoint shares, one per rank (as PyTorch's CPU
+launcher and DeepSpeed's ``--bind_cores_to_rank`` do). Each rank's threads, gloo's included, stay on
 its share. On the context-parallel benchmark (2 ranks on 2 cores) Ulysses went from
 1.81-1.83x to 1.86-1.89x one SDPA call, ring zigzag from 1.65-1.75x to 1.78-1.81x.
 
-With fewer cores than ranks x threads the ranks are left to the scheduler. Restrict the cores with
-``taskset`` (the shares are cut from what the launcher may use), or set
+With fewer cores than ranks x threads the ranks are left to the scheduler. Restrict the
+cores with ``taskset`` (the shares are cut from what the launcher may use), or set
 ``MESHPIPE_BIND_CORES=0`` to leave every rank unbound.
 """
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 from typing import Sequence
+
+from meshpipe.comm.shards import split_sizes
 
 ENVIRONMENT_VARIABLE = "MESHPIPE_BIND_CORES"
 
@@ -30,10 +32,9 @@ def cores_for_rank(rank: int, world_size: int, available: Sequence[int],
         raise ValueError(f"rank {rank} is not in a world of {world_size} ranks")
     if len(available) < world_size * threads:
         return None
-    share, extra = divmod(len(available), world_size)
-    start = rank * share + min(rank, extra)
-    cores = sorted(available)
-    return cores[start:start + share + (rank < extra)]
+    shares = split_sizes(len(available), world_size)
+    start = sum(shares[:rank])
+    return sorted(available)[start:start + shares[rank]]
 
 
 def bind_to_own_cores(rank: int, world_size: int, threads: int = 1) -> list[int] | None:
@@ -43,7 +44,7 @@ def bind_to_own_cores(rank: int, world_size: int, threads: int = 1) -> list[int]
     system without ``sched_setaffinity``. Call it before starting threads."""
     if os.environ.get(ENVIRONMENT_VARIABLE, "1") == "0" or not hasattr(os, "sched_setaffinity"):
         return None
-    cores = cores_for_rank(rank, world_size, sorted(os.sched_getaffinity(0)), threads)
+    cores = cores_for_rank(rank, world_size, list(os.sched_getaffinity(0)), threads)
     if cores is not None:
         os.sched_setaffinity(0, cores)
     return cores
