@@ -23,8 +23,11 @@ libraries are compared with ``torch.testing.assert_close`` (the largest differen
 printed and recorded) so that we know both time the same computation. Then ``--warmup``
 steps of each are run untimed and ``--iters`` timed steps alternate between the two libraries
 (torch first on even iterations, meshpipe first on odd ones) so that drifting machine load
-hits both alike. Inputs: torch's ``step`` takes the whole batch and splits it into
-microbatches itself (a view per microbatch); meshpipe takes the list of those same views.
+hits both alike. The ratio is the median over iterations of meshpipe's step / torch's step
+in the same iteration (the two ran back to back), so that load that drifts between
+iterations cancels; the ratio of the two medians is recorded beside it. Inputs: torch's
+``step`` takes the whole batch and splits it into microbatches itself (a view per
+microbatch); meshpipe takes the list of those same views.
 
 Shapes for torch: its stages get explicit example inputs and outputs (``input_args`` /
 ``output_args``: int64 tokens ``[mb, seq]`` into stage 0, float32 hidden ``[mb, seq, dim]``
@@ -122,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per library, "
                         "after the parity-check step")
-    parser.add_argument("--iters", type=int, default=6, help="timed steps per library")
+    parser.add_argument("--iters", type=int, default=12, help="timed steps per library")
     parser.add_argument("--schedules", nargs="+", choices=list(CASE_BY_LABEL),
                         default=list(CASE_BY_LABEL))
     parser.add_argument("--profile-rank", type=int, default=None, metavar="RANK",
@@ -365,15 +368,27 @@ def bench_case(case: Case, args: argparse.Namespace,
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"pp_vs_torch.profile.{case.label}.rank{dist.get_rank()}.txt"
         path.write_text(profile_report(case, profilers, args.iters))
+    pair_ratios = [mine / theirs for mine, theirs in zip(times["meshpipe"], times["torch"])]
     return {"schedule": case.label, "stages": num_stages,
             "layers_per_stage": args.layers // num_stages, **check,
             **{name: summary(times[name]) for name in LIBRARIES},
-            "ratio": statistics.median(times["meshpipe"]) / statistics.median(times["torch"])}
+            "ratio": statistics.median(pair_ratios), "pair_ratios": pair_ratios,
+            "ratio_q1": quartiles(pair_ratios)[0], "ratio_q3": quartiles(pair_ratios)[1],
+            "ratio_of_medians": (statistics.median(times["meshpipe"])
+                                 / statistics.median(times["torch"]))}
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """The first and third quartiles (both the value itself when there is one)."""
+    if len(values) == 1:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
 
 
 def summary(times: list[float]) -> dict[str, Any]:
     ms = sorted(1e3 * t for t in times)
-    q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else ms * 3
+    q1, q3 = quartiles(ms)
     return {"median_ms": statistics.median(ms), "q1_ms": q1, "q3_ms": q3, "min_ms": ms[0],
             "max_ms": ms[-1], "times_ms": ms}
 
@@ -403,7 +418,7 @@ def _worker(rank: int, world: int, init_file: str, result_file: str,
 
 def progress_line(row: dict[str, Any]) -> str:
     return (f"{row['schedule']:>16}: torch {row['torch']['median_ms']:8.1f} ms, meshpipe "
-            f"{row['meshpipe']['median_ms']:8.1f} ms, ratio {row['ratio']:.2f}; parity: loss "
+            f"{row['meshpipe']['median_ms']:8.1f} ms, ratio {row['ratio']:.3f}; parity: loss "
             f"diff {row['max_loss_diff']:.1e}, grad diff {row['max_grad_diff']:.1e}")
 
 
@@ -418,13 +433,16 @@ def markdown(config: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"float32) on pp {config['pp']} gloo CPU processes with 1 thread each, "
         f"{config['cpu_count']} cores, torch {config['torch']}. Times: slowest rank, "
         f"{config['iters']} timed steps per library after {config['warmup']} warm-up steps, "
-        "alternating libraries. Ratio: meshpipe median / torch median (below 1: meshpipe "
-        "faster). Parity: largest |difference| of per-microbatch losses and of parameter "
-        "gradients between the two libraries on the first step.",
+        "alternating libraries. Ratio: median over iterations of meshpipe's step / torch's "
+        "step in the same iteration (below 1: meshpipe faster), with its IQR and the ratio "
+        "of the two medians. Parity: largest |difference| of per-microbatch losses and of "
+        "parameter gradients between the two libraries on the first step.",
         "",
         "| schedule | stages | layers/stage | torch median ms | torch IQR | torch min-max "
-        "| meshpipe median ms | meshpipe IQR | meshpipe min-max | ratio | loss diff | grad diff |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| meshpipe median ms | meshpipe IQR | meshpipe min-max | ratio | ratio IQR "
+        "| ratio of medians | loss diff | grad diff |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
     for row in rows:
         cells = [row["schedule"], str(row["stages"]), str(row["layers_per_stage"])]
@@ -432,7 +450,8 @@ def markdown(config: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             s = row[name]
             cells += [f"{s['median_ms']:.1f}", f"{s['q1_ms']:.1f}-{s['q3_ms']:.1f}",
                       f"{s['min_ms']:.1f}-{s['max_ms']:.1f}"]
-        cells += [f"{row['ratio']:.2f}", f"{row['max_loss_diff']:.1e}",
+        cells += [f"{row['ratio']:.3f}", f"{row['ratio_q1']:.3f}-{row['ratio_q3']:.3f}",
+                  f"{row['ratio_of_medians']:.3f}", f"{row['max_loss_diff']:.1e}",
                   f"{row['max_grad_diff']:.1e}"]
         lines.append("| " + " | ".join(cells) + " |")
     if config.get("load_average"):
