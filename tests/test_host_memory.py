@@ -75,6 +75,8 @@ def _ulysses_page_faults(rank, world, steps, warmup):
 @glibc_only
 def test_a_ulysses_step_in_a_worker_reuses_the_memory_the_last_one_freed():
     # With glibc's own thresholds each such step trims its heap at the end and faults
-    # 2,000-3,000 pages back in (8-12 MiB); kept, a step touches no new page.
-    for rank_faults in run_distributed(2, _ulysses_page_faults, 4, 6):
+    # 2,000-3,000 pages back in (8-12 MiB); kept, a step touches no new page. Now and then
+    # one step still faults 256-2,300 pages (a heap growing once): the median of 10 steps
+    # stays clear of it, where the median of 4 failed once in 15 runs.
+    for rank_faults in run_distributed(2, _ulysses_page_faults, 10, 6):
         assert statistics.median(rank_faults) < 64, rank_faults
