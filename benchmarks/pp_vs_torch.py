@@ -369,11 +369,12 @@ def bench_case(case: Case, args: argparse.Namespace,
         path = args.out / f"pp_vs_torch.profile.{case.label}.rank{dist.get_rank()}.txt"
         path.write_text(profile_report(case, profilers, args.iters))
     pair_ratios = [mine / theirs for mine, theirs in zip(times["meshpipe"], times["torch"])]
+    ratio_q1, ratio_q3 = quartiles(pair_ratios)
     return {"schedule": case.label, "stages": num_stages,
             "layers_per_stage": args.layers // num_stages, **check,
             **{name: summary(times[name]) for name in LIBRARIES},
             "ratio": statistics.median(pair_ratios), "pair_ratios": pair_ratios,
-            "ratio_q1": quartiles(pair_ratios)[0], "ratio_q3": quartiles(pair_ratios)[1],
+            "ratio_q1": ratio_q1, "ratio_q3": ratio_q3,
             "ratio_of_medians": (statistics.median(times["meshpipe"])
                                  / statistics.median(times["torch"]))}
 
