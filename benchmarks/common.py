@@ -13,3 +13,10 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+def paired_ratios(numerators: list[float], denominators: list[float]) -> list[float]:
+    """Round by round, one case's time over another's timed in the same round: load that
+    drifts between rounds slows both sides of a ratio, where it would move the two cases'
+    own medians apart."""
+    return [a / b for a, b in zip(numerators, denominators, strict=True)]

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
+from common import paired_ratios
 from meshpipe.comm.collectives import COMM_LABEL, all_to_all
 from meshpipe.comm.shards import (contiguous_positions, hybrid_positions, split_sizes,
                                    zigzag_positions)
@@ -133,7 +134,7 @@ def _timed_rounds(steps: list[Callable[[], tuple]], warmup: int, iters: int,
 
 def _paired_ratio(numerators: list[float], denominators: list[float]) -> float:
     """Median over rounds of one step's time over another's in the same round."""
-    return statistics.median(a / b for a, b in zip(numerators, denominators))
+    return statistics.median(paired_ratios(numerators, denominators))
 
 
 def _summary(times: list[float]) -> dict[str, float]:

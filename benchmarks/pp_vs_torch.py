@@ -69,7 +69,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
                                           ScheduleZBVZeroBubble)
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from common import load_average
+from common import load_average, paired_ratios
 from meshpipe.comm.p2p import P2PTransport
 from meshpipe.models import Transformer, TransformerConfig, causal_lm_loss, split
 from meshpipe.runtime.executor import Executor
@@ -368,7 +368,7 @@ def bench_case(case: Case, args: argparse.Namespace,
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"pp_vs_torch.profile.{case.label}.rank{dist.get_rank()}.txt"
         path.write_text(profile_report(case, profilers, args.iters))
-    pair_ratios = [mine / theirs for mine, theirs in zip(times["meshpipe"], times["torch"])]
+    pair_ratios = paired_ratios(times["meshpipe"], times["torch"])
     ratio_q1, ratio_q3 = quartiles(pair_ratios)
     return {"schedule": case.label, "stages": num_stages,
             "layers_per_stage": args.layers // num_stages, **check,
