@@ -254,7 +254,9 @@ def test_kernel_for_picks_each_devices_lse_kernel():
 def test_cuda_efficient_tile_calls_the_aten_ops_with_their_shapes(mask_kind):
     """The CUDA kernel's wiring, run on meta tensors (this build has no CUDA kernels): grouped
     key/value heads repeated for the op and their gradients summed back, the log-sum-exp
-    cut from the op's 32-row padding to the tile's rows, an explicit mask as a 4-d additive
+    cut from the op's 32-row padding to the tile's rows and padded again for the backward,
+    whose kernel needs its head and batch strides to be multiples of 8 (a tile of 37 rows
+    failed on the GPU with 'LSE is not correctly aligned'), an explicit mask as a 4-d additive
     bias whose rows are 16-element aligned, CAUSAL as the op's own causal mode."""
     b, hq, hkv, s_q, s_k, d = 2, 4, 2, 37, 37 if mask_kind == "causal" else 21, 16
     meta = dict(device="meta")
@@ -283,4 +285,14 @@ def test_cuda_efficient_tile_calls_the_aten_ops_with_their_shapes(mask_kind):
     assert forward_args["compute_log_sumexp"] is True
     assert backward_args["grad_input_mask"] == [True, True, True, False]
     backward_lse = backward_args["logsumexp"]
-    assert backward_lse.shape == (b, hq, s_q) and backward_lse.is_contiguous()
+    assert backward_lse.shape == (b, hq, 64) and backward_lse.is_contiguous()
+    assert backward_lse.stride(1) % 8 == 0 and backward_lse.stride(0) % 8 == 0
+
+
+def test_the_efficient_kernels_lse_goes_back_in_its_padded_layout_with_its_values():
+    from meshpipe.context.blockwise import _efficient_lse
+
+    lse = torch.randn(2, 3, 37)
+    padded = _efficient_lse(lse)
+    assert padded.shape == (2, 3, 64) and padded.stride()[:2] == (192, 64)
+    assert torch.equal(padded[..., :37], lse)

@@ -100,7 +100,7 @@ def _exchange_ints(values: Sequence[int], group: dist.ProcessGroup | None, what:
                          f"({len(values)} values to exchange)")
     mine = torch.zeros(_MAX_EXCHANGED_INTS, dtype=torch.int64, device=device)
     mine[0] = len(values)
-    mine[1:len(values) + 1] = torch.tensor(list(values), dtype=torch.int64)
+    mine[1:len(values) + 1] = torch.tensor(list(values), dtype=torch.int64, device=device)
     table = torch.empty(_group_size(group) * _MAX_EXCHANGED_INTS, dtype=torch.int64,
                         device=device)
     dist.all_gather_single(table, mine, group=group)

@@ -547,7 +547,7 @@ class P2PTransport:
         if payload_nbytes <= room:
             pack_into(layout, tensors, body)
         else:
-            payload = torch.empty(payload_nbytes, dtype=torch.uint8)
+            payload = _host_bytes(payload_nbytes)
             pack_into(layout, tensors, payload)
             parts.append(_Part("payload", payload, meta_group, SLOW_TAG))
         self.count(messages_sent=1, layout_changes_sent=1, sends_posted=len(parts),
@@ -750,15 +750,13 @@ class P2PTransport:
 
     def _fetch_metadata(self, head: _Incoming, nbytes: int, deadline: float | None
                         ) -> torch.Tensor:
-        data = self._fetch_slow(head, torch.empty(nbytes, dtype=torch.uint8), "metadata",
-                                deadline)
+        data = self._fetch_slow(head, _host_bytes(nbytes), "metadata", deadline)
         self.count(metadata_received=1, metadata_bytes_received=nbytes)
         return data
 
     def _fetch_payload(self, head: _Incoming, nbytes: int, deadline: float | None
                        ) -> torch.Tensor:
-        payload = self._fetch_slow(head, torch.empty(nbytes, dtype=torch.uint8), "payload",
-                                   deadline)
+        payload = self._fetch_slow(head, _host_bytes(nbytes), "payload", deadline)
         return payload.to(self.device)
 
     def _fetch_slow(self, head: _Incoming, buffer: torch.Tensor, part: str,
@@ -988,6 +986,11 @@ def _mean(column: Sequence[torch.Tensor]) -> torch.Tensor:
 def remaining(deadline: float | None) -> float | None:
     """Seconds left until ``deadline`` (at least a millisecond); None without a deadline."""
     return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+
+def _host_bytes(nbytes: int) -> torch.Tensor:
+    """A CPU byte buffer for the slow path (the meta group is gloo, on the host)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:

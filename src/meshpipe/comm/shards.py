@@ -109,8 +109,9 @@ class ShardLayout:
     def positions(self, rank: int) -> Tensor:
         """Global positions of rank ``rank``'s tokens, in local order (int64)."""
         _check_rank(rank, self.world_size)
-        runs = [torch.arange(start, start + length) for start, length in self.segments[rank]]
-        return torch.cat(runs) if runs else torch.zeros(0, dtype=torch.int64)
+        runs = [torch.arange(start, start + length, device="cpu")
+                for start, length in self.segments[rank]]
+        return torch.cat(runs) if runs else torch.zeros(0, dtype=torch.int64, device="cpu")
 
     def take(self, full: Tensor, dim: int, rank: int) -> Tensor:
         """Rank ``rank``'s shard of ``full`` along ``dim`` (a new tensor)."""
@@ -164,7 +165,7 @@ def packed_hybrid_positions(seq_lens: Sequence[int], ring_size: int, ring_rank: 
 def document_ids(seq_lens: Sequence[int], positions: Tensor) -> Tensor:
     """The index of the document of the pack that each position belongs to."""
     seq_lens = _check_lengths("packed sequence lengths", seq_lens)
-    ends = torch.tensor(list(accumulate(seq_lens)), dtype=torch.int64)
+    ends = torch.tensor(list(accumulate(seq_lens)), dtype=torch.int64, device=positions.device)
     if len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < sum(seq_lens):
         raise ValueError(f"positions must lie in 0..{sum(seq_lens) - 1} for a pack of "
                          f"lengths {seq_lens}")
@@ -173,5 +174,6 @@ def document_ids(seq_lens: Sequence[int], positions: Tensor) -> Tensor:
 
 def positions_in_document(seq_lens: Sequence[int], positions: Tensor) -> Tensor:
     """Each position relative to the start of its own document (RoPE restarts per document)."""
-    starts = torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int64)
+    starts = torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int64,
+                          device=positions.device)
     return positions - starts[document_ids(seq_lens, positions)]

@@ -290,7 +290,7 @@ class VTPTransport:
         self.p2p.count(broadcasts=1)
 
     def _broadcast_to_member(self, label: str, deadline: float | None) -> Any:
-        raw_header = torch.empty(HEADER_NUMEL, dtype=torch.int64)
+        raw_header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device="cpu")
         self._broadcast(raw_header, self.intra_meta_group, deadline, "header", label)
         header = Header.from_tensor(raw_header)
 
@@ -302,7 +302,7 @@ class VTPTransport:
             return self._broadcast_failure
 
         def fetch_metadata(nbytes: int) -> torch.Tensor:
-            data = torch.empty(nbytes, dtype=torch.uint8)
+            data = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
             self._broadcast(data, self.intra_meta_group, deadline, "metadata", label)
             self.p2p.count(broadcast_metadata=1)
             return data

@@ -419,7 +419,7 @@ class Header(NamedTuple):
     layout_digest: int
 
     def to_tensor(self) -> torch.Tensor:
-        return torch.tensor(self, dtype=torch.int64)
+        return torch.tensor(self, dtype=torch.int64, device="cpu")
 
     def write_into(self, buffer: torch.Tensor) -> None:
         """Write the header into the first bytes of a ``uint8`` buffer (on any device)."""
@@ -476,7 +476,7 @@ def _host_bytes(tensor: torch.Tensor, slot: TensorSlot) -> numpy.ndarray:
     bfloat16, goes through a torch copy)."""
     if tensor.dtype in _NUMPY_DTYPES:
         return tensor.numpy(force=True).reshape(-1).view(numpy.uint8)
-    staging = torch.empty(slot.shape, dtype=slot.dtype).copy_(tensor.detach())
+    staging = torch.empty(slot.shape, dtype=slot.dtype, device="cpu").copy_(tensor.detach())
     return staging.reshape(-1).view(torch.uint8).numpy()
 
 

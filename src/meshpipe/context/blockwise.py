@@ -12,7 +12,8 @@ output and log-sum-exp. Two kernels do this:
   on CUDA; the flash kernel takes only half precision), through its aten ops. It takes an
   additive bias instead of a mask and the same number of query and key/value heads, so
   grouped key/value heads are repeated for it and their gradients summed back; its
-  log-sum-exp comes padded to a multiple of 32 rows and is cut to the tile's.
+  log-sum-exp comes padded to a multiple of 32 rows and is cut to the tile's, and goes back
+  to its backward padded again (the kernel reads it with a head stride of a multiple of 8).
 - ``MATH``: the same computation in plain tensor operations, for any device.
 
 Both compute in float32 on layouts ``q``: ``[b, hq, s_q, d]``, ``k``/``v``: ``[b, hkv, s_k,
@@ -182,14 +183,30 @@ def _cuda_efficient_forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask,
     return out, lse[..., :q.shape[2]]
 
 
+_LSE_ROW_ALIGNMENT = 32
+"""Rows: the memory-efficient kernel's log-sum-exp is laid out padded to a multiple of this
+(its backward requires head and batch strides that are multiples of 8)."""
+
+
+def _efficient_lse(lse: Tensor) -> Tensor:
+    """``lse`` ``[b, h, s]`` in the kernel's own padded layout ``[b, h, ceil32(s)]`` (the
+    padding rows are never read)."""
+    rows = lse.shape[-1]
+    padded_rows = -(-rows // _LSE_ROW_ALIGNMENT) * _LSE_ROW_ALIGNMENT
+    padded = lse.new_zeros(*lse.shape[:-1], padded_rows)
+    padded[..., :rows] = lse
+    return padded
+
+
 def _cuda_efficient_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                              lse: Tensor, mask: TileMask,
                              scale: float) -> tuple[Tensor, Tensor, Tensor]:
     heads_q, heads_kv = q.shape[1], k.shape[1]
-    no_dropout = torch.empty((), dtype=torch.int64)  # philox seed and offset, unread at p=0
+    # The philox seed and offset: host scalars, as SDPA's own forward returns them; unread at p=0.
+    no_dropout = torch.zeros((), dtype=torch.int64, device="cpu")
     dq, dk, dv, _dbias = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         grad_out, q, _repeat_kv(k, heads_q), _repeat_kv(v, heads_q), _efficient_bias(mask, q),
-        out, lse.contiguous(), no_dropout, no_dropout, 0.0, [True, True, True, False],
+        out, _efficient_lse(lse), no_dropout, no_dropout, 0.0, [True, True, True, False],
         mask is CAUSAL, scale=scale)
     return dq, _sum_groups(dk, heads_kv), _sum_groups(dv, heads_kv)
 

@@ -54,9 +54,10 @@ class MoEStats:
     microbatches: int = 0
 
     @classmethod
-    def empty(cls, experts: int) -> MoEStats:
-        return cls(torch.zeros(experts, dtype=torch.int64), torch.zeros((), dtype=torch.int64),
-                   torch.zeros((), dtype=torch.float64))
+    def empty(cls, experts: int, device: torch.device | str = "cpu") -> MoEStats:
+        return cls(torch.zeros(experts, dtype=torch.int64, device=device),
+                   torch.zeros((), dtype=torch.int64, device=device),
+                   torch.zeros((), dtype=torch.float64, device=device))
 
     def add(self, picks: Tensor, dropped: int, aux_loss: Tensor) -> None:
         """Count one microbatch (on the device of its tensors: no host sync)."""
@@ -167,7 +168,8 @@ class MoE(nn.Module):
 
     def take_stats(self) -> MoEStats:
         """The stats since the last call, and start counting anew."""
-        stats, self.stats = self.stats, MoEStats.empty(self.num_experts)
+        stats = self.stats
+        self.stats = MoEStats.empty(self.num_experts, stats.tokens_per_expert.device)
         return stats
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -235,8 +237,8 @@ class MoE(nn.Module):
     def _run_experts(self, received: Tensor, receive_counts: Tensor) -> Tensor:
         """Each local expert on its rows; rows arrive grouped by source rank, then expert."""
         per_rank = len(self.local_experts)
-        expert_of_row = torch.arange(per_rank).repeat(self.ep_size).repeat_interleave(
-            receive_counts.reshape(-1)).to(received.device)
+        expert_of_row = torch.arange(per_rank, device=received.device).repeat(
+            self.ep_size).repeat_interleave(receive_counts.reshape(-1).to(received.device))
         order = torch.argsort(expert_of_row, stable=True)
         by_expert = received[order].split(receive_counts.sum(dim=0).tolist())
         outputs = torch.cat([self.experts[str(e)](rows)

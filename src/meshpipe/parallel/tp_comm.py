@@ -78,7 +78,7 @@ def _check_same_shapes(x: Tensor, group: dist.ProcessGroup, what: str) -> None:
     if x.dim() > 8:
         raise ValueError(f"{what}: cannot check shapes with more than 8 dims")
     mine[0] = x.dim()
-    mine[1:x.dim() + 1] = torch.tensor(list(x.shape), dtype=torch.int64)
+    mine[1:x.dim() + 1] = torch.tensor(list(x.shape), dtype=torch.int64, device=x.device)
     table = torch.empty(size * 9, dtype=torch.int64, device=x.device)
     dist.all_gather_single(table, mine, group=group)
     shapes = [tuple(row[1:row[0] + 1]) for row in table.view(size, 9).tolist()]

@@ -158,7 +158,7 @@ def _exclusive_use_counts() -> tuple[int, int]:
     """Use counts of a tensor that nothing else references, and of its storage, counted
     the way ``_shared`` counts: measured once rather than assumed, since they depend on
     how torch's Python wrappers hold their references."""
-    tensor = torch.empty(1)
+    tensor = torch.empty(1, device="cpu")
     return tensor._use_count(), _storage_use_count(tensor)
 
 

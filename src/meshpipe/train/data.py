@@ -66,6 +66,6 @@ class CorpusSampler:
         """Batch number ``step``: identical on every rank and across restarts."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,),
-                               generator=generator)
+                               generator=generator, device="cpu")
         windows = torch.stack([self.tokens[s:s + self.seq_len + 1] for s in starts.tolist()])
         return Batch(tokens=windows[:, :-1].contiguous(), targets=windows[:, 1:].contiguous())

@@ -238,7 +238,8 @@ def _replica_loss(config: TrainConfig, model: nn.Module, batch) -> torch.Tensor:
             continue
         positions = doc_ids = None
         if doc_lens is not None:
-            positions, doc_ids = packed_layout(doc_lens, torch.arange(tokens.shape[1]))
+            positions, doc_ids = packed_layout(doc_lens,
+                                                torch.arange(tokens.shape[1], device=tokens.device))
         output = model(tokens, positions, doc_ids)
         logits, aux = output if isinstance(output, tuple) else (output, None)
         total = total + causal_lm_loss(logits, targets, reduction="sum")[0] / count
