@@ -26,17 +26,21 @@ clean:
 	rm -rf $(VENV) $(GPU_VENV) out .pytest_cache .hypothesis
 
 # One command for a GPU machine (README "GPU check"). Nothing is installed or run unless
-# nvidia-smi lists a GPU. It uses .venv when its torch sees CUDA, else $(GPU_VENV) with
+# nvidia-smi lists a GPU. The python is the first of: $(PY) (.venv) if its torch sees CUDA,
+# $(PYTHON) (python3 on PATH) if its torch (>= 2.6) sees CUDA, else $(GPU_VENV), created with
 # torch==2.13.0 from $(TORCH_INDEX_URL) (PyPI's Linux wheel is the CUDA build; for another
-# CUDA version give e.g. TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126), then runs
-# pytest -m gpu, benchmarks/gpu_check.py $(GPU_CHECK_ARGS) and, with GPU_BENCH=1 (the
+# CUDA version give e.g. TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126). meshpipe
+# itself is never installed: the source tree goes on PYTHONPATH, so no package index is
+# touched on a machine that has what it needs (a missing package is one line naming it).
+# Then pytest -m gpu, benchmarks/gpu_check.py $(GPU_CHECK_ARGS) and, with GPU_BENCH=1 (the
 # default), benchmarks/gpu_bench.py. Exit status 1 if any of them failed.
 GPU_VENV ?= .venv-gpu
 TORCH_INDEX_URL ?= https://pypi.org/simple
 GPU_CHECK_ARGS ?=
 GPU_BENCH ?= 1
 GPU_STAMP := $(GPU_VENV)/.meshpipe-installed
-SEES_CUDA := import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)
+SEES_CUDA := import sys, torch; sys.exit(0 if torch.cuda.is_available() and tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 6) else 1)
+NEEDS := torch numpy matplotlib tqdm pytest hypothesis
 
 .PHONY: gpu-check
 gpu-check:
@@ -48,13 +52,15 @@ gpu-check:
 	nvidia-smi -L; \
 	if [ -x $(PY) ] && $(PY) -c '$(SEES_CUDA)' 2>/dev/null; then \
 		py=$(PY); \
+	elif command -v $(PYTHON) >/dev/null && $(PYTHON) -c '$(SEES_CUDA)' 2>/dev/null; then \
+		py=$$(command -v $(PYTHON)); \
 	else \
 		py=$(GPU_VENV)/bin/python; \
 		if [ "$$(cat $(GPU_STAMP) 2>/dev/null)" != "$(TORCH_INDEX_URL)" ]; then \
-			echo "make gpu-check: installing torch==2.13.0 from $(TORCH_INDEX_URL), then meshpipe[test,hf], into $(GPU_VENV)"; \
+			echo "make gpu-check: no python here has a CUDA torch >= 2.6; installing torch==2.13.0 from $(TORCH_INDEX_URL) and the test packages into $(GPU_VENV)"; \
 			$(PYTHON) -m venv $(GPU_VENV); \
-			$$py -m pip install --quiet --index-url $(TORCH_INDEX_URL) torch==2.13.0; \
-			$$py -m pip install --quiet -e '.[test,hf]'; \
+			PIP_DEFAULT_TIMEOUT=20 $$py -m pip install --quiet --retries 1 --index-url $(TORCH_INDEX_URL) torch==2.13.0 || { echo "make gpu-check: could not install torch from $(TORCH_INDEX_URL) (no network?); install a CUDA torch >= 2.6 for $(PYTHON) or into .venv" >&2; exit 1; }; \
+			PIP_DEFAULT_TIMEOUT=20 $$py -m pip install --quiet --retries 1 numpy matplotlib tqdm pytest hypothesis transformers safetensors tokenizers; \
 			echo "$(TORCH_INDEX_URL)" > $(GPU_STAMP); \
 		fi; \
 		if ! $$py -c '$(SEES_CUDA)'; then \
@@ -62,9 +68,13 @@ gpu-check:
 			exit 1; \
 		fi; \
 	fi; \
-	$$py -c 'import torch; print("make gpu-check: torch", torch.__version__, "CUDA", torch.version.cuda, "on", torch.cuda.device_count(), "x", torch.cuda.get_device_name(0))'; \
+	for package in $(NEEDS); do \
+		$$py -c "import $$package" 2>/dev/null || { echo "make gpu-check: $$py has no $$package; install it (pip install $$package)" >&2; exit 1; }; \
+	done; \
+	export PYTHONPATH="$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH}"; \
+	$$py -c 'import torch; print("make gpu-check:", torch.__file__.rsplit("/torch/", 1)[0], "torch", torch.__version__, "CUDA", torch.version.cuda, "on", torch.cuda.device_count(), "x", torch.cuda.get_device_name(0))'; \
 	status=0; \
-	$$py -m pytest -q -m gpu -rs || status=1; \
+	$$py -m pytest -q -m gpu -rs -p no:cacheprovider || status=1; \
 	$$py benchmarks/gpu_check.py $(GPU_CHECK_ARGS) || status=1; \
 	if [ "$(GPU_BENCH)" = 1 ]; then $$py benchmarks/gpu_bench.py || status=1; fi; \
 	exit $$status

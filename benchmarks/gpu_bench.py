@@ -45,7 +45,6 @@ from meshpipe.context.blockwise import kernel_for
 from meshpipe.models import Transformer, causal_lm_loss
 from meshpipe.runtime import autocast
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.launch import backend_for
 from meshpipe.train.sources import model_config
 from meshpipe.train.trainer import Trainer
 
@@ -146,8 +145,8 @@ def _attention_line(row: dict) -> str:
             f"{row['tflops']:.1f} TFLOP/s{peak}")
 
 
-def train_config(args, out_dir: str) -> TrainConfig:
-    return TrainConfig(pp=1, dim=args.dim, layers=args.layers, heads=args.model_heads,
+def train_config(args, out_dir: str, device: torch.device) -> TrainConfig:
+    return TrainConfig(pp=1, device=device.type, dim=args.dim, layers=args.layers, heads=args.model_heads,
                        kv_heads=args.kv_heads, seq_len=args.seq_len,
                        microbatches=args.microbatches, microbatch_size=args.microbatch_size,
                        dtype="bf16", steps=args.warmup + args.iters, warmup_steps=1,
@@ -164,7 +163,7 @@ def _trainer_steps(config: TrainConfig, device: torch.device, args) -> tuple[dic
 
 def train_rows(args, device: torch.device) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-bench-") as out_dir:
-        config = train_config(args, out_dir)  # train_step writes nothing there
+        config = train_config(args, out_dir, device)  # train_step writes nothing there
         measured, parameters = _trainer_steps(config, device, args)
     gc.collect()  # the trainer's memory, before the plain model's
     rows = [{"part": "train step", "runner": "meshpipe Trainer (1F1B, 1 stage)", **measured}]
@@ -213,7 +212,7 @@ def _one_rank_world(device: torch.device) -> None:
                       MASTER_PORT=str(port))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), rank=0, world_size=1,
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
                             device_id=device if device.type == "cuda" else None)
 
 

@@ -1,23 +1,29 @@
-"""The GPU check: a short ``--check`` training run under torchrun with NCCL for each key layout.
+"""The GPU check: a short ``--check`` training run of every key layout on the GPUs there are.
 
-    make gpu-check                                  # installs, runs pytest -m gpu, then this
+    make gpu-check                                  # pytest -m gpu, then this, then gpu_bench
     python benchmarks/gpu_check.py                  # every layout, 3 steps each
-    python benchmarks/gpu_check.py --only pp2-1f1b cp-ring2
-    python benchmarks/gpu_check.py --cpu-rehearsal  # the same harness on CPU (gloo), no GPU
+    python benchmarks/gpu_check.py --only pp2-1f1b cp-ring2 --jobs 1
+    python benchmarks/gpu_check.py --cpu-rehearsal  # the same harness on CPU processes
 
-Each layout runs as ``python -m torch.distributed.run --standalone --nproc-per-node N -m
-meshpipe train <layout> --check --steps 3 ...``: one process per GPU, CUDA device LOCAL_RANK,
-NCCL (``meshpipe.train.launch``). ``--check`` compares step 0 (loss and every gradient) with a
-one-process run of the same model; the table shows that verdict, the loss and largest
-gradient differences, and the median step time read from the run's ``metrics.json``.
-A layout that needs more ranks than there are GPUs is skipped and listed as such: NCCL
-refuses two ranks of one communicator on the same device ("Duplicate GPU detected"). On one
-GPU the one-rank layouts still run the trainer's CUDA path (NCCL group, autocast on CUDA,
-the communication thread's CUDA stream for the experts' exchanges). A failing run is
-recorded with the last lines of its output and the check goes on.
+Each layout runs ``meshpipe train <layout> --check --steps 3``. ``--check`` compares step 0
+(loss and every gradient) with a one-process run of the same model on the CPU; the table
+shows that verdict, the loss and largest gradient differences and the median step time read
+from the run's ``metrics.json``. How a layout runs depends on the GPUs:
+
+- **nccl**: a layout of at most as many ranks as GPUs runs under ``torchrun --standalone``,
+  one process per GPU with NCCL, as on a cluster;
+- **shared**: a layout of several ranks also runs with the local launcher on ranks that
+  share the GPUs over gloo (``--device cuda --backend gloo``: compute on the GPU, messages
+  and collectives through host memory), so that one GPU checks every layout's CUDA path.
+
+So one GPU runs the one-rank layouts on NCCL and the others shared; N GPUs add NCCL runs of
+the layouts of up to N ranks. Runs go ``--jobs`` at a time (their step times then share the
+machine; ``--jobs 1`` for clean times). A failing run is recorded with the lines that
+explain it and the others still run.
 
 Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (default ``benchmarks/results``);
-a ``--cpu-rehearsal`` writes nothing unless ``--out`` is given. Exit status 1 if any run
+a ``--cpu-rehearsal`` (the one-rank layouts under torchrun, the others local, all on CPU
+processes with gloo) writes nothing unless ``--out`` is given. Exit status 1 if any run
 failed, 0 otherwise (also when there is no CUDA device: then nothing runs).
 """
 
@@ -32,7 +38,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -41,8 +49,9 @@ from meshpipe.train.config import add_arguments, from_arguments
 
 RESULTS = Path(__file__).parent / "results"
 COMMON = ["--no-progress", "--eval-every", "0", "--timeline-step", "0"]
-NCCL_ONE_RANK_PER_GPU = ("NCCL refuses two ranks of one communicator on the same GPU "
-                         "(ncclInvalidUsage: Duplicate GPU detected)")
+# The shipped corpus, whose paragraphs are the documents that --pack packs.
+CORPUS = str(resources.files("meshpipe.train").joinpath("data/shakespeare.txt"))
+PACKED = ("--data", CORPUS, "--pack", "--seq-len", "128")
 
 
 @dataclass(frozen=True)
@@ -58,19 +67,28 @@ class Layout:
         return from_arguments(parser.parse_args(list(self.args))).world_size
 
 
+@dataclass(frozen=True)
+class Run:
+    """One layout run one way: ``"nccl"`` (torchrun, a GPU per rank) or ``"shared"`` (the
+    local launcher, ranks sharing the GPUs over gloo)."""
+
+    layout: Layout
+    how: str
+
+
 LAYOUTS = [
-    # One rank: runs on a single GPU.
-    Layout("pp1-1f1b", ("--pp", "1"), "one rank: device placement, NCCL group, no p2p"),
-    Layout("pp1-bf16", ("--pp", "1", "--dtype", "bf16"), "one rank: CUDA autocast"),
+    # One rank.
+    Layout("pp1-1f1b", ("--pp", "1"), "device placement, no p2p"),
+    Layout("pp1-bf16", ("--pp", "1", "--dtype", "bf16"), "CUDA autocast"),
     Layout("pp1-moe4-combined-1f1b", ("--pp", "1", "--moe-experts", "4", "--moe-top-k", "2",
                                       "--schedule", "combined-1f1b"),
-           "one rank: expert exchanges on the comm thread's CUDA stream"),
-    # Pipeline parallelism: NCCL payloads, gloo headers, a reverse group per direction.
+           "expert exchanges on the comm thread's CUDA stream"),
+    # Pipeline parallelism (on NCCL: payloads, gloo headers, a reverse group per direction).
     Layout("pp2-1f1b", ("--pp", "2", "--schedule", "1f1b")),
     Layout("pp2-vpp2-interleaved", ("--pp", "2", "--vpp", "2", "--schedule", "interleaved")),
     Layout("pp2-vpp2-zb-v", ("--pp", "2", "--vpp", "2", "--schedule", "zb-v")),
     Layout("pp2-batched-p2p", ("--pp", "2", "--p2p", "batched"),
-           "batch_isend_irecv on NCCL"),
+           "batch_isend_irecv"),
     Layout("pp2-bf16", ("--pp", "2", "--dtype", "bf16")),
     # Context, data, tensor and expert parallelism.
     Layout("cp-ring2", ("--pp", "1", "--cp-ring", "2")),
@@ -84,6 +102,13 @@ LAYOUTS = [
            "VTP: stages of different tp sizes"),
     Layout("pp2-cp-ring2", ("--pp", "2", "--cp-ring", "2"), "the demo layout"),
     Layout("pp2-tp2", ("--pp", "2", "--tp", "2")),
+    # Ring attention's tiles and packed documents in half precision.
+    Layout("cp-ring2-bf16", ("--pp", "1", "--cp-ring", "2", "--dtype", "bf16"),
+           "ring tiles on the memory-efficient kernel"),
+    Layout("packed-cp-ring2-bf16", ("--pp", "1", "--cp-ring", "2", "--dtype", "bf16", *PACKED),
+           "packed documents: explicit tile masks"),
+    Layout("packed-hybrid2x2-fp16", ("--pp", "1", "--cp-ring", "2", "--cp-ulysses", "2",
+                                     "--dtype", "fp16", *PACKED)),
 ]
 
 
@@ -92,8 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      epilog="layouts: " + ", ".join(l.name for l in LAYOUTS))
     parser.add_argument("--steps", type=int, default=3, help="training steps per layout")
     parser.add_argument("--only", nargs="+", metavar="LAYOUT", help="run these layouts only")
+    parser.add_argument("--jobs", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+                        help="runs at a time (default: a quarter of the cores, at most 4)")
     parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds one layout's run may take")
+                        help="seconds one run may take")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"where gpu_check.json/.md go (default {RESULTS}; a CPU "
                              "rehearsal writes nothing unless given)")
@@ -110,20 +137,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_layout(layout: Layout, steps: int, timeout: float, env: dict[str, str]) -> dict:
-    """One torchrun job; its parity verdict and median step time."""
-    row = {"layout": layout.name, "ranks": layout.ranks, "args": " ".join(layout.args),
-           "status": "FAIL", "loss_difference": None, "max_grad_difference": None,
-           "median_step_seconds": None, "note": layout.note}
+def planned_runs(layouts: list[Layout], gpus: int) -> list[Run]:
+    """Each layout on NCCL where it has a GPU per rank, and shared where it has several
+    ranks (see the module docstring); ``gpus`` 1 for the CPU rehearsal's same structure."""
+    runs = []
+    for layout in layouts:
+        if layout.ranks <= gpus:
+            runs.append(Run(layout, "nccl"))
+        if layout.ranks > 1:
+            runs.append(Run(layout, "shared"))
+    return runs
+
+
+def command(run: Run, steps: int, out_dir: str, rehearsal: bool) -> list[str]:
+    train = [*run.layout.args, "--check", "--steps", str(steps), *COMMON, "--out-dir", out_dir,
+             "--device", "cpu" if rehearsal else "cuda"]
+    if run.how == "nccl":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(run.layout.ranks), "-m", "meshpipe", "train", *train]
+    return [sys.executable, "-m", "meshpipe", "train", *train, "--backend", "gloo"]
+
+
+def run_layout(run: Run, steps: int, timeout: float, rehearsal: bool) -> dict:
+    """One training run; its parity verdict and median step time."""
+    layout = run.layout
+    row = {"layout": layout.name, "ranks": layout.ranks, "how": run.how,
+           "args": " ".join(layout.args), "status": "FAIL", "loss_difference": None,
+           "max_grad_difference": None, "median_step_seconds": None, "note": layout.note}
     with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-check-") as out_dir:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(layout.ranks), "-m", "meshpipe", "train",
-                   *layout.args, "--check", "--steps", str(steps), *COMMON,
-                   "--out-dir", out_dir]
-        row["command"] = " ".join(command[1:])
+        argv = command(run, steps, out_dir, rehearsal)
+        row["command"] = " ".join(argv[1:])
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                  env=env)
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             row["note"] = f"timed out after {timeout:.0f} s"
             return row
@@ -149,11 +194,11 @@ def run_layout(layout: Layout, steps: int, timeout: float, env: dict[str, str]) 
 
 
 def failure_lines(output: str, keep: int = 12) -> list[str]:
-    """What explains a failed run: the --check verdict and each rank's error line (torch
-    prefixes a rank's uncaught traceback with ``[rankN]:``); failing those, the last lines
-    before torchrun's own report."""
+    """What explains a failed run: the --check verdict, each rank's error line (torch
+    prefixes a torchrun rank's uncaught traceback with ``[rankN]:``) and the launcher's one
+    line (``meshpipe: ...``); failing those, the last lines before torchrun's own report."""
     lines = [line for line in output.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("--check") or (
+    errors = [line for line in lines if line.startswith(("--check", "meshpipe:")) or (
         re.match(r"\[rank\d+\]:\S", line.replace(": ", ":", 1)) and "Traceback" not in line)]
     if errors:
         return errors[-keep:]
@@ -167,55 +212,61 @@ def _figure(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+HOW = {"nccl": "nccl, a GPU per rank (torchrun)", "shared": "gloo, ranks share the GPU(s)"}
+REHEARSED = {"nccl": "torchrun, CPU (gloo)", "shared": "local launcher, CPU (gloo)"}
+
+
 def to_markdown(result: dict) -> str:
     lines = [f"# GPU check: {result['device']}", "",
              f"torch {result['torch']}, CUDA {result['cuda']}, NCCL {result['nccl']}, "
-             f"{result['gpus']} GPU(s), {result['steps']} steps per layout, --check against "
-             f"one process on the CPU.", "",
-             "| layout | ranks | parity | loss abs diff | max grad abs diff | median step s "
-             "| note |", "|---|---:|---|---:|---:|---:|---|"]
+             f"{result['gpus']} GPU(s), {result['steps']} steps per run, --check against "
+             f"one process on the CPU; {result['jobs']} run(s) at a time (step times share "
+             "the machine).", "",
+             "| layout | ranks | how | parity | loss abs diff | max grad abs diff | "
+             "median step s | note |", "|---|---:|---|---|---:|---:|---:|---|"]
+    how = HOW if result["gpus"] else REHEARSED
     for row in result["rows"]:
-        lines.append(f"| {row['layout']} | {row['ranks']} | {row['status']} | "
-                     f"{_figure(row['loss_difference'], '.1e')} | "
+        lines.append(f"| {row['layout']} | {row['ranks']} | {how[row['how']]} | "
+                     f"{row['status']} | {_figure(row['loss_difference'], '.1e')} | "
                      f"{_figure(row['max_grad_difference'], '.1e')} | "
                      f"{_figure(row['median_step_seconds'], '.4f')} | {row['note']} |")
-    failed = [row for row in result["rows"] if row["status"] == "FAIL"]
-    for row in failed:
-        lines += ["", f"FAIL {row['layout']}: `{row.get('command', '')}`", "```",
-                  *row.get("output_tail", []), "```"]
+    for row in result["rows"]:
+        if row["status"] == "FAIL":
+            lines += ["", f"FAIL {row['layout']} ({row['how']}): `{row.get('command', '')}`",
+                      "```", *row.get("output_tail", []), "```"]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    env = dict(os.environ)
+    layouts = [l for l in LAYOUTS if not args.only or l.name in args.only]
     if args.cpu_rehearsal:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        slots, device = args.max_ranks, f"CPU rehearsal on {platform.processor() or 'cpu'} (gloo)"
-        skip_reason = f"needs {{ranks}} ranks, the rehearsal runs up to --max-ranks {slots}"
+        gpus, device = 0, f"CPU rehearsal on {platform.processor() or 'cpu'} (gloo)"
+        layouts = [l for l in layouts if l.ranks <= args.max_ranks]
+        runs = planned_runs(layouts, 1)  # the structure of one GPU, on CPU processes
     elif not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA device visible to torch {torch.__version__} (built for CUDA "
-              f"{torch.version.cuda}): nothing to check")
+        print(f"gpu_check: no CUDA device visible to torch {torch.__version__}: nothing to "
+              "check")
         return 0
     else:
-        slots, device = torch.cuda.device_count(), torch.cuda.get_device_name(0)
-        skip_reason = f"needs {{ranks}} GPUs, {slots} present: {NCCL_ONE_RANK_PER_GPU}"
-    layouts = [l for l in LAYOUTS if not args.only or l.name in args.only]
+        gpus, device = torch.cuda.device_count(), torch.cuda.get_device_name(0)
+        runs = planned_runs(layouts, gpus)
     nccl = (".".join(map(str, torch.cuda.nccl.version()))
             if torch.cuda.is_available() and not args.cpu_rehearsal else "-")
-    result = {"device": device, "gpus": 0 if args.cpu_rehearsal else slots,
-              "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
-              "steps": args.steps, "rows": []}
-    for layout in layouts:
-        if layout.ranks > slots:
-            row = {"layout": layout.name, "ranks": layout.ranks, "args": " ".join(layout.args),
-                   "status": "SKIP", "loss_difference": None, "max_grad_difference": None,
-                   "median_step_seconds": None,
-                   "note": skip_reason.format(ranks=layout.ranks)}
-        else:
-            print(f"gpu_check: {layout.name} on {layout.ranks} rank(s) ...", flush=True)
-            row = run_layout(layout, args.steps, args.timeout, env)
-        result["rows"].append(row)
+    print(f"gpu_check: {len(runs)} runs of {len(layouts)} layouts, {args.jobs} at a time",
+          flush=True)
+
+    def one(run: Run) -> dict:
+        row = run_layout(run, args.steps, args.timeout, args.cpu_rehearsal)
+        print(f"gpu_check: {row['status']} {run.layout.name} ({run.how}, {run.layout.ranks} "
+              f"rank(s))", flush=True)
+        return row
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        rows = list(pool.map(one, runs))
+    result = {"device": device, "gpus": gpus, "torch": torch.__version__,
+              "cuda": torch.version.cuda, "nccl": nccl, "steps": args.steps,
+              "jobs": args.jobs, "rows": rows}
     table = to_markdown(result)
     print(table)
     out = args.out or (None if args.cpu_rehearsal else RESULTS)
@@ -224,11 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / "gpu_check.md").write_text(table)
         print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
-    ran = [row for row in result["rows"] if row["status"] != "SKIP"]
-    failed = [row["layout"] for row in ran if row["status"] == "FAIL"]
-    skipped = len(result["rows"]) - len(ran)
-    print(f"gpu_check: {len(ran) - len(failed)} passed, {len(failed)} failed"
-          + (f" ({', '.join(failed)})" if failed else "") + f", {skipped} skipped")
+    failed = [f"{row['layout']} ({row['how']})" for row in rows if row["status"] == "FAIL"]
+    print(f"gpu_check: {len(rows) - len(failed)} passed, {len(failed)} failed"
+          + (f" ({', '.join(failed)})" if failed else ""))
     return 1 if failed else 0
 
 

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from meshpipe.comm import collectives as cc
+from meshpipe.comm import ops
 from meshpipe.testing import keep_across_calls, run_distributed
 from meshpipe.topology import ParallelLayout, Topology
 
@@ -278,7 +279,7 @@ def test_collectives_equal_single_process_reference(world, data):
 def _record_exchanges(rank: int, world_size: int) -> dict[str, list[tuple]]:
     """Run unaligned and aligned collectives, recording what reaches torch.distributed."""
     calls: list[tuple] = []
-    original_all_to_all, original_all_gather = dist.all_to_all_single, dist.all_gather_single
+    original_all_to_all, original_all_gather = dist.all_to_all_single, ops._gather_into
 
     def recording_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None,
                              group=None, async_op=False):
@@ -291,7 +292,7 @@ def _record_exchanges(rank: int, world_size: int) -> dict[str, list[tuple]]:
         return original_all_gather(output, input, group=group, async_op=async_op)
 
     recorded = {}
-    dist.all_to_all_single, dist.all_gather_single = recording_all_to_all, recording_all_gather
+    dist.all_to_all_single, ops._gather_into = recording_all_to_all, recording_all_gather
     try:
         # scatter 5 and gather 7 over 3 ranks: neither divides
         x = torch.randn(5, cc.split_sizes(7, world_size)[rank], 2, requires_grad=True)
@@ -304,7 +305,7 @@ def _record_exchanges(rank: int, world_size: int) -> dict[str, list[tuple]]:
         cc.gather(part, None, 1, sizes=[r + 1 for r in range(world_size)]).sum().backward()
         recorded["unequal gather"], calls[:] = list(calls), []
     finally:
-        dist.all_to_all_single, dist.all_gather_single = original_all_to_all, original_all_gather
+        dist.all_to_all_single, ops._gather_into = original_all_to_all, original_all_gather
     return recorded
 
 

@@ -1,9 +1,11 @@
 """The CUDA paths of meshpipe: run by ``make gpu-check`` (``pytest -m gpu``), skipped without CUDA.
 
-Single-GPU tests run in this process: the reference model on CUDA against the CPU, a
-mixture-of-experts Stage whose exchanges run on the communication thread's CUDA stream, and
-SDPA's flash kernel at a long sequence. Multi-GPU tests start one NCCL process per GPU
-(NCCL refuses two ranks of one communicator on the same device), so they need two GPUs.
+Single-process tests: the reference model on CUDA against the CPU, a mixture-of-experts
+Stage whose exchanges run on the communication thread's CUDA stream, ring attention's tile
+kernel against the math kernel (every tile kind, fp32/bf16/fp16), SDPA's flash kernel at a
+long sequence. Two-rank tests start one process per rank: on NCCL when there are two GPUs,
+else sharing one GPU over gloo (NCCL refuses two ranks of one communicator on one GPU; then
+the messages travel through host memory and the compute stays on the GPU).
 """
 
 from __future__ import annotations
@@ -32,10 +34,6 @@ pytestmark = [
                               f"(built for CUDA {torch.version.cuda}); run `make gpu-check` "
                               f"on a GPU machine"),
 ]
-two_gpus = pytest.mark.skipif(  # without CUDA at all, the module's reason is the one shown
-    torch.cuda.is_available() and torch.cuda.device_count() < 2,
-    reason=f"needs 2 CUDA devices, {torch.cuda.device_count()} visible: NCCL refuses two ranks "
-           f"of one communicator on the same GPU")
 
 SMALL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128)
 
@@ -146,6 +144,59 @@ def test_ring_tiles_on_the_memory_efficient_kernel_equal_the_math_kernel(mask_ki
         torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-5, msg=f"d{name}")
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A process group of this process alone (ring attention's group of one rank)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5),
+             torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+             torch.float16: dict(rtol=1e-3, atol=1e-3)}
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+def test_ring_attention_on_its_cuda_tiles_equals_the_math_kernel(one_rank_group, monkeypatch,
+                                                                 dtype, packed):
+    """A ring of one rank runs the whole sequence as tiles: causal squares halved into causal
+    leaves and unmasked rectangles, and with packed documents explicit masks. Output and
+    q/k/v gradients on the memory-efficient CUDA kernel equal those on the math kernel."""
+    from meshpipe.context import ring
+    from meshpipe.context.blockwise import MATH, kernel_for
+
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    seq = 333  # not a multiple of the kernel's 32-row log-sum-exp padding
+    q, grad = (torch.randn(2, seq, 4, 32, device="cuda", generator=generator).to(dtype)
+               for _ in range(2))
+    k, v = (torch.randn(2, seq, 2, 32, device="cuda", generator=generator).to(dtype)
+            for _ in range(2))
+    layout = {}
+    if packed:
+        lengths = torch.tensor([100, 7, 150, 76], device="cuda")
+        doc_ids = torch.repeat_interleave(torch.arange(4, device="cuda"), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        layout = dict(positions=torch.arange(seq, device="cuda") - starts[doc_ids],
+                      doc_ids=doc_ids)
+
+    def run():
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = RingAttention()(*inputs, **layout)
+        out.backward(grad)
+        return [out, *(t.grad for t in inputs)]
+
+    assert kernel_for(q.device).name == "cuda_efficient"
+    efficient = run()
+    monkeypatch.setattr(ring, "kernel_for", lambda device: MATH)
+    math_kernel = run()
+    for name, got, want in zip(["out", "dq", "dk", "dv"], efficient, math_kernel):
+        assert got.dtype == dtype and got.isfinite().all()
+        torch.testing.assert_close(got, want, **TOLERANCE[dtype], msg=name)
+
+
 def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -186,25 +237,33 @@ def test_tune_under_torchrun_measures_on_the_gpu(tmp_path):
     assert done.stdout.count("| rank | pp |") == 1, done.stdout
 
 
-# ---------------------------------------------------------------- two GPUs (NCCL)
+# ------------------------------------------- two ranks: NCCL on two GPUs, else one GPU shared
 
-def _nccl_rank(rank: int, world_size: int, init_file: str, fn, args: tuple) -> None:
-    torch.cuda.set_device(rank)
+def _backend() -> str:
+    return "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+
+
+def _gpu_rank(rank: int, world_size: int, init_file: str, fn, args: tuple) -> None:
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = False
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, device_id=torch.device("cuda", rank))
+    backend = _backend()
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size,
+                            device_id=device if backend == "nccl" else None)
     try:
-        fn(rank, world_size, *args)
+        fn(rank, world_size, device, backend, *args)
     finally:
         dist.destroy_process_group()
 
 
-def _run_nccl(world_size: int, fn, *args) -> None:
-    """``fn(rank, world_size, *args)`` on ``world_size`` processes, one GPU each (an
-    AssertionError on a rank fails the test with that rank's traceback)."""
+def _run_on_gpus(world_size: int, fn, *args) -> None:
+    """``fn(rank, world_size, device, backend, *args)`` on ``world_size`` processes: one GPU
+    each on NCCL where there are enough, else sharing them over gloo (an AssertionError on
+    a rank fails the test with that rank's traceback)."""
     with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-") as tmp:
-        torch_mp.start_processes(_nccl_rank, args=(world_size, os.path.join(tmp, "init"), fn,
-                                                   args),
+        torch_mp.start_processes(_gpu_rank, args=(world_size, os.path.join(tmp, "init"), fn,
+                                                  args),
                                  nprocs=world_size, join=True, start_method="spawn")
 
 
@@ -234,13 +293,16 @@ def _assert_same(actual, expected) -> None:
         assert actual == expected
 
 
-def _p2p_both_ways(rank: int, world_size: int, backend: str = "nccl") -> None:
-    """Rank 0 sends four messages of changing layouts to rank 1 (forward group), rank 1
-    sends each back (reverse group); headers and metadata travel on the gloo group."""
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    transport = P2PTransport(reverse_group=dist.new_group(backend=backend),
-                             meta_group=dist.new_group(backend="gloo"), device=device,
-                             timeout=60.0)
+def _p2p_both_ways(rank: int, world_size: int, device: torch.device, backend: str) -> None:
+    """Rank 0 sends four messages of changing layouts to rank 1, rank 1 sends each back; on
+    NCCL forward and back on two groups, headers and metadata on a gloo group; over gloo
+    from host buffers, delivered onto the GPU."""
+    if backend == "nccl":
+        transport = P2PTransport(reverse_group=dist.new_group(backend="nccl"),
+                                 meta_group=dist.new_group(backend="gloo"), device=device,
+                                 timeout=60.0)
+    else:
+        transport = P2PTransport(device="cpu", deliver_to=device, timeout=60.0)
     peer = 1 - rank
     for index in range(4):
         expected = _message(index, device)
@@ -254,10 +316,9 @@ def _p2p_both_ways(rank: int, world_size: int, backend: str = "nccl") -> None:
     transport.wait_sends()
 
 
-def _ring_equals_sdpa(rank: int, world_size: int, device_type: str = "cuda") -> None:
+def _ring_equals_sdpa(rank: int, world_size: int, device: torch.device, backend: str) -> None:
     """Ring attention over the ranks (contiguous halves, causal) against SDPA on the whole
     sequence, output and q/k/v gradients of this rank's half."""
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
     seq, heads, heads_kv, head_dim = 512, 4, 2, 32
     q = torch.randn(1, seq, heads, head_dim, generator=generator).to(device)
@@ -278,11 +339,9 @@ def _ring_equals_sdpa(rank: int, world_size: int, device_type: str = "cuda") -> 
                                    msg=name)
 
 
-@two_gpus
-def test_p2p_pytrees_travel_over_nccl_with_gloo_headers_and_a_reverse_group():
-    _run_nccl(2, _p2p_both_ways)
+def test_p2p_pytrees_travel_between_two_ranks_on_the_gpu():
+    _run_on_gpus(2, _p2p_both_ways)
 
 
-@two_gpus
-def test_ring_attention_over_nccl_equals_sdpa_on_the_whole_sequence():
-    _run_nccl(2, _ring_equals_sdpa)
+def test_ring_attention_over_two_ranks_on_the_gpu_equals_sdpa_on_the_whole_sequence():
+    _run_on_gpus(2, _ring_equals_sdpa)

@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.profiler import record_function
 
+from . import ops
 from .shards import (ShardLayout, contiguous_positions, document_ids, hybrid_positions,
                      packed_hybrid_positions, packed_positions, positions_in_document,
                      split_sizes, zigzag_positions)
@@ -103,7 +104,7 @@ def _exchange_ints(values: Sequence[int], group: dist.ProcessGroup | None, what:
     mine[1:len(values) + 1] = torch.tensor(list(values), dtype=torch.int64, device=device)
     table = torch.empty(_group_size(group) * _MAX_EXCHANGED_INTS, dtype=torch.int64,
                         device=device)
-    dist.all_gather_single(table, mine, group=group)
+    ops.all_gather_into(table, mine, group=group)
     rows = table.view(_group_size(group), _MAX_EXCHANGED_INTS).tolist()
     return [row[1:row[0] + 1] for row in rows]
 
@@ -166,7 +167,7 @@ def _all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, ga
     received = torch.empty(sum(receive_counts), dtype=x.dtype, device=x.device)
     aligned = x.size(scatter_dim) % world == 0 and total_gather % world == 0
     with record_function(COMM_LABEL + "all_to_all"):
-        dist.all_to_all_single(
+        ops.all_to_all_single(
             received, send, output_split_sizes=None if aligned else receive_counts,
             input_split_sizes=None if aligned else send_counts, group=group)
     return _joined_blocks(received, block_shape, gather_dim, gather_sizes)
@@ -176,9 +177,11 @@ class PendingTransfers:
     """Point-to-point sends and receives in flight (``post_transfers``)."""
 
     def __init__(self, received: tuple[Tensor, ...], works: list, sent: tuple[Tensor, ...],
-                 label: str):
+                 label: str, landing: tuple[Tensor, ...] | None = None):
         self._received, self._works, self._label = received, works, label
         self._sent: tuple[Tensor, ...] | None = sent  # alive until the sends are done
+        # Host buffers the receives land in when they travel through the host (else None).
+        self._landing = landing
 
     def wait(self) -> tuple[Tensor, ...]:
         """Block until every transfer is done; the receive buffers, in the order posted."""
@@ -187,6 +190,10 @@ class PendingTransfers:
                 for work in self._works:
                     work.wait()
             self._works = []
+        if self._landing is not None:
+            for tensor, host in zip(self._received, self._landing):
+                tensor.copy_(host)
+            self._landing = None
         self._sent = None
         return self._received
 
@@ -199,8 +206,17 @@ def post_transfers(sends: Sequence[tuple[int, Tensor]], receives: Sequence[tuple
 
     One ``batch_isend_irecv``: on NCCL that is one grouped launch, so two ranks exchanging
     both ways never wait on each other. Between two ranks, transfers with one tag match in
-    the order they were posted, so both sides must post theirs in the same order.
+    the order they were posted, so both sides must post theirs in the same order. GPU
+    tensors through a gloo group (ranks sharing a GPU) travel through host copies, and
+    ``wait`` copies what arrived into the receive tensors (``ops.through_host``).
     """
+    received = tuple(tensor for _, tensor in receives)
+    landing = None
+    tensors = [tensor for _, tensor in (*sends, *receives)]
+    if tensors and ops.through_host(tensors[0], group):
+        sends = [(peer, tensor.to("cpu", copy=True)) for peer, tensor in sends]
+        receives = [(peer, torch.empty_like(tensor, device="cpu")) for peer, tensor in receives]
+        landing = tuple(tensor for _, tensor in receives)
     operations = [dist.P2POp(dist.isend, tensor, group=group, group_peer=peer, tag=tag)
                   for peer, tensor in sends]
     operations += [dist.P2POp(dist.irecv, tensor, group=group, group_peer=peer, tag=tag)
@@ -209,8 +225,8 @@ def post_transfers(sends: Sequence[tuple[int, Tensor]], receives: Sequence[tuple
     if operations:
         with record_function(label):
             works = dist.batch_isend_irecv(operations)
-    return PendingTransfers(tuple(tensor for _, tensor in receives), works,
-                            tuple(tensor for _, tensor in sends), label)
+    return PendingTransfers(received, works, tuple(tensor for _, tensor in sends), label,
+                            landing)
 
 
 def _numel(shape: list[int], dim: int, size: int) -> int:
@@ -314,7 +330,7 @@ def exchange_counts(send_counts: Tensor, group: dist.ProcessGroup | None) -> Ten
     if _group_size(group) == 1:
         return send_counts.clone()
     received = torch.empty_like(send_counts)
-    dist.all_to_all_single(received, send_counts, group=group)
+    ops.all_to_all_single(received, send_counts, group=group)
     return received
 
 
@@ -335,7 +351,7 @@ def exchange_rows(x: Tensor, send_rows: Sequence[int], receive_rows: Sequence[in
     if world == 1:
         return x.clone()
     received = x.new_empty((sum(receive_rows), *x.shape[1:]))
-    dist.all_to_all_single(received, x, output_split_sizes=list(receive_rows),
+    ops.all_to_all_single(received, x, output_split_sizes=list(receive_rows),
                            input_split_sizes=list(send_rows), group=group)
     return received
 
@@ -371,12 +387,12 @@ def _gather_rank_major(x: Tensor, group: dist.ProcessGroup | None,
     world = len(sizes)
     if len(set(sizes)) == 1:
         gathered = torch.empty((world * sizes[0], *rest_shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_single(gathered, x, group=group)
+        ops.all_gather_into(gathered, x, group=group)
         return gathered
     # Unequal parts: each rank sends its own rows to every peer, nothing more.
     row = math.prod(rest_shape)
     received = torch.empty(sum(sizes) * row, dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(received, x.view(-1).repeat(world),
+    ops.all_to_all_single(received, x.view(-1).repeat(world),
                            output_split_sizes=[size * row for size in sizes],
                            input_split_sizes=[x.numel()] * world, group=group)
     return received.view(sum(sizes), *rest_shape)

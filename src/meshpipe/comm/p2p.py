@@ -384,7 +384,8 @@ class RecvHandle:
             transport = self._transport
             transport.flush()
             deadline = transport.deadline(timeout)
-            parts = [transport._complete(incoming, deadline) for incoming in self._incomings]
+            parts = [transport._delivered(*transport._complete(incoming, deadline))
+                     for incoming in self._incomings]
             peers = [incoming.peer for incoming in self._incomings]
             if self._single:
                 self._result = unpack(*parts[0])
@@ -412,7 +413,9 @@ class P2PTransport:
     carries the slow path (metadata and payloads of layout changes) and must be able to
     carry CPU tensors (gloo). It defaults to ``group`` when that one can; an NCCL payload
     group needs an explicit gloo ``meta_group`` over the same ranks. Payload buffers live on
-    ``device``. ``timeout`` (seconds) is the default of every ``wait``; None leaves it to the
+    ``device``; received tensors are delivered on ``deliver_to`` (default ``device``): ranks
+    that share a GPU over gloo send from host buffers (``device="cpu"``) and get their
+    messages on the GPU (one copy of each payload). ``timeout`` (seconds) is the default of every ``wait``; None leaves it to the
     process group's own timeout. With ``check_labels``, a receive whose label differs from
     the label the peer sent with (both non-empty) raises :class:`MessageMismatchError`: give
     a send and its receive the same label. ``mode`` is ``"async"`` (post every operation at
@@ -427,7 +430,8 @@ class P2PTransport:
                  reverse_group: ProcessGroup | None = None,
                  meta_group: ProcessGroup | None = None,
                  device: torch.device | str = "cpu", timeout: float | None = None,
-                 check_labels: bool = True, mode: str = "async") -> None:
+                 check_labels: bool = True, mode: str = "async",
+                 deliver_to: torch.device | str | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("P2PTransport needs torch.distributed to be initialised: call "
                                "dist.init_process_group first")
@@ -454,6 +458,7 @@ class P2PTransport:
                              f"backend {dist.get_backend(meta_group)}")
         self.meta_group = meta_group
         self.device = _resolve_device(device)
+        self.deliver_to = self.device if deliver_to is None else _resolve_device(deliver_to)
         self.timeout = timeout
         self.check_labels = check_labels
         self.stats = TransportStats()
@@ -774,7 +779,21 @@ class P2PTransport:
                                f"{head.peer}")
         return buffer
 
+    def _delivered(self, layout: MessageLayout, payload: torch.Tensor, start: int,
+                   host: numpy.ndarray | None
+                   ) -> tuple[MessageLayout, torch.Tensor, int, numpy.ndarray | None]:
+        """A received payload moved to ``deliver_to`` where it arrived elsewhere."""
+        if payload.device == self.deliver_to or not layout.payload_nbytes:
+            return layout, payload, start, host
+        moved = payload[start:start + layout.payload_nbytes].to(self.deliver_to)
+        return layout, moved, 0, None
+
     # -- hooks for transports built on this one (meshpipe.comm.vtp) --------------------
+
+    def unpack(self, layout: MessageLayout, payload: torch.Tensor) -> Any:
+        """The message of a payload this rank received by other means (a broadcast inside
+        a stage), its tensors on ``deliver_to``."""
+        return unpack(*self._delivered(layout, payload, 0, None))
 
     def deadline(self, timeout: float | None) -> float | None:
         """The ``time.monotonic()`` instant a wait with ``timeout`` seconds ends (None: the

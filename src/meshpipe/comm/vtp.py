@@ -53,7 +53,6 @@ from meshpipe.comm.wire import (
     layout_digest,
     layout_for,
     pack,
-    unpack,
 )
 
 # The executor's stop notice (meshpipe.runtime.executor): a message standing in for one that
@@ -175,10 +174,11 @@ class VTPTransport:
                  meta_group: ProcessGroup | None = None,
                  intra_meta_group: ProcessGroup | None = None,
                  device: torch.device | str = "cpu", timeout: float | None = None,
-                 check_labels: bool = True, mode: str = "async") -> None:
+                 check_labels: bool = True, mode: str = "async",
+                 deliver_to: torch.device | str | None = None) -> None:
         self.p2p = P2PTransport(group, reverse_group=reverse_group, meta_group=meta_group,
                                 device=device, timeout=timeout, check_labels=check_labels,
-                                mode=mode)
+                                mode=mode, deliver_to=deliver_to)
         self.rank = self.p2p.rank
         self.mode = mode
         self.stats: TransportStats = self.p2p.stats
@@ -327,7 +327,7 @@ class VTPTransport:
                 f"rank {self.rank} waited {describe_label(label)} but its stage root rank "
                 f"{self.stage_root} broadcast a message with a different label: the ranks "
                 f"of stage {self.stage_index} must wait their receives in the same order")
-        return unpack(layout, payload)
+        return self.p2p.unpack(layout, payload)
 
     def _broadcast(self, tensor: torch.Tensor, group: ProcessGroup | None,
                    deadline: float | None, part: str, label: str) -> None:
@@ -400,10 +400,11 @@ class FanoutTransport:
                  meta_group: ProcessGroup | None = None,
                  device: torch.device | str = "cpu", timeout: float | None = None,
                  check_labels: bool = True, mode: str = "async",
+                 deliver_to: torch.device | str | None = None,
                  passthrough: Callable[[Any], bool] | None = is_stop_notice) -> None:
         self.p2p = P2PTransport(group, reverse_group=reverse_group, meta_group=meta_group,
                                 device=device, timeout=timeout, check_labels=check_labels,
-                                mode=mode)
+                                mode=mode, deliver_to=deliver_to)
         self.rank = self.p2p.rank
         self.mode = mode
         self.passthrough = passthrough

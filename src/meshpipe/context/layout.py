@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from meshpipe.comm import ops
+
 from .interface import AttentionError, check_attention_inputs
 
 
@@ -42,7 +44,7 @@ class GroupLayout:
 
 def _all_gather_equal(tensor: Tensor, group: dist.ProcessGroup | None) -> list[Tensor]:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor, group=group)
+    ops.all_gather(parts, tensor, group=group)
     return parts
 
 

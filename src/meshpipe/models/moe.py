@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from meshpipe.comm import ops
 from meshpipe.comm.collectives import exchange_counts, exchange_rows
 from meshpipe.models.mlp import SwiGLU, linear
 from meshpipe.runtime.substeps import Exchange, run_steps
@@ -88,7 +89,7 @@ class _Dispatch:
         received = self._to_experts(tokens)
         picks = self.picks.clone()
         if self.token_group is not None and dist.get_world_size(self.token_group) > 1:
-            dist.all_reduce(picks, group=self.token_group)
+            ops.all_reduce(picks, group=self.token_group)
         return received, receive_counts, picks
 
     def backward(self, grads: tuple[Tensor, Tensor | None, Tensor | None]) -> Tensor:

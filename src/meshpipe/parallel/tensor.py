@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from meshpipe.comm import ops
+
 from .tp_comm import TensorParallelRegion, tp_rank_and_size
 
 __all__ = [
@@ -264,16 +266,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         # the shift only keeps exp() finite; the loss does not depend on it
         row_max = logits.amax(-1)
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        ops.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - row_max.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(-1)
-        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+        ops.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
         outside = (targets < start) | (targets >= start + local_vocab)
         local_targets = (targets - start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(outside, 0.0)
-        dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
+        ops.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
         ignored = targets == ignore_index
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
         softmax = exp.div_(sum_exp.unsqueeze(-1))

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
+from meshpipe.comm import ops
+
 __all__ = [
     "copy_to_tp", "gather_from_sequence", "reduce_from_tp", "reduce_scatter_to_sequence",
     "scatter_to_sequence", "tp_rank_and_size",
@@ -54,7 +56,7 @@ def _reduce_dtype(x: Tensor) -> torch.dtype:
 def _all_reduce_sum(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Sum over the group into a new tensor (float32 for half types), cast back."""
     buffer = x.to(_reduce_dtype(x), copy=True).contiguous()
-    dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+    ops.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
     return buffer.to(x.dtype)
 
 
@@ -80,7 +82,7 @@ def _check_same_shapes(x: Tensor, group: dist.ProcessGroup, what: str) -> None:
     mine[0] = x.dim()
     mine[1:x.dim() + 1] = torch.tensor(list(x.shape), dtype=torch.int64, device=x.device)
     table = torch.empty(size * 9, dtype=torch.int64, device=x.device)
-    dist.all_gather_single(table, mine, group=group)
+    ops.all_gather_into(table, mine, group=group)
     shapes = [tuple(row[1:row[0] + 1]) for row in table.view(size, 9).tolist()]
     if len(set(shapes)) > 1:
         listing = ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
@@ -93,7 +95,7 @@ def _gather_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     local = x.movedim(SEQ_DIM, 0).contiguous()
     out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=x.dtype,
                       device=x.device)
-    dist.all_gather_single(out, local, group=group)
+    ops.all_gather_into(out, local, group=group)
     return out.movedim(0, SEQ_DIM).contiguous()
 
 
@@ -103,7 +105,7 @@ def _reduce_scatter_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     full = x.movedim(SEQ_DIM, 0).to(_reduce_dtype(x)).contiguous()
     out = torch.empty((full.shape[0] // size, *full.shape[1:]), dtype=full.dtype,
                       device=x.device)
-    dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
+    ops.reduce_scatter_into(out, full, op=dist.ReduceOp.SUM, group=group)
     return out.to(x.dtype).movedim(0, SEQ_DIM).contiguous()
 
 

@@ -15,6 +15,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from meshpipe.comm import ops
+
 # Dtypes that hold a count of ranks exactly (integers up to 2**24), so the counts can ride
 # in their buffer; without such a buffer the counts take one small all-reduce of their own.
 _COUNTING_DTYPES = (torch.float32, torch.float64)
@@ -61,7 +63,7 @@ def _all_reduce_buckets(params: list[torch.nn.Parameter], had_grad: torch.Tensor
         if dtype == counting:
             parts.append(had_grad.to(dtype))
         flat = torch.cat(parts)
-        dist.all_reduce(flat, group=group)
+        ops.all_reduce(flat, group=group)
         grads_end = flat.numel() - (len(had_grad) if dtype == counting else 0)
         if scale != 1.0:
             flat[:grads_end].mul_(scale)
@@ -74,5 +76,5 @@ def _all_reduce_buckets(params: list[torch.nn.Parameter], had_grad: torch.Tensor
             ranks_with_grad = flat[grads_end:]
     if counting is None:
         ranks_with_grad = had_grad.clone()
-        dist.all_reduce(ranks_with_grad, group=group)
+        ops.all_reduce(ranks_with_grad, group=group)
     return ranks_with_grad

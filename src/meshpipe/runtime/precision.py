@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from meshpipe.comm import ops
 from meshpipe.runtime.substeps import resume_within
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
@@ -223,7 +224,7 @@ class DynamicLossScaler:
                 finite = torch.isfinite(grad).all()
                 found = torch.maximum(found, (~finite).to(device=device, dtype=torch.float32))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+            ops.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item())
 
     def update(self, found_inf: bool) -> None:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from meshpipe.comm import ops
 from meshpipe.parallel import shard_dim, tp_rank_and_size
 from meshpipe.runtime.precision import DynamicLossScaler
 
@@ -61,7 +62,7 @@ def _adam_state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) -> 
 def _gathered(shard: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """The whole tensor of which every rank of ``group`` holds the ``dim`` slice."""
     pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, shard.contiguous(), group=group)
+    ops.all_gather(pieces, shard.contiguous(), group=group)
     return torch.cat(pieces, dim)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from meshpipe.schedules import SCHEDULES
 from meshpipe.schedules.placement import PLACEMENTS
 from meshpipe.topology import ParallelLayout
+from meshpipe.train.devices import BACKENDS, DEVICES
 
 DTYPES = ("fp32", "bf16", "fp16")
 P2P_MODES = ("async", "batched")
@@ -89,6 +90,9 @@ class TrainConfig:
     check: bool = False
     timeline_step: int = 2
     progress: bool = True
+    # devices
+    device: str = "auto"
+    backend: str = "auto"
     # faults
     hang_timeout: float = 30.0
     skip_nonfinite: int = 0
@@ -102,7 +106,8 @@ class TrainConfig:
             raise ValueError(f"unknown placement {self.placement!r}; choose auto or one of "
                              f"{', '.join(PLACEMENTS)}")
         for name, choices in (("dtype", DTYPES), ("p2p", P2P_MODES),
-                              ("recompute", RECOMPUTE_MODES)):
+                              ("recompute", RECOMPUTE_MODES), ("device", DEVICES),
+                              ("backend", BACKENDS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"unknown --{_flag(name)} {getattr(self, name)!r}; choose one "
                                  f"of {', '.join(choices)}")
@@ -338,6 +343,9 @@ FIELD_HELP = {
     "check": "also run the first step in one process and print the loss/gradient difference",
     "timeline_step": "step whose measured per-rank timeline is drawn (0 disables)",
     "progress": "show a progress bar",
+    "device": "where ranks compute: auto (CUDA when torch sees a GPU), cuda or cpu",
+    "backend": "process-group backend: auto (nccl when every rank has a GPU of its own, else "
+               "gloo), nccl or gloo (ranks may share a GPU; messages go through host memory)",
     "hang_timeout": "seconds a rank may wait for a peer or run one action before the job is "
                     "reported hung (who waits on whom) and stopped",
     "skip_nonfinite": "skip up to N steps in a row whose loss or gradients are not finite (0: "

@@ -1,13 +1,14 @@
-"""Starting and supervising the processes of a run: N local CPU processes, or torchrun's.
+"""Starting and supervising the processes of a run: N local processes, or torchrun's.
 
-``launch(fn, world_size, *args)`` runs ``fn(*args)`` on every rank with the default process
-group initialised. Under ``torchrun`` (RANK/WORLD_SIZE in the environment) it runs in the
-current process with NCCL when CUDA is present, and torchrun's own failure handling stops
-the job; each rank judges its own hangs.
+``launch(fn, world_size, *args, devices=plan)`` runs ``fn(*args)`` on every rank with the
+default process group initialised on the plan's backend, each rank on its device
+(``meshpipe.train.devices``: CPU by default). Under ``torchrun`` (RANK/WORLD_SIZE in the
+environment) it runs in the current process, and torchrun's own failure handling stops the
+job; each rank judges its own hangs.
 
-Locally it spawns ``world_size`` processes (gloo, CPU, one thread each; every rank's malloc
-keeps freed memory for the next step, ``runtime.host_memory``, and with enough cores every
-rank runs on cores of its own, ``runtime.host_cores``) and supervises them:
+Locally it spawns ``world_size`` processes (one thread each; CPU ranks keep freed memory
+for the next step, ``runtime.host_memory``, and with enough cores run on cores of their
+own, ``runtime.host_cores``) and supervises them:
 
 - a rank that raises, exits or is killed stops the whole job at once (every process is
   terminated, whatever group it was waiting in), and ``LaunchError`` names the rank that
@@ -47,6 +48,7 @@ from meshpipe.runtime import activity
 from meshpipe.runtime.executor import PeerFailedError
 from meshpipe.runtime.host_cores import bind_to_own_cores
 from meshpipe.runtime.host_memory import keep_freed_memory
+from meshpipe.train.devices import DevicePlan, local_rank
 from meshpipe.train.diagnosis import failure_report, hang_report, read_statuses
 
 PROCESS_GROUP_TIMEOUT_S = 60.0
@@ -101,33 +103,29 @@ def reports_for_the_job() -> bool:
 
 
 def device_for_this_rank() -> torch.device:
-    """Under torchrun, CUDA device LOCAL_RANK where CUDA exists; otherwise the CPU.
-
-    Local runs are CPU processes by design (one per rank, any count), also on a machine
-    with GPUs: use torchrun to place one rank per GPU.
-    """
+    """The tuner's device: under torchrun, CUDA device LOCAL_RANK where CUDA exists;
+    otherwise the CPU (training decides with ``meshpipe.train.devices`` instead)."""
     if under_torchrun() and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads_per_process: int = 1,
            timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
-           supervision: Supervision | None = None) -> None:
+           supervision: Supervision | None = None, devices: DevicePlan | None = None) -> None:
     """Run ``fn(*args)`` on ``world_size`` ranks (see the module docstring)."""
     supervision = supervision or Supervision()
+    devices = devices or DevicePlan.cpu(world_size)
     if under_torchrun():
-        _launch_under_torchrun(fn, world_size, args, threads_per_process, timeout_s, supervision)
+        _launch_under_torchrun(fn, world_size, args, threads_per_process, timeout_s, supervision,
+                               devices)
         return
     with tempfile.TemporaryDirectory(prefix="meshpipe-launch-") as tmp:
         control = Path(tmp)
         context = multiprocessing.get_context("spawn")
         rank_args = (fn, args, f"file://{control / 'rendezvous'}", world_size,
-                     threads_per_process, timeout_s, supervision, control, os.getpid())
+                     threads_per_process, timeout_s, supervision, devices, control,
+                     os.getpid())
         processes = [context.Process(target=_run_rank, args=(rank, *rank_args),
                                      name=f"meshpipe-rank-{rank}") for rank in range(world_size)]
         with _SignalCatcher() as signals:
@@ -140,7 +138,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads_per_proc
 
 
 def _launch_under_torchrun(fn, world_size, args, threads, timeout_s,
-                           supervision: Supervision) -> None:
+                           supervision: Supervision, devices: DevicePlan) -> None:
     launched = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     if launched != world_size:
@@ -151,7 +149,8 @@ def _launch_under_torchrun(fn, world_size, args, threads, timeout_s,
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _request_stop_then_default)
     try:
-        _run_rank(rank, fn, args, None, world_size, threads, timeout_s, supervision, None, None)
+        _run_rank(rank, fn, args, None, world_size, threads, timeout_s, supervision, devices,
+                  None, None)
     except BaseException as error:
         record = _failure_record(rank, error, supervision.log_dir)
         _append_to_log(_rank_log(supervision.log_dir, rank), record["traceback"])
@@ -343,10 +342,11 @@ def _send_output_to_log(log: Path, keep_terminal: bool) -> None:
 
 def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str | None,
               world_size: int, threads: int, timeout_s: float, supervision: Supervision,
-              control: Path | None, launcher_pid: int | None) -> None:
+              devices: DevicePlan, control: Path | None, launcher_pid: int | None) -> None:
     activity.reset()
     if control is not None:
-        bind_to_own_cores(rank, world_size, threads)  # local ranks are CPU processes
+        if not devices.on_gpu:
+            bind_to_own_cores(rank, world_size, threads)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which decides
     torch.set_num_threads(threads)
     log = _rank_log(supervision.log_dir, rank)
@@ -355,14 +355,14 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str |
         _send_output_to_log(log, keep_terminal=rank == 0 or control is None)
     reporter = activity.Reporter(rank, control, supervision.hang_timeout,
                                  parent_pid=launcher_pid, judge_hangs=control is None).start()
-    device = device_for_this_rank()
+    device = devices.device(local_rank(rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         keep_freed_memory()
     try:
         with activity.doing("rendezvous"):
-            dist.init_process_group(backend_for(device), init_method=init_method or "env://",
+            dist.init_process_group(devices.backend, init_method=init_method or "env://",
                                     rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
         fn(*args)

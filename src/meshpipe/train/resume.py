@@ -37,7 +37,8 @@ LAYOUT_FIELDS = ("pp", "vpp", "cp_ulysses", "cp_ring", "tp", "stage_tp", "stage_
                  "sequence_parallel", "schedule", "placement", "p2p", "recompute", "ep")
 IGNORED_FIELDS = ("out_dir", "resume", "check", "progress", "eval_every", "checkpoint_every",
                   "keep_checkpoints", "timeline_step", "hang_timeout", "skip_nonfinite",
-                  "checkpoint_on_signal", "allow_config_change", "data_cache", "export")
+                  "checkpoint_on_signal", "allow_config_change", "data_cache", "export",
+                  "device", "backend")
 
 
 @dataclass(frozen=True)

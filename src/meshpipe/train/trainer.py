@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from meshpipe.comm import ops
 from meshpipe.comm.p2p import P2PTransport
 from meshpipe.comm.shards import hybrid_positions, packed_hybrid_positions
 from meshpipe.comm.vtp import FanoutTransport, VTPTransport
@@ -64,8 +65,9 @@ from meshpipe.schedules.timeline import Timeline
 from meshpipe.topology import Topology, new_groups
 from meshpipe.train import checkpoint, faults, sources
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.launch import (PROCESS_GROUP_TIMEOUT_S, Supervision, device_for_this_rank,
-                                   launch, reports_for_the_job)
+from meshpipe.train.devices import DevicePlan, local_rank, local_ranks, plan_devices
+from meshpipe.train.launch import (PROCESS_GROUP_TIMEOUT_S, Supervision, launch,
+                                   reports_for_the_job)
 from meshpipe.train.metrics import FILE_NAME as METRICS_FILE
 from meshpipe.train.metrics import MetricsLog, dumps
 from meshpipe.train.metrics import read as read_metrics
@@ -96,17 +98,21 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
     metrics (None on the other ranks of a torchrun job).
     """
     check_model_layout(config, build_schedule(config))
+    devices = plan_devices(config.device, config.backend, local_ranks(config.world_size))
     out = check_out_dir(config.out_dir)
     plan = plan_resume(config) if config.resume else None
     sources.check_sources(config)
     is_main = reports_for_the_job()
     if is_main:
-        for note in plan.notes if plan is not None else _earlier_checkpoints_note(out):
-            print(f"meshpipe: {note}", flush=True)
-    launch(_fit_on_this_rank, config.world_size, config, plan, uuid.uuid4().hex[:12],
+        notes = plan.notes if plan is not None else _earlier_checkpoints_note(out)
+        for note in [*notes, devices.notice()]:
+            if note:
+                print(f"meshpipe: {note}", flush=True)
+    launch(_fit_on_this_rank, config.world_size, config, plan, uuid.uuid4().hex[:12], devices,
            timeout_s=process_group_timeout(config),
            supervision=Supervision(hang_timeout=config.hang_timeout, log_dir=out / "logs",
-                                   checkpoint_on_signal=config.checkpoint_on_signal))
+                                   checkpoint_on_signal=config.checkpoint_on_signal),
+           devices=devices)
     if not is_main:
         return None
     if config.export:
@@ -162,11 +168,12 @@ def check_out_dir(out_dir: str) -> Path:
     return out
 
 
-def _fit_on_this_rank(config: TrainConfig, plan: ResumePlan | None, run_id: str) -> None:
+def _fit_on_this_rank(config: TrainConfig, plan: ResumePlan | None, run_id: str,
+                      devices: DevicePlan) -> None:
     # Building a large model and its process groups may take a while: not a hang.
     with activity.doing("setting up this rank's stages and groups",
                         limit=SAVE_PATIENCE * config.hang_timeout):
-        trainer = Trainer(config, resume=plan, run_id=run_id)
+        trainer = Trainer(config, resume=plan, run_id=run_id, devices=devices)
     trainer.fit()
 
 
@@ -235,16 +242,21 @@ class Trainer:
     """One rank of a training run. ``resume`` is the checkpoint to continue from (checked
     by ``plan_resume`` before the processes started; with ``config.resume`` and none given,
     the newest complete one); ``run_id`` names this run's own checkpoints, the only ones it
-    rotates."""
+    rotates. ``devices`` is the launcher's plan (``meshpipe.train.devices``); without one, the
+    config's ``device`` on the backend the default process group was created with."""
 
     def __init__(self, config: TrainConfig, resume: ResumePlan | None = None,
-                 run_id: str = "local"):
+                 run_id: str = "local", devices: DevicePlan | None = None):
         self.config = config
         self.resume = resume if resume is not None or not config.resume else plan_resume(config)
         self.run_id = run_id
         self.step = -1
-        self.device = device_for_this_rank()
-        self.topology = Topology.build(config.layout, device_type=self.device.type)
+        backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+        self.devices = devices or plan_devices(config.device, backend,
+                                               local_ranks(dist.get_world_size()))
+        self.device = self.devices.device(local_rank(dist.get_rank()))
+        self.topology = Topology.build(config.layout, device_type="cuda" if (
+            self.devices.backend == "nccl") else "cpu")
         self.rank = self.topology.rank
         coords = self.topology.coords
         self.dp_rank = coords["dp"]
@@ -308,12 +320,14 @@ class Trainer:
         stages of different sizes linked through their roots or fanned out to every rank.
 
         Payloads through NCCL need a CPU (gloo) group for headers and metadata, and a second
-        NCCL group for the messages to lower ranks (one stream per direction).
+        NCCL group for the messages to lower ranks (one stream per direction). Ranks sharing
+        a GPU over gloo send from host buffers and receive onto the GPU.
         """
-        on_gpu = self.device.type == "cuda"
-        meta_group = dist.new_group(backend="gloo") if on_gpu else None
-        reverse_group = dist.new_group(backend="nccl") if on_gpu else None
-        options = dict(reverse_group=reverse_group, meta_group=meta_group, device=self.device,
+        on_nccl = self.devices.backend == "nccl"
+        meta_group = dist.new_group(backend="gloo") if on_nccl else None
+        reverse_group = dist.new_group(backend="nccl") if on_nccl else None
+        options = dict(reverse_group=reverse_group, meta_group=meta_group,
+                       device=self.device if on_nccl else "cpu", deliver_to=self.device,
                        timeout=process_group_timeout(self.config), mode=self.config.p2p)
         layout = self.config.layout
         if self.config.link is None:
@@ -322,7 +336,7 @@ class Trainer:
         if self.config.link == "fanout":
             return FanoutTransport(stage_ranks, **options)
         intra_meta_group = (new_groups(layout.group_ranks(["tp"]), self.rank, backend="gloo")
-                            if on_gpu else None)
+                            if on_nccl else None)
         return VTPTransport(stage_ranks, self.topology.tp_group,
                             intra_meta_group=intra_meta_group, **options)
 
@@ -431,7 +445,7 @@ class Trainer:
         value = torch.tensor([counted or 0.0, float(flag)], dtype=torch.float64,
                              device=self.device)
         with self._collective("the loss all-reduce"):
-            dist.all_reduce(value)
+            ops.all_reduce(value)
         return value[0].item() / self.config.dp, value[1].item() > 0
 
     def train_step(self, step: int) -> StepStats:
@@ -486,7 +500,7 @@ class Trainer:
                              device=self.device)
         gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
         with self._collective("the non-finite report"):
-            dist.all_gather(gathered, flags)
+            ops.all_gather(gathered, flags)
         bad_loss = [r for r, f in enumerate(gathered) if f[0]]
         bad_grads = [r for r, f in enumerate(gathered) if f[1]]
         what, value = ("loss", loss) if bad_loss or not math.isfinite(loss) else (
@@ -526,7 +540,7 @@ class Trainer:
                 counts.device, torch.float64)
             counts[-2] += stats.dropped.to(counts.device, torch.float64)
             counts[-1] += stats.aux_loss.to(counts.device)
-        dist.all_reduce(counts)
+        ops.all_reduce(counts)
         per_expert = counts[:-2]
         return {"moe_aux_loss": counts[-1].item() / (self.config.dp * self.config.microbatches),
                 "max_tokens_per_expert": int(per_expert.max().item()),
@@ -567,11 +581,11 @@ class Trainer:
         total = sum_of_squares(experts=False)
         if self.config.ep > 1:
             experts = sum_of_squares(experts=True)
-            dist.all_reduce(experts, group=self.topology.ep_group)
+            ops.all_reduce(experts, group=self.topology.ep_group)
             total += experts
         else:
             total += sum_of_squares(experts=True)
-        dist.all_reduce(total, group=self.topology.model_group)
+        ops.all_reduce(total, group=self.topology.model_group)
         return math.sqrt(total.item())
 
     def _clip(self, norm: float) -> None:
@@ -591,7 +605,7 @@ class Trainer:
         agrees, at the start of a step. This all-reduce is also the step's barrier."""
         flag = torch.tensor([float(activity.stop_requested())], device=self.device)
         with self._collective("the start of the step"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            ops.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() > 0
 
     def _save(self, step: int) -> None:

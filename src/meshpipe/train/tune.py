@@ -64,6 +64,7 @@ from meshpipe.schedules.tune import (Layout, Link, Piece, Prediction, Profile, T
                                      predict, rank_layouts, stage_sum)
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
+from meshpipe.train.devices import local_ranks, plan_devices
 from meshpipe.train.launch import Supervision, device_for_this_rank, launch, under_torchrun
 
 # Training steps of the measured run; the first is a warm-up and not used.
@@ -337,7 +338,7 @@ def run_configs(config: TrainConfig, layout: Layout, sizes: Sequence[int] = (),
     """The measured runs' configs, phase by phase, in ``measured_phases`` order."""
     return [[config_for(measured, config, steps=steps, timeline_step=0, eval_every=0,
                         check=False, progress=False, resume=False, checkpoint_every=0,
-                        export="")
+                        export="", device=device_for_this_rank().type)
              for measured in phase.values()] for phase in measured_phases(layout, sizes)]
 
 
@@ -355,7 +356,8 @@ def measure(config: TrainConfig, layout: Layout, sizes: Sequence[int] = (),
         result = Path(tmp) / "measured.json"
         launch(_measure_on_this_rank, first.world_size, phases, str(result),
                ulysses or {}, supervision=Supervision(hang_timeout=first.hang_timeout,
-                                                      log_dir=logs))
+                                                      log_dir=logs),
+               devices=plan_devices(first.device, "auto", local_ranks(first.world_size)))
         # Only a failed run's logs are kept: its error names them.
         shutil.rmtree(logs, ignore_errors=True)
         return _measurement(layout, json.loads(result.read_text()), sizes, cores)

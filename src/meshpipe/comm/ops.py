@@ -1,0 +1,103 @@
+"""Every collective meshpipe runs on tensors goes through here.
+
+Two things are decided in this one place instead of at every call:
+
+- **Ranks sharing a GPU.** NCCL refuses two ranks of one communicator on one GPU, so a run
+  with more ranks than GPUs uses gloo, which cannot move CUDA tensors in every collective
+  (point-to-point, all-to-all, reduce-scatter...). A tensor that is not on the CPU and goes
+  through a gloo-only group travels through a host buffer here: copied to the CPU, the
+  collective runs on the copy, the result is copied back. Compute stays on the GPU; this is
+  for checking layouts and one-GPU workstations, not for speed.
+- **torch's names.** ``all_gather_single`` and ``reduce_scatter_single`` are the newer
+  names of ``all_gather_into_tensor`` and ``reduce_scatter_tensor``; the one this torch has
+  is used (meshpipe runs on torch >= 2.6).
+
+The functions take the arguments of their ``torch.distributed`` namesakes (synchronous
+calls). The pipeline transport does not come through here: it sends from host buffers
+itself when ranks share a GPU (``P2PTransport(device="cpu", deliver_to=...)``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = (getattr(dist, "reduce_scatter_single", None)
+                        or dist.reduce_scatter_tensor)
+
+_HOST_ONLY: dict[object, bool] = {}
+
+
+def host_only(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` (None: the default group) moves only CPU tensors (gloo alone)."""
+    only = _HOST_ONLY.get(group)
+    if only is None:
+        backend = str(dist.get_backend(group))
+        only = _HOST_ONLY[group] = "gloo" in backend and "nccl" not in backend
+    return only
+
+
+def through_host(tensor: Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether ``tensor`` must be staged on the host to travel through ``group``."""
+    return tensor.device.type != "cpu" and host_only(group)
+
+
+def _staged(call: Callable[[list[Tensor], list[Tensor]], None], outputs: Sequence[Tensor],
+            inputs: Sequence[Tensor], group: dist.ProcessGroup | None) -> None:
+    """``call(outputs, inputs)``, through host copies where the group needs them."""
+    if not outputs or not through_host(outputs[0], group):
+        call(list(outputs), list(inputs))
+        return
+    host_inputs = [tensor.to("cpu", copy=True) for tensor in inputs]
+    host_of = {id(tensor): host for tensor, host in zip(inputs, host_inputs)}
+    host_outputs = [host_of[id(tensor)] if id(tensor) in host_of  # in place: one copy
+                    else torch.empty_like(tensor, device="cpu") for tensor in outputs]
+    call(host_outputs, host_inputs)
+    for tensor, host in zip(outputs, host_outputs):
+        tensor.copy_(host)
+
+
+def all_reduce(tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+               group: dist.ProcessGroup | None = None) -> None:
+    _staged(lambda out, _: dist.all_reduce(out[0], op=op, group=group), [tensor], [tensor],
+            group)
+
+
+def broadcast(tensor: Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    _staged(lambda out, _: dist.broadcast(out[0], src=src, group=group), [tensor], [tensor],
+            group)
+
+
+def all_gather_into(output: Tensor, tensor: Tensor,
+                    group: dist.ProcessGroup | None = None) -> None:
+    """Every rank's ``tensor`` (same shape everywhere) concatenated on dim 0 into ``output``."""
+    _staged(lambda out, inp: _gather_into(out[0], inp[0], group=group), [output], [tensor],
+            group)
+
+
+def all_gather(outputs: list[Tensor], tensor: Tensor,
+               group: dist.ProcessGroup | None = None) -> None:
+    """Every rank's ``tensor`` into ``outputs`` (one per rank, in group-rank order)."""
+    _staged(lambda out, inp: dist.all_gather(out, inp[0], group=group), outputs, [tensor],
+            group)
+
+
+def reduce_scatter_into(output: Tensor, tensor: Tensor,
+                        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                        group: dist.ProcessGroup | None = None) -> None:
+    """The sum over ranks of ``tensor``, this rank's equal dim-0 chunk into ``output``."""
+    _staged(lambda out, inp: _reduce_scatter_into(out[0], inp[0], op=op, group=group),
+            [output], [tensor], group)
+
+
+def all_to_all_single(output: Tensor, tensor: Tensor,
+                      output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None,
+                      group: dist.ProcessGroup | None = None) -> None:
+    _staged(lambda out, inp: dist.all_to_all_single(
+        out[0], inp[0], output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes, group=group), [output], [tensor], group)
