@@ -146,8 +146,8 @@ def _attention_line(row: dict) -> str:
 
 
 def train_config(args, out_dir: str, device: torch.device) -> TrainConfig:
-    return TrainConfig(pp=1, device=device.type, dim=args.dim, layers=args.layers, heads=args.model_heads,
-                       kv_heads=args.kv_heads, seq_len=args.seq_len,
+    return TrainConfig(pp=1, device=device.type, dim=args.dim, layers=args.layers,
+                       heads=args.model_heads, kv_heads=args.kv_heads, seq_len=args.seq_len,
                        microbatches=args.microbatches, microbatch_size=args.microbatch_size,
                        dtype="bf16", steps=args.warmup + args.iters, warmup_steps=1,
                        eval_every=0, timeline_step=0, progress=False, out_dir=out_dir)

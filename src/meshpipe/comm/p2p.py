@@ -415,10 +415,11 @@ class P2PTransport:
     group needs an explicit gloo ``meta_group`` over the same ranks. Payload buffers live on
     ``device``; received tensors are delivered on ``deliver_to`` (default ``device``): ranks
     that share a GPU over gloo send from host buffers (``device="cpu"``) and get their
-    messages on the GPU (one copy of each payload). ``timeout`` (seconds) is the default of every ``wait``; None leaves it to the
-    process group's own timeout. With ``check_labels``, a receive whose label differs from
-    the label the peer sent with (both non-empty) raises :class:`MessageMismatchError`: give
-    a send and its receive the same label. ``mode`` is ``"async"`` (post every operation at
+    messages on the GPU (one copy of each payload). ``timeout`` (seconds) is the default of
+    every ``wait``; None leaves it to the process group's own timeout. With
+    ``check_labels``, a receive whose label differs from the label the peer sent with (both
+    non-empty) raises :class:`MessageMismatchError`: give a send and its receive the same
+    label. ``mode`` is ``"async"`` (post every operation at
     once) or ``"batched"`` (queue the steady operations until :meth:`flush`; see the module
     doc).
 

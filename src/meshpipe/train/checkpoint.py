@@ -53,7 +53,7 @@ def _adam_state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) -> 
     """The parameter's AdamW state, created empty if the optimizer has not stepped yet."""
     state = optimizer.state[param]
     if not state:
-        state["step"] = torch.tensor(0.0)
+        state["step"] = torch.tensor(0.0, device="cpu")  # as AdamW keeps it
         for key in _ADAM_STATE:
             state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
     return state
@@ -81,7 +81,7 @@ def _state_dict(parameters: NamedParameters, optimizer: torch.optim.Optimizer, s
     """Entries under full-model names; a tensor-parallel shard's entries are whole tensors:
     gathered when saving, empty buffers of the whole shape when loading."""
     _, tp_size = tp_rank_and_size(tp_group)
-    state: dict[str, torch.Tensor] = {"meta.step": torch.tensor(step)}
+    state: dict[str, torch.Tensor] = {"meta.step": torch.tensor(step, device="cpu")}
     for name, param in parameters:
         adam = _adam_state(optimizer, param)
         state[f"optim.{name}.step"] = adam["step"]
@@ -118,7 +118,7 @@ _SCALER_PREFIX = "meta.loss_scaler."
 
 
 def _scaler_entries(scaler: DynamicLossScaler) -> dict[str, torch.Tensor]:
-    return {_SCALER_PREFIX + key: torch.tensor(float(value))
+    return {_SCALER_PREFIX + key: torch.tensor(float(value), device="cpu")
             for key, value in scaler.state_dict().items()}
 
 
@@ -351,7 +351,8 @@ def read_model_weights(directory: Path) -> dict[str, torch.Tensor]:
                          f"{DCP_METADATA}): give a step-NNNNNN directory under "
                          "<out-dir>/checkpoint")
     saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    state = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    state = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype,
+                             device="cpu")
              for key, entry in saved.items()
              if key.startswith("model.") and hasattr(entry, "size")}
     with warnings.catch_warnings():  # dcp warns that it loads in one process: the intent
