@@ -29,16 +29,10 @@ _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_
 _reduce_scatter_into = (getattr(dist, "reduce_scatter_single", None)
                         or dist.reduce_scatter_tensor)
 
-_HOST_ONLY: dict[object, bool] = {}
-
-
 def host_only(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group`` (None: the default group) moves only CPU tensors (gloo alone)."""
-    only = _HOST_ONLY.get(group)
-    if only is None:
-        backend = str(dist.get_backend(group))
-        only = _HOST_ONLY[group] = "gloo" in backend and "nccl" not in backend
-    return only
+    backend = str(dist.get_backend(group))
+    return "gloo" in backend and "nccl" not in backend
 
 
 def through_host(tensor: Tensor, group: dist.ProcessGroup | None) -> bool:
