@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from meshpipe.train.config import add_arguments, from_arguments
+from meshpipe.train.arguments import add_arguments, from_arguments
 
 RESULTS = Path(__file__).parent / "results"
 COMMON = ["--no-progress", "--eval-every", "0", "--timeline-step", "0"]

@@ -2,7 +2,8 @@
 
 import pytest
 
-from meshpipe.schedules.actions import Action, B, F, I, Kind, Schedule, W
+from meshpipe.schedules.actions import Action, B, F, I, Kind, W
+from meshpipe.schedules.schedule import Schedule
 
 
 @pytest.mark.parametrize("text", ["0F3", "1B0", "2I1", "2W1", "0SEND_F3", "1RECV_F3",

@@ -8,7 +8,7 @@ import matplotlib.image
 import pytest
 
 from meshpipe.cli import main
-from meshpipe.schedules.actions import Schedule
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.builders import SCHEDULES, build
 from meshpipe.schedules.compare import compare
 from meshpipe.schedules.lowering import lower

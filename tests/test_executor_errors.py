@@ -20,7 +20,8 @@ from torch import nn
 from meshpipe.comm.p2p import P2PTransport
 from meshpipe.runtime import Executor, ExecutorError, Stage
 from meshpipe.schedules import build
-from meshpipe.schedules.actions import Action, Schedule
+from meshpipe.schedules.actions import Action
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.lowering import lower
 from meshpipe.testing import run_distributed
 from meshpipe.train.launch import LaunchError, launch

@@ -7,7 +7,8 @@ import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Rectangle
 
-from meshpipe.schedules.actions import Action, B, F, I, Kind, Schedule, W
+from meshpipe.schedules.actions import Action, B, F, I, Kind, W
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.render import (
     KIND_COLOURS,
     to_chrome_trace,

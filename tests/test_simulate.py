@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshpipe.schedules.actions import Action, B, F, I, Kind, Schedule, W
+from meshpipe.schedules.actions import Action, B, F, I, Kind, W
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.builders import build
 from meshpipe.schedules import (
     BackwardCostMismatch,

@@ -3,7 +3,8 @@ action (combined 1F1B, DualPipeV) hides of it."""
 
 import pytest
 
-from meshpipe.schedules.actions import Action, B, F, I, Kind, Schedule, W
+from meshpipe.schedules.actions import Action, B, F, I, Kind, W
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.builders import build
 from meshpipe.schedules.compare import compare
 from meshpipe.schedules.interleaved import combined_1f1b

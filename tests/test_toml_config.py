@@ -7,7 +7,8 @@ import re
 import pytest
 
 import meshpipe.cli
-from meshpipe.train.config import TrainConfig, add_arguments, from_arguments
+from meshpipe.train.arguments import add_arguments, from_arguments
+from meshpipe.train.config import TrainConfig
 from meshpipe.train.toml_config import TomlConfigError, load_toml, read_toml, to_toml
 
 

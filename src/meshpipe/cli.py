@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import NoReturn, TextIO
 
 from meshpipe.schedules.builders import SCHEDULES, build
-from meshpipe.schedules.compare import VIRTUAL_STAGE_SCHEDULES, Comparison, compare
+from meshpipe.schedules.builders import schedule_spec
+from meshpipe.schedules.compare import Comparison, compare
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.placement import PLACEMENTS
 from meshpipe.schedules.render import comparison_table, to_png, to_text, write_chrome_trace
@@ -31,8 +32,8 @@ from meshpipe.schedules.costs import (RECOMPUTE_MODES, BackwardCostMismatch, Cos
 from meshpipe.schedules.simulator import simulate
 from meshpipe.schedules.validation import validate
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.config import add_arguments as add_train_arguments
-from meshpipe.train.config import from_arguments as train_config_from_arguments
+from meshpipe.train.arguments import add_arguments as add_train_arguments
+from meshpipe.train.arguments import from_arguments as train_config_from_arguments
 
 USAGE_ERROR = 2
 
@@ -302,7 +303,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _show(args: argparse.Namespace, out: TextIO) -> None:
-    virtual = args.vpp or (2 if args.name in VIRTUAL_STAGE_SCHEDULES else 1)
+    virtual = args.vpp or schedule_spec(args.name).native_stages_per_rank(2)
     schedule = build(args.name, args.pp, args.microbatches, stages_per_rank=virtual,
                      placement=args.placement, forward_only=args.forward_only)
     if args.lowered:

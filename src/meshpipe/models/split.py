@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from meshpipe.models.transformer import Transformer, default_positions, logits_of, run_layers
 from meshpipe.runtime.substeps import run_steps
+from meshpipe.schedules.placement import balanced_layers
 
 PipelineMessage = tuple[Tensor, Tensor | None, Tensor | None]
 
@@ -66,12 +67,6 @@ class TransformerChunk(nn.Module):
     def extra_repr(self) -> str:
         start, stop = self.layer_range
         return f"layers=[{start}, {stop}), first={self.is_first}, last={self.is_last}"
-
-
-def balanced_layers(n_layers: int, num_stages: int) -> list[int]:
-    """Layer counts that differ by at most one, the larger counts on the earlier stages."""
-    base, extra = divmod(n_layers, num_stages)
-    return [base + 1 if stage < extra else base for stage in range(num_stages)]
 
 
 def split(model: Transformer, num_stages: int,

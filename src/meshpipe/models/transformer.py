@@ -39,8 +39,8 @@ from meshpipe.models.moe import MoE
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
                                mark_sequence_parallel, shard_linear)
 from meshpipe.runtime.substeps import run_steps
+from meshpipe.schedules.costs import RECOMPUTE_MODES
 
-RECOMPUTE = ("none", "full", "selective")
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,7 @@ class Transformer(nn.Module):
     With a ``tp_group`` of several ranks the logits are this rank's vocabulary slice, and
     with ``sequence_parallel`` the layers between the embedding and the head hold this
     rank's contiguous share of the sequence (the tokens and positions stay whole).
-    ``recompute`` is one of ``RECOMPUTE``.
+    ``recompute`` is one of ``RECOMPUTE_MODES``.
     """
 
     def __init__(self, config: TransformerConfig, attention: Attention | None = None, *,
@@ -314,8 +314,8 @@ class Transformer(nn.Module):
                  recompute: str = "none", ep_group: dist.ProcessGroup | None = None,
                  token_group: dist.ProcessGroup | None = None):
         super().__init__()
-        if recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.config = config
         self.attention = LocalAttention() if attention is None else attention
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_seq_len)

@@ -41,7 +41,8 @@ from meshpipe.comm.p2p import P2PConnectionError, P2PTransport
 from meshpipe.runtime import activity
 from meshpipe.runtime.stage import Stage, Task
 from meshpipe.runtime.substeps import co_schedule, drain
-from meshpipe.schedules.actions import Action, Kind, Schedule
+from meshpipe.schedules.actions import Action, Kind
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.timeline import TimedAction
 from meshpipe.schedules.validation import validate

@@ -1,6 +1,7 @@
 """Pipeline schedules as plain data: Python and numpy, nothing here imports torch."""
 
-from meshpipe.schedules.actions import Action, Kind, Schedule
+from meshpipe.schedules.actions import Action, Kind
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.builders import (SCHEDULES, build, combined_1f1b, dualpipe_v, gpipe,
                                          interleaved_1f1b, no_pipelining, one_f_one_b, zb_h1,
                                          zb_v)

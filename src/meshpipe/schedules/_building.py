@@ -6,7 +6,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from meshpipe.schedules.actions import Action, Kind, Schedule
+from meshpipe.schedules.actions import Action, Kind
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules import table as codes
 from meshpipe.schedules.table import ActionTable
 
@@ -41,9 +42,9 @@ def forward_only_order(actions: Iterable[Action]) -> tuple[Action, ...]:
 def forward_only_table(table: ActionTable) -> ActionTable:
     """``forward_only_order`` of every rank of a table: its F rows and the forward halves of
     its OVERLAP rows, in order."""
-    keep = (table.kind == codes.F) | (table.kind == codes.OVERLAP)
+    keep = (table.kind == codes.F_CODE) | (table.kind == codes.OVERLAP_CODE)
     counts = np.bincount(table.rank_of_rows()[keep], minlength=table.num_ranks)
-    return ActionTable.from_columns(np.full(int(keep.sum()), codes.F, np.int8),
+    return ActionTable.from_columns(np.full(int(keep.sum()), codes.F_CODE, np.int8),
                                     table.stage[keep], table.microbatch[keep], counts)
 
 
@@ -57,7 +58,7 @@ def warmup_steady_cooldown(warmup: int, total: int) -> tuple[np.ndarray, np.ndar
     item = np.empty(is_forward.size, np.int64)
     item[is_forward] = np.arange(total)
     item[~is_forward] = np.arange(total)
-    return np.where(is_forward, codes.F, codes.B).astype(np.int8), item
+    return np.where(is_forward, codes.F_CODE, codes.B_CODE).astype(np.int8), item
 
 
 def make_schedule(name: str, num_ranks: int, num_microbatches: int,

@@ -1,7 +1,9 @@
 """Schedule builders: each returns a compute-only ``Schedule`` (lower it to add SEND/RECV).
 
-``SCHEDULES`` names every builder for the CLI and the trainer, and ``build`` dispatches on
-those names. The closed-form orders of GPipe and 1F1B (one stage per rank) live here; see
+``SCHEDULE_SPECS`` records each schedule once, beside its builder: its name, how many stages
+a rank holds, the placement it runs on, whether its backward is split, and what it equals
+at one stage per rank. ``build``, the config, ``compare`` and the tuner read these instead
+of keeping name lists of their own; ``SCHEDULES`` is their names. The closed-form orders of GPipe and 1F1B (one stage per rank) live here; see
 ``interleaved`` for interleaved and combined 1F1B, ``zero_bubble`` for ZB-H1, ZB-V and
 DualPipeV, and ``list_scheduler`` for 1F1B on placements where a rank holds several stages
 (GPipe runs those breadth first).
@@ -9,13 +11,15 @@ DualPipeV, and ``list_scheduler`` for 1F1B on placements where a rank holds seve
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 
 from meshpipe.schedules import table as codes
 from meshpipe.schedules._building import check_count, make_schedule, warmup_steady_cooldown
-from meshpipe.schedules.actions import B, F, Schedule
+from meshpipe.schedules.actions import B, F
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.table import ActionTable, stacked
 from meshpipe.schedules.interleaved import combined_1f1b, interleaved_1f1b
 from meshpipe.schedules.list_scheduler import list_schedule
@@ -24,11 +28,9 @@ from meshpipe.schedules.placement import (check_placement, loop_placement, resol
 from meshpipe.schedules.validation import validate
 from meshpipe.schedules.zero_bubble import dualpipe_v, zb_h1, zb_v
 
-__all__ = ["SCHEDULES", "build", "combined_1f1b", "dualpipe_v", "gpipe", "interleaved_1f1b",
-           "no_pipelining", "one_f_one_b", "zb_h1", "zb_v"]
-
-SCHEDULES: tuple[str, ...] = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
-                              "dualpipe-v", "combined-1f1b")
+__all__ = ["SCHEDULES", "SCHEDULE_SPECS", "ScheduleSpec", "build", "combined_1f1b",
+           "dualpipe_v", "gpipe", "interleaved_1f1b", "no_pipelining", "one_f_one_b",
+           "schedule_spec", "zb_h1", "zb_v"]
 
 
 def no_pipelining(num_microbatches: int, *, forward_only: bool = False) -> Schedule:
@@ -58,7 +60,8 @@ def _breadth_first_order(stages: Sequence[int], num_microbatches: int) -> Action
     ordered = np.array(sorted(stages), np.int32)
     stage = np.concatenate([np.repeat(ordered, num_microbatches),
                             np.repeat(ordered[::-1], num_microbatches)])
-    kind = np.repeat(np.array([codes.F, codes.B], np.int8), ordered.size * num_microbatches)
+    kind = np.repeat(np.array([codes.F_CODE, codes.B_CODE], np.int8),
+                     ordered.size * num_microbatches)
     microbatch = np.tile(np.arange(num_microbatches, dtype=np.int32), 2 * ordered.size)
     return ActionTable.from_columns(kind, stage, microbatch, [kind.size])
 
@@ -121,6 +124,129 @@ def one_f_one_b(num_ranks: int, num_microbatches: int, *,
     simulation at F = I = W gives exactly that. Any m >= 1.
     """
     return _build_on_placement("1f1b", num_ranks, num_microbatches, placement, forward_only)
+
+
+def _require_placement(name: str, placement: str | Sequence[int] | None,
+                       expected: tuple[int, ...], expected_name: str) -> None:
+    if placement is None or placement == expected_name:
+        return
+    if isinstance(placement, str) or tuple(placement) != expected:
+        raise ValueError(f"schedule {name!r} runs on the {expected_name} placement "
+                         f"{expected}, not {placement!r}; leave placement unset or use "
+                         f"'gpipe' / '1f1b' for other placements")
+
+
+def _require_one_stage_per_rank(name: str, stages_per_rank: int) -> None:
+    if stages_per_rank != 1:
+        raise ValueError(f"schedule {name!r} holds one stage per rank, not {stages_per_rank}; "
+                         f"use schedule 'interleaved' for several stages per rank")
+
+
+# (num_ranks, num_microbatches, stages_per_rank, placement or None, forward_only)
+Maker = Callable[[int, int, int, "tuple[int, ...] | None", bool], Schedule]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule's properties, the one place they are written.
+
+    ``stages_per_rank``: "one" (a rank holds one stage), "two" (the V placement: a rank holds
+    stage r and its mirror) or "any" (virtual stages). ``placement``: "loop", "v", or "any"
+    (any stage -> rank map). ``interleaves``: its stages per rank interleave microbatches
+    (Megatron's virtual pipeline), so a comparison at vpp k runs it at k. ``split_backward``:
+    it runs each backward as I then W. ``one_rank``: it runs on one rank only.
+    ``at_one_stage_per_rank``: the schedule it is identical to with one stage per rank.
+    """
+
+    name: str
+    make: Maker
+    stages_per_rank: str
+    placement: str
+    interleaves: bool = False
+    split_backward: bool = False
+    one_rank: bool = False
+    at_one_stage_per_rank: str | None = None
+
+    @property
+    def v_shaped(self) -> bool:
+        return self.stages_per_rank == "two"
+
+    def native_stages_per_rank(self, asked: int) -> int:
+        """The stages per rank it runs with where ``asked`` virtual stages are asked for:
+        that many if it interleaves, 2 on the V, else 1."""
+        if self.interleaves:
+            return asked
+        return 2 if self.v_shaped else 1
+
+    def check(self, num_ranks: int, stages_per_rank: int,
+              placement: str | Sequence[int] | None) -> tuple[int, ...] | None:
+        """Its constraints on the sizes and the placement (a one-line ValueError); the
+        resolved placement for schedules that take any (None for the others)."""
+        check_count("stages_per_rank", stages_per_rank)
+        name = self.name
+        if self.one_rank and num_ranks != 1:
+            raise ValueError(f"schedule {name!r} (no pipelining) runs on 1 rank, got "
+                             f"num_ranks={num_ranks}; use schedule '1f1b' for {num_ranks} "
+                             f"ranks")
+        if self.stages_per_rank == "one":
+            _require_one_stage_per_rank(name, stages_per_rank)
+        if self.stages_per_rank == "two" and stages_per_rank not in (1, 2):
+            raise ValueError(f"schedule {name!r} holds 2 stages per rank (V placement), not "
+                             f"{stages_per_rank}")
+        if self.placement == "any":
+            return resolve_placement(placement, num_ranks, stages_per_rank)
+        if self.placement == "v":
+            _require_placement(name, placement, v_placement(num_ranks), "v")
+        else:
+            loop = loop_placement(num_ranks, stages_per_rank if self.interleaves else 1)
+            _require_placement(name, placement, (0,) if self.one_rank else loop, "loop")
+        return None
+
+
+SCHEDULE_SPECS: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
+    ScheduleSpec("none", lambda p, m, v, placed, fo: no_pipelining(m, forward_only=fo),
+                 stages_per_rank="one", placement="loop", one_rank=True),
+    ScheduleSpec("gpipe", lambda p, m, v, placed, fo: gpipe(p, m, placement=placed,
+                                                            forward_only=fo),
+                 stages_per_rank="any", placement="any"),
+    ScheduleSpec("1f1b", lambda p, m, v, placed, fo: one_f_one_b(p, m, placement=placed,
+                                                                 forward_only=fo),
+                 stages_per_rank="any", placement="any"),
+    ScheduleSpec("interleaved", lambda p, m, v, placed, fo: interleaved_1f1b(
+        p, m, v, forward_only=fo), stages_per_rank="any", placement="loop", interleaves=True,
+                 at_one_stage_per_rank="1f1b"),
+    ScheduleSpec("zb-h1", lambda p, m, v, placed, fo: zb_h1(p, m, forward_only=fo),
+                 stages_per_rank="one", placement="loop", split_backward=True),
+    ScheduleSpec("zb-v", lambda p, m, v, placed, fo: zb_v(p, m, forward_only=fo),
+                 stages_per_rank="two", placement="v", split_backward=True),
+    ScheduleSpec("dualpipe-v", lambda p, m, v, placed, fo: dualpipe_v(p, m, forward_only=fo),
+                 stages_per_rank="two", placement="v", split_backward=True),
+    ScheduleSpec("combined-1f1b", lambda p, m, v, placed, fo: combined_1f1b(
+        p, m, v, forward_only=fo), stages_per_rank="any", placement="loop", interleaves=True),
+)}
+SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_SPECS)
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The spec of schedule ``name``; a one-line ValueError listing the names otherwise."""
+    spec = SCHEDULE_SPECS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return spec
+
+
+def build(name: str, num_ranks: int, num_microbatches: int, *, stages_per_rank: int = 1,
+          placement: str | Sequence[int] | None = None, forward_only: bool = False) -> Schedule:
+    """The schedule called ``name`` (one of ``SCHEDULES``).
+
+    ``placement`` is a name ("loop", "v", "wraparound") or an explicit stage -> rank
+    sequence; only "gpipe" and "1f1b" take arbitrary placements, the others run on their
+    own ("interleaved" and "combined-1f1b" on loop with ``stages_per_rank``, "zb-v" and
+    "dualpipe-v" on V). "combined-1f1b" with stages_per_rank > 1 is combined interleaved.
+    """
+    spec = schedule_spec(name)
+    placed = spec.check(num_ranks, stages_per_rank, placement)
+    return spec.make(num_ranks, num_microbatches, stages_per_rank, placed, forward_only)
 
 
 def _require_placement(name: str, placement: str | Sequence[int] | None,

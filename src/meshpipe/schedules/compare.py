@@ -11,26 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from meshpipe.schedules.builders import SCHEDULES, build
+from meshpipe.schedules.builders import SCHEDULES, build, schedule_spec
 from meshpipe.schedules.costs import CostModel
 from meshpipe.schedules.simulator import Simulation, simulate
 from meshpipe.schedules.validation import ScheduleError
-
-VIRTUAL_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved", "combined-1f1b")
-"""The schedules that ``compare`` builds with ``stages_per_rank`` virtual stages."""
-
-V_SCHEDULES: tuple[str, ...] = ("zb-v", "dualpipe-v")
-"""The schedules on the V placement: always two stages per rank."""
-
-
-def native_stages_per_rank(name: str, stages_per_rank: int) -> int:
-    """How many stages per rank schedule ``name`` runs with in a comparison asking for
-    ``stages_per_rank`` virtual stages: that many for ``VIRTUAL_STAGE_SCHEDULES``, 2 for
-    ``V_SCHEDULES``, 1 for the others."""
-    if name in VIRTUAL_STAGE_SCHEDULES:
-        return stages_per_rank
-    return 2 if name in V_SCHEDULES else 1
-
 
 @dataclass(frozen=True)
 class Comparison:
@@ -81,7 +65,7 @@ def compare(num_ranks: int, num_microbatches: int, *, stages_per_rank: int = 2,
     combined-1f1b and dualpipe-v, hide behind compute. Each schedule runs
     ``costs.for_stages_of(schedule)`` (a schedule with v stages per rank: 1/v of them per
     stage), so makespans and activation memory compare like for like. Each schedule runs
-    with ``native_stages_per_rank(name, stages_per_rank)`` stages per rank, the figure every
+    with its spec's ``native_stages_per_rank(stages_per_rank)`` stages per rank, the figure every
     row reports. A schedule whose builder (or the cost model)
     rejects the sizes is kept with the error message as its ``reason``, so one unsupported
     size never hides the others; a ``ScheduleError`` (a built schedule that cannot run) is
@@ -96,7 +80,7 @@ def compare(num_ranks: int, num_microbatches: int, *, stages_per_rank: int = 2,
         costs = replace(costs, activation_bytes=1.0)
     rows = []
     for name in chosen:
-        count = native_stages_per_rank(name, stages_per_rank)
+        count = schedule_spec(name).native_stages_per_rank(stages_per_rank)
         try:
             schedule = build(name, num_ranks, num_microbatches, stages_per_rank=count,
                              forward_only=forward_only)

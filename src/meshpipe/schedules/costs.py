@@ -9,7 +9,8 @@ from numbers import Real
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
-from meshpipe.schedules.actions import Kind, Schedule
+from meshpipe.schedules.actions import Kind
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.timeline import Timeline
 
 Cost = float | Sequence[float]

@@ -40,8 +40,9 @@ from functools import cached_property
 
 import numpy as np
 
-from meshpipe.schedules.actions import Schedule
-from meshpipe.schedules.table import (B, F, I, OVERLAP, RECV_B, RECV_F, SEND_B, SEND_F, W,
+from meshpipe.schedules.schedule import Schedule
+from meshpipe.schedules.table import (B_CODE, F_CODE, I_CODE, OVERLAP_CODE, RECV_B_CODE,
+                                      RECV_F_CODE, SEND_B_CODE, SEND_F_CODE, W_CODE,
                                       ActionTable, Parts)
 
 FORWARD, GRADIENT, INPUT_GRADIENT, SENT_F, SENT_B, RECEIVED_F, RECEIVED_B = range(7)
@@ -55,7 +56,7 @@ LOCAL, FORWARD_EDGE, BACKWARD_EDGE = 0, 1, 2
 # Per case, three waits in rule order: the event space (-1: none), whether the slot is the
 # input's (the neighbour stage) or the unit's own, and the edge the input crosses.
 _CASE_OF_KIND = np.full(16, 9, np.int64)  # a RECV, or an inert unit (kind -1: the last entry)
-_CASE_OF_KIND[[F, B, I, W, SEND_F, SEND_B]] = [0, 3, 3, 6, 7, 8]
+_CASE_OF_KIND[[F_CODE, B_CODE, I_CODE, W_CODE, SEND_F_CODE, SEND_B_CODE]] = [0, 3, 3, 6, 7, 8]
 _OWN, _INPUT = False, True
 _CASES = (  # (space, slot, edge) per wait
     (),                                                                   # F of stage 0
@@ -119,13 +120,14 @@ class Rules:
         of the OVERLAPs among them."""
         table = self.table
         kind = table.kind[begin:end]
-        plain = np.where(kind == OVERLAP, np.int8(F), kind) if table.overlap_rows.size else kind
+        plain = (np.where(kind == OVERLAP_CODE, np.int8(F_CODE), kind)
+                 if table.overlap_rows.size else kind)
         if not self.messages:
-            plain = np.where(kind >= SEND_F, np.int8(-1), plain)
+            plain = np.where(kind >= SEND_F_CODE, np.int8(-1), plain)
         rows = Parts(np.arange(begin, end), plain, table.stage[begin:end],
                      table.microbatch[begin:end])
         first, last = np.searchsorted(table.overlap_rows, (begin, end))
-        halves = Parts(table.overlap_rows[first:last], np.full(last - first, B, np.int8),
+        halves = Parts(table.overlap_rows[first:last], np.full(last - first, B_CODE, np.int8),
                        table.overlap_stage[first:last], table.overlap_microbatch[first:last])
         return rows, halves
 
@@ -146,7 +148,7 @@ class Rules:
         num_microbatches = self.schedule.num_microbatches
         last = self.schedule.num_stages - 1
         kind, stage = units.kind, units.stage.astype(np.int64)
-        is_f, is_gradient = kind == F, (kind == B) | (kind == I)
+        is_f, is_gradient = kind == F_CODE, (kind == B_CODE) | (kind == I_CODE)
         has_input = (is_f & (stage > 0)) | (is_gradient & (stage < last))
         neighbour = np.where(is_f, stage - 1, stage + 1)
         neighbour[~has_input] = 0
@@ -184,11 +186,12 @@ class Rules:
         kind = units.kind
         slot = units.stage.astype(np.int64) * self.schedule.num_microbatches + units.microbatch
         space = np.full(kind.size, -1, np.int64)
-        for chosen, value in ((kind == F, FORWARD), ((kind == B) | (kind == I), GRADIENT),
-                              (kind == SEND_F, SENT_F), (kind == SEND_B, SENT_B),
-                              (kind == RECV_F, RECEIVED_F), (kind == RECV_B, RECEIVED_B)):
+        for chosen, value in ((kind == F_CODE, FORWARD),
+                              ((kind == B_CODE) | (kind == I_CODE), GRADIENT),
+                              (kind == SEND_F_CODE, SENT_F), (kind == SEND_B_CODE, SENT_B),
+                              (kind == RECV_F_CODE, RECEIVED_F), (kind == RECV_B_CODE, RECEIVED_B)):
             space[chosen] = value
-        acting, inputs = space >= 0, kind == I
+        acting, inputs = space >= 0, kind == I_CODE
         return Effects(np.concatenate([units.row[acting], units.row[inputs]]),
                        np.concatenate([space[acting] * size + slot[acting],
                                        INPUT_GRADIENT * size + slot[inputs]]))

@@ -25,9 +25,9 @@ from __future__ import annotations
 import numpy as np
 
 from meshpipe.schedules._building import check_count, warmup_steady_cooldown
-from meshpipe.schedules.actions import Schedule
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.placement import loop_placement
-from meshpipe.schedules.table import B, F, ActionTable, concatenated, stacked
+from meshpipe.schedules.table import B_CODE, F_CODE, ActionTable, concatenated, stacked
 
 
 def virtual_microbatch_table(num_microbatches: int, stages_per_rank: int,
@@ -98,15 +98,15 @@ def _rank_order(rank: int, num_ranks: int, stages_per_rank: int, table: _Table,
     total = table.microbatch.size
     forwards = np.arange(total)
     if forward_only:
-        return table.actions(F, forwards, rank, num_ranks, stages_per_rank)
+        return table.actions(F_CODE, forwards, rank, num_ranks, stages_per_rank)
     steady = total - warmup
     if combined:
         steps = np.arange(steady)
         return concatenated([
-            table.actions(F, forwards[:warmup], rank, num_ranks, stages_per_rank),
-            table.actions(F, warmup + steps, rank, num_ranks, stages_per_rank).paired_with(
-                table.actions(B, steps, rank, num_ranks, stages_per_rank)),
-            table.actions(B, np.arange(steady, total), rank, num_ranks, stages_per_rank)])
+            table.actions(F_CODE, forwards[:warmup], rank, num_ranks, stages_per_rank),
+            table.actions(F_CODE, warmup + steps, rank, num_ranks, stages_per_rank).paired_with(
+                table.actions(B_CODE, steps, rank, num_ranks, stages_per_rank)),
+            table.actions(B_CODE, np.arange(steady, total), rank, num_ranks, stages_per_rank)])
     kind, index = warmup_steady_cooldown(warmup, total)
     return table.actions(kind, index, rank, num_ranks, stages_per_rank)
 
@@ -204,6 +204,6 @@ class _Table:
         a backward runs its microbatch's mirrored chunk."""
         chunk = self.chunk[index]
         kind = np.broadcast_to(np.asarray(kind, np.int8), index.shape)
-        chunk = np.where(kind == F, chunk, stages_per_rank - 1 - chunk)
+        chunk = np.where(kind == F_CODE, chunk, stages_per_rank - 1 - chunk)
         return ActionTable.from_columns(kind, chunk * num_ranks + rank, self.microbatch[index],
                                         [index.size])

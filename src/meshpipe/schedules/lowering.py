@@ -30,9 +30,10 @@ from __future__ import annotations
 import numpy as np
 
 from meshpipe.schedules._building import check_count
-from meshpipe.schedules.actions import Schedule
-from meshpipe.schedules.table import (B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, ActionTable,
-                                      Parts, positions_in_runs, stable_order)
+from meshpipe.schedules.schedule import Schedule
+from meshpipe.schedules.table import (B_CODE, F_CODE, I_CODE, RECV_B_CODE, RECV_F_CODE,
+                                      SEND_B_CODE, SEND_F_CODE, ActionTable, Parts,
+                                      positions_in_runs, stable_order)
 from meshpipe.schedules.validation import check_work
 
 __all__ = ["lower"]
@@ -94,7 +95,7 @@ class _Traffic:
         placement = np.asarray(schedule.placement, np.int32)
         rank = (np.searchsorted(table.offsets, parts.row, side="right") - 1).astype(np.int32)
         stage = parts.stage.astype(np.int64)
-        is_f, is_gradient = parts.kind == F, (parts.kind == B) | (parts.kind == I)
+        is_f, is_gradient = parts.kind == F_CODE, (parts.kind == B_CODE) | (parts.kind == I_CODE)
         downstream = np.minimum(stage + 1, last)
         upstream = np.maximum(stage - 1, 0)
         sends_forward = is_f & (stage < last) & (placement[downstream] != rank)
@@ -110,7 +111,7 @@ class _Traffic:
         peer = np.where(sends_forward, downstream, upstream)[sending]
         microbatch = parts.microbatch[sending]
         return (parts.row[sending].astype(self.index),
-                np.where(forward, SEND_F, SEND_B).astype(np.int8),
+                np.where(forward, SEND_F_CODE, SEND_B_CODE).astype(np.int8),
                 parts.stage[sending], microbatch, rank[sending], placement[peer],
                 (np.where(forward, 0, size) + peer * num_microbatches + microbatch).astype(
                     self.index))
@@ -129,7 +130,7 @@ class _Traffic:
         is_gradient, rest = np.divmod(self.message, self.size)
         stage, microbatch = np.divmod(rest, num_microbatches)
         return _Messages(row,
-                         np.where(is_gradient == 1, RECV_B, RECV_F).astype(np.int8),
+                         np.where(is_gradient == 1, RECV_B_CODE, RECV_F_CODE).astype(np.int8),
                          stage.astype(np.int32), microbatch.astype(np.int32))
 
     def _slots(self, begin: int, end: int, lookahead: int) -> np.ndarray:

@@ -9,6 +9,9 @@ Three named layouts, and any explicit stage -> rank sequence:
 - **wrap-around**: ``p + 1`` stages, stage ``s`` on rank ``s`` and the end stage back on
   rank 0; data flows last rank -> first rank ("layerwise disaggregated" training: the first
   rank holds the embedding and also the head).
+
+The layers of a model spread over the stages the same way everywhere (the trainer, the
+tuner, ``models.split``): ``balanced_layers``, and ``stage_layers`` for a placement.
 """
 
 from __future__ import annotations
@@ -106,3 +109,23 @@ def resolve_placement(placement: str | Sequence[int] | None, num_ranks: int,
                          f"stages per rank itself: leave stages_per_rank unset (1) or give a "
                          f"placement with {stages_per_rank} stages on a rank")
     return stages
+
+
+def balanced_layers(n_layers: int, num_stages: int) -> list[int]:
+    """Layer counts that differ by at most one, the larger counts on the earlier stages."""
+    base, extra = divmod(n_layers, num_stages)
+    return [base + 1 if stage < extra else base for stage in range(num_stages)]
+
+
+def stage_layers(n_layers: int, placement: Sequence[int]) -> list[int] | None:
+    """Each stage's layer count on ``placement``: balanced; a wrap-around end stage (the
+    first rank again) may hold only the final norm and the head, as in layerwise
+    disaggregated training, so with fewer layers than stages the layers go to the others.
+    None when the layers cannot fill the stages."""
+    stages = len(placement)
+    if n_layers >= stages:
+        return balanced_layers(n_layers, stages)
+    num_ranks = max(placement) + 1
+    if tuple(placement) == wraparound_placement(num_ranks) and n_layers >= stages - 1:
+        return balanced_layers(n_layers, stages - 1) + [0]
+    return None

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshpipe.schedules.actions import Action, Kind, Schedule
+from meshpipe.schedules.actions import Action, Kind
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.compare import Comparison
 from meshpipe.schedules.costs import CostModel
 from meshpipe.schedules.simulator import Simulation, simulate

@@ -11,11 +11,12 @@ from functools import cached_property
 
 import numpy as np
 
-from meshpipe.schedules.actions import Kind, Schedule
+from meshpipe.schedules.actions import Kind
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.costs import CostModel
 from meshpipe.schedules.dataflow import (BACKWARD_EDGE, FORWARD, FORWARD_EDGE, GRADIENT,
                                          INPUT_GRADIENT, Rules, Run, Stall, execute)
-from meshpipe.schedules.table import B, F, I, KINDS, W
+from meshpipe.schedules.table import B_CODE, F_CODE, I_CODE, KINDS, W_CODE
 from meshpipe.schedules.timeline import Timeline
 from meshpipe.schedules.validation import ScheduleError
 
@@ -170,10 +171,10 @@ def _durations(schedule: Schedule, costs: CostModel) -> np.ndarray:
                               "a2a")}
     a2a = per_stage["a2a"]
     by_kind = np.zeros((len(KINDS), num_stages))
-    by_kind[F] = per_stage["forward"] + a2a
-    by_kind[B] = per_stage["backward"] + a2a
-    by_kind[I] = per_stage["backward_input"] + a2a
-    by_kind[W] = per_stage["backward_weight"]
+    by_kind[F_CODE] = per_stage["forward"] + a2a
+    by_kind[B_CODE] = per_stage["backward"] + a2a
+    by_kind[I_CODE] = per_stage["backward_input"] + a2a
+    by_kind[W_CODE] = per_stage["backward_weight"]
     durations = by_kind[table.kind, table.stage]
     if table.overlap_rows.size:
         forward_stage = table.stage[table.overlap_rows]

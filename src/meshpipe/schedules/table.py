@@ -22,10 +22,12 @@ from meshpipe.schedules.actions import Action, Kind
 
 KINDS: tuple[Kind, ...] = tuple(Kind)
 CODE = {kind: code for code, kind in enumerate(KINDS)}
-F, B, I, W, OVERLAP = (CODE[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP))  # noqa: E741
-SEND_F, RECV_F, SEND_B, RECV_B = (CODE[k] for k in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B,
-                                                    Kind.RECV_B))
-FIRST_COMM = SEND_F  # codes from here on are SEND/RECV
+# The int8 code of each kind (``actions.F`` and its siblings are constructors of Actions).
+F_CODE, B_CODE, I_CODE, W_CODE, OVERLAP_CODE = (
+    CODE[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP))
+SEND_F_CODE, RECV_F_CODE, SEND_B_CODE, RECV_B_CODE = (
+    CODE[k] for k in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B))
+FIRST_COMM = SEND_F_CODE  # codes from here on are SEND/RECV
 # An OVERLAP row is made as its forward half first, then paired with its backward half.
 _PLAIN_KINDS = tuple(Kind.F if kind is Kind.OVERLAP else kind for kind in KINDS)
 CHUNK = 1 << 18  # rows per range (``ActionTable.ranges``)
@@ -146,12 +148,12 @@ class ActionTable:
         """The compute parts of rows ``begin:end``, in table order."""
         compute = np.flatnonzero(self.kind[begin:end] < FIRST_COMM) + begin
         kind = self.kind[compute]
-        kind = np.where(kind == OVERLAP, np.int8(F), kind)
+        kind = np.where(kind == OVERLAP_CODE, np.int8(F_CODE), kind)
         parts = Parts(compute, kind, self.stage[compute], self.microbatch[compute])
         first, last = np.searchsorted(self.overlap_rows, (begin, end))
         if first == last:
             return parts
-        halves = Parts(self.overlap_rows[first:last], np.full(last - first, B, np.int8),
+        halves = Parts(self.overlap_rows[first:last], np.full(last - first, B_CODE, np.int8),
                        self.overlap_stage[first:last], self.overlap_microbatch[first:last])
         return parts.merged(halves)
 
@@ -170,7 +172,7 @@ class ActionTable:
     def paired_with(self, backward: ActionTable) -> ActionTable:
         """OVERLAP rows pairing each forward row of this table with the B row of
         ``backward`` at the same position (two plain tables of equal shape)."""
-        kind = np.full(len(self), OVERLAP, np.int8)
+        kind = np.full(len(self), OVERLAP_CODE, np.int8)
         return ActionTable(kind, self.stage, self.microbatch, self.offsets,
                            np.arange(len(self), dtype=np.int64), backward.stage,
                            backward.microbatch)

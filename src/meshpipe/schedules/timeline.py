@@ -15,7 +15,8 @@ from functools import cached_property
 import numpy as np
 
 from meshpipe.schedules.actions import Action
-from meshpipe.schedules.table import B, F, FIRST_COMM, I, OVERLAP, W, ActionTable
+from meshpipe.schedules.table import (B_CODE, F_CODE, FIRST_COMM, I_CODE, OVERLAP_CODE,
+                                      W_CODE, ActionTable)
 
 @dataclass(frozen=True, slots=True)
 class TimedAction:
@@ -205,7 +206,7 @@ class Timeline:
     @cached_property
     def forward_only(self) -> bool:
         table = self._table
-        return not (table.overlap_rows.size or np.isin(table.kind, (B, I, W)).any())
+        return not (table.overlap_rows.size or np.isin(table.kind, (B_CODE, I_CODE, W_CODE)).any())
 
     def peak_activations(self, activation_bytes: Sequence[float] | None = None
                          ) -> tuple[float, ...]:
@@ -234,9 +235,9 @@ def _live_changes(table: ActionTable, weights: Sequence[float] | None,
     weight = (np.ones(max(1, int(table.stage.max(initial=0)) + 1)) if weights is None
               else np.asarray(weights, np.float64))
     kind = table.kind
-    adds_pair = (kind == F) | (kind == OVERLAP)
+    adds_pair = (kind == F_CODE) | (kind == OVERLAP_CODE)
     adds = np.where(adds_pair, weight[table.stage], 0.0)
-    frees = (kind == F) if forward_only else (kind == B) | (kind == W)
+    frees = (kind == F_CODE) if forward_only else (kind == B_CODE) | (kind == W_CODE)
     removes = np.where(frees, weight[table.stage], 0.0)
     if table.overlap_rows.size:
         removes[table.overlap_rows] = weight[table.overlap_stage]

@@ -56,17 +56,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshpipe.schedules.actions import Schedule
-from meshpipe.schedules.builders import SCHEDULES, build
+from meshpipe.schedules.schedule import Schedule
+from meshpipe.schedules.builders import SCHEDULES, build, schedule_spec
 from meshpipe.schedules.costs import CostModel
+from meshpipe.schedules.placement import balanced_layers
 from meshpipe.schedules.simulator import simulate
 
 # Virtual stages per rank tried for schedules that take any (gpipe, 1f1b, interleaved, ...).
 MAX_VPP = 4
-# Schedules that run backward as two passes, I then W (the others run one fused B).
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-v", "dualpipe-v")
-# Schedules whose placement is a V: two stages per rank.
-_V_SCHEDULES = ("zb-v", "dualpipe-v")
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -225,19 +222,20 @@ def _divisors(n: int) -> list[int]:
 
 
 def _vpp_choices(schedule: str, pp: int, layers: int) -> range:
-    """Stages per rank worth trying: 1 for ``none`` (one rank) and ``zb-h1``, 2 for the V
-    schedules, up to ``MAX_VPP`` for the others, each stage holding at least a layer."""
-    if schedule == "none":
+    """Stages per rank worth trying: 1 for a one-rank schedule and those of one stage per
+    rank, 2 for the V schedules, up to ``MAX_VPP`` for the others (from 2 for one that
+    equals another schedule at 1), each stage holding at least a layer."""
+    spec = schedule_spec(schedule)
+    if spec.one_rank:
         return range(1, 2) if pp == 1 else range(0)
     if pp == 1:
-        return range(0)  # one pipeline rank: "none" is the schedule
-    if schedule == "zb-h1":
+        return range(0)  # one pipeline rank: the one-rank schedule is the schedule
+    if spec.stages_per_rank == "one":
         return range(1, 2)
-    if schedule == "interleaved":
-        return range(2, min(MAX_VPP, layers // pp) + 1)  # at vpp 1 it is 1f1b
-    if schedule in _V_SCHEDULES:
+    if spec.v_shaped:
         return range(2, 3) if 2 * pp <= layers else range(0)
-    return range(1, min(MAX_VPP, layers // pp) + 1)
+    first = 2 if spec.at_one_stage_per_rank else 1
+    return range(first, min(MAX_VPP, layers // pp) + 1)
 
 
 def buildable(layout: Layout) -> bool:
@@ -266,16 +264,10 @@ def _no_layout_message(world_size: int, profile: Profile, global_batch: int,
             f"{hint}")
 
 
-def layers_per_stage(layers: int, stages: int) -> list[int]:
-    """Balanced layer counts, the larger on the earlier stages (as the trainer splits)."""
-    base, extra = divmod(layers, stages)
-    return [base + 1 if stage < extra else base for stage in range(stages)]
-
-
 def stage_costs(layout: Layout, profile: Profile, num_stages: int) -> CostModel:
     """The ``CostModel`` of one layout's stages (seconds; bytes for activations)."""
     tokens = layout.microbatch_size * profile.seq_len / layout.cp
-    counts = layers_per_stage(profile.layers, num_stages)
+    counts = balanced_layers(profile.layers, num_stages)
     scale = tokens * curve_factor(profile.token_curve, tokens)
 
     def per_stage(kind: str, fixed: float = profile.action_overhead_s,
@@ -285,7 +277,7 @@ def stage_costs(layout: Layout, profile: Profile, num_stages: int) -> CostModel:
 
     message = (profile.message.seconds(profile.hidden_bytes_per_token * tokens)
                + profile.message_overhead_s)
-    if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+    if schedule_spec(layout.schedule).split_backward:
         halves = per_stage("backward_input"), per_stage("backward_weight")
         # Stage 0's input is token ids: its whole backward runs in W.
         fixed = profile.action_overhead_s
@@ -355,7 +347,7 @@ def predict(layout: Layout, profile: Profile) -> Prediction:
 
 
 def _parameters_per_rank(schedule: Schedule, profile: Profile) -> list[int]:
-    counts = layers_per_stage(profile.layers, schedule.num_stages)
+    counts = balanced_layers(profile.layers, schedule.num_stages)
     held = [0] * schedule.num_ranks
     for stage, rank in enumerate(schedule.placement):
         held[rank] += int(stage_sum(profile, "parameters", stage, counts[stage],

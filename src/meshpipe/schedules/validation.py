@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshpipe.schedules.actions import Action, Kind, Schedule
+from meshpipe.schedules.actions import Action, Kind
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules import table as codes
 from meshpipe.schedules.table import KINDS, Parts, Repeats, positions_in_runs, stable_order
 from meshpipe.schedules.dataflow import (FORWARD, INPUT_GRADIENT, RECEIVED_B, RECEIVED_F,
@@ -129,7 +130,7 @@ class _Work:
                 self._raise_repeat(int(parts.row[first]), first, parts)
             flags[parts.kind, slot] = 1
         return tuple(bytearray(flags[kind].tobytes())
-                     for kind in (codes.F, codes.B, codes.I, codes.W))
+                     for kind in (codes.F_CODE, codes.B_CODE, codes.I_CODE, codes.W_CODE))
 
     def _raise_repeat(self, row: int, part_index: int, parts: Parts) -> None:
         """The error for the part at ``part_index`` (of row ``row``), a repeat."""
@@ -265,8 +266,8 @@ class _Messages:
         table = schedule.table
         num_stages = schedule.num_stages
         kind, stage = table.kind[rows], table.stage[rows].astype(np.int64)
-        is_send = (kind == codes.SEND_F) | (kind == codes.SEND_B)
-        forward = (kind == codes.SEND_F) | (kind == codes.RECV_F)
+        is_send = (kind == codes.SEND_F_CODE) | (kind == codes.SEND_B_CODE)
+        forward = (kind == codes.SEND_F_CODE) | (kind == codes.RECV_F_CODE)
         producer = np.where(is_send, stage, np.where(forward, stage - 1, stage + 1))
         consumer = np.where(forward, producer + 1, producer - 1)
         placement = np.asarray(schedule.placement, np.int64)

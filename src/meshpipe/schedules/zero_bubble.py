@@ -12,7 +12,8 @@ import numpy as np
 
 from meshpipe.schedules import table as codes
 from meshpipe.schedules._building import check_count, make_schedule
-from meshpipe.schedules.actions import Action, Kind, Schedule
+from meshpipe.schedules.actions import Action, Kind
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.placement import loop_placement, v_placement
 from meshpipe.schedules.table import ActionTable, stacked
 
@@ -112,11 +113,12 @@ def _zb_h1_order(rank: int, num_ranks: int, num_microbatches: int) -> ActionTabl
     item = np.stack([warmup + step, step, step - rank], axis=1)
     present = np.stack([warmup + step < num_microbatches, np.ones_like(step, bool),
                         step >= rank], axis=1)
-    kind = np.broadcast_to(np.array([codes.F, codes.I, codes.W], np.int8), item.shape)
+    kind = np.broadcast_to(np.array([codes.F_CODE, codes.I_CODE, codes.W_CODE], np.int8),
+                           item.shape)
     deferred = np.arange(max(0, num_microbatches - rank), num_microbatches)
     microbatch = np.concatenate([np.arange(warmup), item[present], deferred])
-    kinds = np.concatenate([np.full(warmup, codes.F, np.int8), kind[present],
-                            np.full(deferred.size, codes.W, np.int8)])
+    kinds = np.concatenate([np.full(warmup, codes.F_CODE, np.int8), kind[present],
+                            np.full(deferred.size, codes.W_CODE, np.int8)])
     return ActionTable.from_columns(kinds, np.full(kinds.size, rank), microbatch, [kinds.size])
 
 

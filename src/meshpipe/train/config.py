@@ -1,29 +1,28 @@
 """Training configuration: one dataclass, also the source of the ``meshpipe train`` flags.
 
 Every field becomes a ``--flag`` (underscores become dashes) with its default and the help
-text from ``FIELD_HELP``, so the CLI never drifts from the library. ``--config run.toml``
-gives them as a TOML file (``meshpipe.train.toml_config``); the flags given override it.
+text from ``FIELD_HELP`` (``meshpipe.train.arguments``), so the CLI never drifts from the
+library. ``--config run.toml`` gives them as a TOML file (``meshpipe.train.toml_config``);
+the flags given override it.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
+from meshpipe.comm.p2p import MODES as P2P_MODES
+from meshpipe.runtime.precision import DTYPES
 from meshpipe.schedules import SCHEDULES
+from meshpipe.schedules.builders import schedule_spec
+from meshpipe.schedules.costs import RECOMPUTE_MODES
 from meshpipe.schedules.placement import PLACEMENTS
 from meshpipe.topology import ParallelLayout
 from meshpipe.train.devices import BACKENDS, DEVICES
 
-DTYPES = ("fp32", "bf16", "fp16")
-P2P_MODES = ("async", "batched")
 STAGE_LINKS = ("root", "fanout")
-RECOMPUTE_MODES = ("none", "full", "selective")
-# Schedules whose placement is a V: two stages per pipeline rank whatever --vpp says.
-V_SCHEDULES = ("zb-v", "dualpipe-v")
 # Flags that describe the reference transformer: a --model directory's config.json says them.
 _REFERENCE_MODEL_FLAGS = ("dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts")
 # Flags that only mean something with --moe-experts > 0.
@@ -109,13 +108,13 @@ class TrainConfig:
                               ("recompute", RECOMPUTE_MODES), ("device", DEVICES),
                               ("backend", BACKENDS)):
             if getattr(self, name) not in choices:
-                raise ValueError(f"unknown --{_flag(name)} {getattr(self, name)!r}; choose one "
+                raise ValueError(f"unknown --{flag_name(name)} {getattr(self, name)!r}; choose one "
                                  f"of {', '.join(choices)}")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"--{_flag(field.name)} must be a finite number, got {value}")
-        if self.schedule in V_SCHEDULES:
+                raise ValueError(f"--{flag_name(field.name)} must be a finite number, got {value}")
+        if schedule_spec(self.schedule).v_shaped:
             if self.vpp not in (1, 2):
                 raise ValueError(f"--schedule {self.schedule} places 2 stages per pipeline rank "
                                  f"(a V); drop --vpp {self.vpp} or give --vpp 2")
@@ -124,12 +123,12 @@ class TrainConfig:
                     "heads", "kv_heads", "steps", "tp", "keep_checkpoints")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")
         non_negative = ("warmup_steps", "weight_decay", "grad_clip", "eval_every",
                         "checkpoint_every", "timeline_step", "min_lr", "skip_nonfinite")
         for name in non_negative:
             if getattr(self, name) < 0:
-                raise ValueError(f"--{_flag(name)} must be >= 0 (0 disables where it "
+                raise ValueError(f"--{flag_name(name)} must be >= 0 (0 disables where it "
                                  f"applies), got {getattr(self, name)}")
         if not self.hang_timeout > 0:
             raise ValueError(f"--hang-timeout must be > 0 seconds, got {self.hang_timeout}")
@@ -155,7 +154,7 @@ class TrainConfig:
 
     def _check_model_and_data(self) -> None:
         if self.model:
-            given = [f"--{_flag(field.name)}" for field in dataclasses.fields(self)
+            given = [f"--{flag_name(field.name)}" for field in dataclasses.fields(self)
                      if field.name in _REFERENCE_MODEL_FLAGS
                      and getattr(self, field.name) != field.default]
             if given:
@@ -183,7 +182,7 @@ class TrainConfig:
 
     def _check_experts(self) -> None:
         if self.moe_experts == 0:
-            given = [f"--{_flag(field.name)}" for field in dataclasses.fields(self)
+            given = [f"--{flag_name(field.name)}" for field in dataclasses.fields(self)
                      if field.name in _EXPERT_FLAGS and getattr(self, field.name) != field.default]
             if given:
                 verb = "applies" if len(given) == 1 else "apply"
@@ -274,7 +273,8 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """The command-line flag of field ``name``, without its dashes (``seq_len`` -> ``seq-len``)."""
     return name.replace("_", "-")
 
 
@@ -355,36 +355,11 @@ FIELD_HELP = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--config PATH`` and one ``--flag`` per TrainConfig field.
-
-    The field flags default to ``argparse.SUPPRESS``: the parsed namespace holds only the
-    flags given on the command line, so ``from_arguments`` knows which override the
-    ``--config`` file (``--steps 30`` does even though 30 is the default)."""
-    parser.add_argument("--config", metavar="PATH",
-                        help="a TOML file of these fields (seq_len = 128 or seq-len = 128, at "
-                        "the top level or under [train]); flags given here override it")
-    for field in dataclasses.fields(TrainConfig):
-        flag = "--" + _flag(field.name)
-        help_text = f"{FIELD_HELP[field.name]} (default: {field.default})"
-        if field.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
-        else:
-            kind = {"int": int, "float": float, "str": str}[str(field.type)]
-            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS,
-                                metavar=field.name.upper(), help=help_text)
-
-
-def from_arguments(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig of ``args``: its fields, over those of its ``config`` TOML file (if
-    any), over the defaults. A namespace built by hand may name every field or only some."""
-    values: dict[str, Any] = {}
-    if getattr(args, "config", None) is not None:
-        # Imported here: toml_config builds on TrainConfig, so it imports this module.
-        from meshpipe.train.toml_config import read_toml
-        values = read_toml(args.config)
-    for field in dataclasses.fields(TrainConfig):
-        if hasattr(args, field.name):
-            values[field.name] = getattr(args, field.name)
-    return TrainConfig(**values)
+def __getattr__(name: str) -> Any:
+    """``add_arguments`` and ``from_arguments`` where they were before they moved to
+    ``meshpipe.train.arguments`` (compatibility names, resolved on use: that module builds
+    on this one)."""
+    if name in ("add_arguments", "from_arguments"):
+        from meshpipe.train import arguments
+        return getattr(arguments, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 The file's keys are TrainConfig's field names (``seq_len`` or ``seq-len``), at the top level
 or all under one ``[train]`` table. ``read_toml`` checks names and types and returns the
-values; ``train.config.from_arguments`` lays the flags given on the command line over them.
+values; ``train.arguments.from_arguments`` lays the flags given on the command line over them.
 ``to_toml`` writes a config back, so a tuned run can be saved and replayed.
 """
 

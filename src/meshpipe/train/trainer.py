@@ -49,7 +49,7 @@ from meshpipe.comm.p2p import P2PTransport
 from meshpipe.comm.shards import hybrid_positions, packed_hybrid_positions
 from meshpipe.comm.vtp import FanoutTransport, VTPTransport
 from meshpipe.context import make_attention
-from meshpipe.models import balanced_layers, causal_lm_loss
+from meshpipe.models import causal_lm_loss
 from meshpipe.models.moe import is_expert_param
 from meshpipe.models.transformer import check_tensor_parallel_sizes
 from meshpipe.parallel import (is_sequence_parallel_param, shard_dim, unshard,
@@ -57,7 +57,7 @@ from meshpipe.parallel import (is_sequence_parallel_param, shard_dim, unshard,
 from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, Stage, activity,
                               all_reduce_gradients, low_precision_tolerance)
 from meshpipe.schedules import Schedule, build
-from meshpipe.schedules.placement import wraparound_placement
+from meshpipe.schedules.placement import stage_layers, wraparound_placement
 from meshpipe.schedules.render import to_png, write_chrome_trace
 from meshpipe.schedules.costs import fit_costs
 from meshpipe.schedules.simulator import simulate
@@ -187,16 +187,14 @@ def build_schedule(config: TrainConfig, forward_only: bool = False) -> Schedule:
 
 
 def layers_per_stage(config: TrainConfig, schedule: Schedule) -> list[int]:
-    """Balanced layer counts, one or more per stage. A wrap-around end stage (the first rank
-    again) may hold only the final norm and the head, as in layerwise disaggregated
-    training: with fewer layers than stages, the layers go to the other stages."""
+    """Each stage's layer count (``placement.stage_layers``); a one-line ValueError when
+    the model has too few layers for the stages."""
+    layers = sources.num_layers(config)
+    counts = stage_layers(layers, schedule.placement)
+    if counts is not None:
+        return counts
     stages = schedule.num_stages
     wraps_around = schedule.placement == wraparound_placement(schedule.num_ranks)
-    layers = sources.num_layers(config)
-    if layers >= stages:
-        return balanced_layers(layers, stages)
-    if wraps_around and layers >= stages - 1:
-        return balanced_layers(layers, stages - 1) + [0]
     needed = stages - 1 if wraps_around else stages
     what = (f"the {layers} layers of --model {config.model}" if config.model
             else f"--layers {layers}")

@@ -58,10 +58,11 @@ from meshpipe.models.transformer import Transformer
 from meshpipe.runtime import activity
 from meshpipe.schedules import Timeline, fit_costs
 from meshpipe.schedules.costs import fit_message_seconds
+from meshpipe.schedules.placement import balanced_layers
 from meshpipe.schedules.simulator import mean_speeds
 from meshpipe.schedules.tune import (Layout, Link, Piece, Prediction, Profile, TuneError,
-                                     buildable, curve_factor, layers_per_stage, layouts,
-                                     predict, rank_layouts, stage_sum)
+                                     buildable, curve_factor, layouts, predict, rank_layouts,
+                                     stage_sum)
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.devices import local_ranks, plan_devices
@@ -641,7 +642,7 @@ def calibrate(profile: Profile, measurement: Measurement, cores: float | None = 
     tokens = layout.microbatch_size * profile.seq_len / layout.cp
     stages = layout.pp * layout.vpp
     weight = sum(stage_sum(profile, "forward", stage, layers, stages)
-                 for stage, layers in enumerate(layers_per_stage(profile.layers, stages)))
+                 for stage, layers in enumerate(balanced_layers(profile.layers, stages)))
     reference = curve_factor(profile.token_curve, tokens)
     curve = tuple((size, factor / reference) for size, factor in profile.token_curve)
     relative = {size: size * profile.seq_len * curve_factor(curve, size * profile.seq_len)

@@ -1,0 +1,117 @@
+"""The shape of the package (docs/DESIGN.md), checked by reading its source.
+
+- No import circles: the modules of ``meshpipe`` form a graph without cycles. Every import
+  counts, also one inside a function, except inside a module-level ``__getattr__``: that is
+  how a name that moved keeps working where users imported it, resolved only on use.
+- ``meshpipe.schedules`` is Python and numpy: none of its modules imports torch.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent.parent / "src"
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in sorted((SOURCE / "meshpipe").rglob("*.py")):
+        parts = list(path.relative_to(SOURCE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _imported(tree: ast.Module, module: str, is_package: bool,
+              modules: dict[str, Path]) -> set[str]:
+    """The modules ``tree`` imports, resolved (a package's ``__init__`` only where a name
+    defined there is imported, not for each of its submodules)."""
+    package = module if is_package else module.rpartition(".")[0]
+    skipped = {id(node) for top in tree.body
+               if isinstance(top, ast.FunctionDef) and top.name == "__getattr__"
+               for node in ast.walk(top)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:  # a submodule, else a name defined in ``target``
+                names.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules
+                          else target)
+    return names
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {}
+    for module, path in modules.items():
+        imported = _imported(ast.parse(path.read_text()), module, path.name == "__init__.py",
+                             modules)
+        graph[module] = {name for name in imported if name in modules and name != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph[node]):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_package_has_no_import_circles():
+    assert _cycles(_graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_schedules_import_no_torch():
+    offenders = {}
+    modules = _modules()
+    for module, path in modules.items():
+        if module.startswith("meshpipe.schedules"):
+            imported = _imported(ast.parse(path.read_text()), module,
+                                 path.name == "__init__.py", modules)
+            torch = sorted(name for name in imported if name.split(".")[0] == "torch")
+            if torch:
+                offenders[module] = torch
+    assert offenders == {}
