@@ -249,22 +249,6 @@ def build(name: str, num_ranks: int, num_microbatches: int, *, stages_per_rank: 
     return spec.make(num_ranks, num_microbatches, stages_per_rank, placed, forward_only)
 
 
-def _require_placement(name: str, placement: str | Sequence[int] | None,
-                       expected: tuple[int, ...], expected_name: str) -> None:
-    if placement is None or placement == expected_name:
-        return
-    if isinstance(placement, str) or tuple(placement) != expected:
-        raise ValueError(f"schedule {name!r} runs on the {expected_name} placement "
-                         f"{expected}, not {placement!r}; leave placement unset or use "
-                         f"'gpipe' / '1f1b' for other placements")
-
-
-def _require_one_stage_per_rank(name: str, stages_per_rank: int) -> None:
-    if stages_per_rank != 1:
-        raise ValueError(f"schedule {name!r} holds one stage per rank, not {stages_per_rank}; "
-                         f"use schedule 'interleaved' for several stages per rank")
-
-
 def build(name: str, num_ranks: int, num_microbatches: int, *, stages_per_rank: int = 1,
           placement: str | Sequence[int] | None = None, forward_only: bool = False) -> Schedule:
     """The schedule called ``name`` (one of ``SCHEDULES``).
