@@ -50,9 +50,8 @@ from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
 from common import paired_ratios
-from meshpipe.comm.collectives import COMM_LABEL, all_to_all
-from meshpipe.comm.shards import (contiguous_positions, hybrid_positions, split_sizes,
-                                   zigzag_positions)
+from meshpipe.comm.collectives import COMM_LABEL, all_to_all, split_sizes
+from meshpipe.context.shards import contiguous_positions, hybrid_positions, zigzag_positions
 from meshpipe.context import (HybridAttention, LocalAttention, RingAttention,
                               UlyssesAttention)
 from meshpipe.runtime.host_cores import bind_to_own_cores

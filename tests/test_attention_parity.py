@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshpipe.comm.shards import ShardLayout, split_sizes
+from meshpipe.comm.collectives import split_sizes
+from meshpipe.context.shards import ShardLayout
 from meshpipe.context import HybridAttention, RingAttention, UlyssesAttention, make_attention
 from meshpipe.testing import keep_across_calls, run_distributed
 from meshpipe.topology import ParallelLayout, Topology

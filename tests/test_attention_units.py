@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshpipe.comm.shards import ShardLayout, split_sizes
+from meshpipe.comm.collectives import split_sizes
+from meshpipe.context.shards import ShardLayout
 from meshpipe.context import AttentionError, LocalAttention, attention_mask, plan_heads
 from meshpipe.context.blockwise import CPU_FLASH, MATH, heads_first, merge_block
 from meshpipe.context.tiles import CAUSAL_LEAF

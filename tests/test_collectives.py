@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 from meshpipe.comm import collectives as cc
 from meshpipe.comm import ops
+from meshpipe.context import shards
+from meshpipe.context import split_gather as sg
 from meshpipe.testing import keep_across_calls, run_distributed
 from meshpipe.topology import ParallelLayout, Topology
 
@@ -163,18 +165,18 @@ def _apply_op(case: dict, x: torch.Tensor, rank: int, total: int) -> torch.Tenso
     if not case["pass_sizes"] and not (op == "split" and "sizes" in case):
         sizes = None  # split's default, or gather learning the sizes from its peers
     calls = {
-        "split": lambda: cc.split(x, None, dim, sizes, **scale),
-        "gather": lambda: cc.gather(x, None, dim, sizes, **scale),
-        "zigzag_split": lambda: cc.zigzag_split(x, None, dim, **scale),
-        "zigzag_gather": lambda: cc.zigzag_gather(x, None, dim, **scale),
-        "packed_split": lambda: cc.packed_split(x, None, case["seq_lens"], dim, **scale),
-        "packed_gather": lambda: cc.packed_gather(x, None, case["seq_lens"], dim, **scale),
-        "hybrid_split": lambda: cc.hybrid_split(x, ring_group, ulysses_group, dim, **scale),
-        "hybrid_gather": lambda: cc.hybrid_gather(x, ring_group, ulysses_group, dim, total,
+        "split": lambda: sg.split(x, None, dim, sizes, **scale),
+        "gather": lambda: sg.gather(x, None, dim, sizes, **scale),
+        "zigzag_split": lambda: sg.zigzag_split(x, None, dim, **scale),
+        "zigzag_gather": lambda: sg.zigzag_gather(x, None, dim, **scale),
+        "packed_split": lambda: sg.packed_split(x, None, case["seq_lens"], dim, **scale),
+        "packed_gather": lambda: sg.packed_gather(x, None, case["seq_lens"], dim, **scale),
+        "hybrid_split": lambda: sg.hybrid_split(x, ring_group, ulysses_group, dim, **scale),
+        "hybrid_gather": lambda: sg.hybrid_gather(x, ring_group, ulysses_group, dim, total,
                                                   **scale),
-        "packed_hybrid_split": lambda: cc.packed_hybrid_split(
+        "packed_hybrid_split": lambda: sg.packed_hybrid_split(
             x, ring_group, ulysses_group, case["seq_lens"], dim, **scale),
-        "packed_hybrid_gather": lambda: cc.packed_hybrid_gather(
+        "packed_hybrid_gather": lambda: sg.packed_hybrid_gather(
             x, ring_group, ulysses_group, case["seq_lens"], dim, **scale),
     }
     return calls[op]()
@@ -240,12 +242,12 @@ def _positions(case: dict, total: int, rank: int) -> torch.Tensor:
     ring_rank, ulysses_rank = divmod(rank, case["ulysses"])
     hybrid = (case["ring"], ring_rank, case["ulysses"], ulysses_rank)
     return {
-        "contiguous": lambda: cc.ShardLayout.contiguous(
+        "contiguous": lambda: shards.ShardLayout.contiguous(
             case.get("sizes") or cc.split_sizes(total, world)).positions(rank),
-        "zigzag": lambda: cc.zigzag_positions(total, world, rank),
-        "packed": lambda: cc.packed_positions(seq_lens, world, rank),
-        "hybrid": lambda: cc.hybrid_positions(total, *hybrid),
-        "packed_hybrid": lambda: cc.packed_hybrid_positions(seq_lens, *hybrid),
+        "zigzag": lambda: shards.zigzag_positions(total, world, rank),
+        "packed": lambda: shards.packed_positions(seq_lens, world, rank),
+        "hybrid": lambda: shards.hybrid_positions(total, *hybrid),
+        "packed_hybrid": lambda: shards.packed_hybrid_positions(seq_lens, *hybrid),
     }[case["layout"]]()
 
 
@@ -302,7 +304,7 @@ def _record_exchanges(rank: int, world_size: int) -> dict[str, list[tuple]]:
         cc.all_to_all(x, None, 0, 1).sum().backward()
         recorded["aligned all_to_all"], calls[:] = list(calls), []
         part = torch.randn(2, rank + 1, 3, requires_grad=True)
-        cc.gather(part, None, 1, sizes=[r + 1 for r in range(world_size)]).sum().backward()
+        sg.gather(part, None, 1, sizes=[r + 1 for r in range(world_size)]).sum().backward()
         recorded["unequal gather"], calls[:] = list(calls), []
     finally:
         dist.all_to_all_single, ops._gather_into = original_all_to_all, original_all_gather
@@ -346,11 +348,11 @@ def _split_and_gather_gradients(rank: int, world_size: int) -> dict:
     for mode in ("up", "down", None, "default"):
         kwargs = {} if mode == "default" else {"grad_scale": mode}
         x = full.clone().requires_grad_()
-        local = cc.split(x, None, 0, **kwargs)
+        local = sg.split(x, None, 0, **kwargs)
         (local * weight.tensor_split(world_size)[rank]).sum().backward()
         grads["split", mode] = x.grad
         part = full.tensor_split(world_size)[rank].clone().requires_grad_()
-        (cc.gather(part, None, 0, **kwargs) * weight).sum().backward()
+        (sg.gather(part, None, 0, **kwargs) * weight).sum().backward()
         grads["gather", mode] = part.grad
     return grads
 
@@ -386,23 +388,23 @@ def _error_of(call) -> str:
 def _bad_inputs(rank: int, world_size: int) -> dict[str, str]:
     x = torch.randn(6, 4)
     errors = {
-        "zigzag length": _error_of(lambda: cc.zigzag_split(x, None, 0)),
-        "split sizes count": _error_of(lambda: cc.split(x, None, 0, sizes=[6])),
-        "split sizes sum": _error_of(lambda: cc.split(x, None, 0, sizes=[3, 2])),
-        "grad_scale": _error_of(lambda: cc.split(x, None, 0, grad_scale="sideways")),
+        "zigzag length": _error_of(lambda: sg.zigzag_split(x, None, 0)),
+        "split sizes count": _error_of(lambda: sg.split(x, None, 0, sizes=[6])),
+        "split sizes sum": _error_of(lambda: sg.split(x, None, 0, sizes=[3, 2])),
+        "grad_scale": _error_of(lambda: sg.split(x, None, 0, grad_scale="sideways")),
         "same dims": _error_of(lambda: cc.all_to_all(x, None, 1, 1)),
         "gather_size": _error_of(lambda: cc.all_to_all(x[:, :1], None, 0, 1, gather_size=7)),
         "one dim": _error_of(lambda: cc.all_to_all(torch.ones(4), None, 0, 0)),
-        "hybrid total": _error_of(lambda: cc.hybrid_gather(x, None, None, 0, total=6)),
+        "hybrid total": _error_of(lambda: sg.hybrid_gather(x, None, None, 0, total=6)),
         # the ranks exchange shapes, so a rank whose other dims differ fails everywhere
-        "gather shapes": _error_of(lambda: cc.gather(torch.ones(2, 3 + rank), None, 0)),
+        "gather shapes": _error_of(lambda: sg.gather(torch.ones(2, 3 + rank), None, 0)),
     }
     os.environ[cc.CHECK_ENV] = "1"
     try:
         errors["checked all_to_all"] = _error_of(
             lambda: cc.all_to_all(torch.ones(4, 2 + rank, 3), None, 0, 2))
         errors["checked gather sizes"] = _error_of(
-            lambda: cc.gather(torch.ones(2 + rank, 3), None, 0, sizes=[2, 2]))
+            lambda: sg.gather(torch.ones(2 + rank, 3), None, 0, sizes=[2, 2]))
     finally:
         del os.environ[cc.CHECK_ENV]
     return errors
@@ -443,15 +445,15 @@ def _layout_positions(kind: str, lengths: list[int], ring: int, ulysses: int
                       ) -> list[torch.Tensor]:
     seq_len = sum(lengths)
     if kind == "contiguous":
-        return [cc.contiguous_positions(seq_len, ring, r) for r in range(ring)]
+        return [shards.contiguous_positions(seq_len, ring, r) for r in range(ring)]
     if kind == "zigzag":
-        return [cc.zigzag_positions(seq_len, ring, r) for r in range(ring)]
+        return [shards.zigzag_positions(seq_len, ring, r) for r in range(ring)]
     if kind == "packed":
-        return [cc.packed_positions(lengths, ring, r) for r in range(ring)]
+        return [shards.packed_positions(lengths, ring, r) for r in range(ring)]
     if kind == "hybrid":
-        return [cc.hybrid_positions(seq_len, ring, r, ulysses, u)
+        return [shards.hybrid_positions(seq_len, ring, r, ulysses, u)
                 for r in range(ring) for u in range(ulysses)]
-    return [cc.packed_hybrid_positions(lengths, ring, r, ulysses, u)
+    return [shards.packed_hybrid_positions(lengths, ring, r, ulysses, u)
             for r in range(ring) for u in range(ulysses)]
 
 
@@ -472,18 +474,28 @@ def test_every_layout_holds_each_position_exactly_once(kind, ring, ulysses, chun
 
 def test_zigzag_keeps_chunks_r_and_mirror():
     # 16 tokens over 4 ranks: chunks of 2, rank 1 holds chunks 1 and 6
-    assert cc.zigzag_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    assert shards.zigzag_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
     with pytest.raises(ValueError, match="sequence length 10 is not a multiple of 8"):
-        cc.zigzag_positions(10, 4, 0)
+        shards.zigzag_positions(10, 4, 0)
     with pytest.raises(ValueError, match="rank 4 is outside a group of 4"):
-        cc.zigzag_positions(16, 4, 4)
+        shards.zigzag_positions(16, 4, 4)
 
 
 def test_document_ids_and_positions_in_document_for_a_shard():
     seq_lens = [3, 0, 5, 2]
-    positions = cc.packed_positions(seq_lens, 2, 1)  # pieces: [2], [], [8, 9], [9]
+    positions = shards.packed_positions(seq_lens, 2, 1)  # pieces: [2], [], [8, 9], [9]
     assert positions.tolist() == [2, 6, 7, 9]
-    assert cc.document_ids(seq_lens, positions).tolist() == [0, 2, 2, 3]
-    assert cc.positions_in_document(seq_lens, positions).tolist() == [2, 3, 4, 1]
+    assert shards.document_ids(seq_lens, positions).tolist() == [0, 2, 2, 3]
+    assert shards.positions_in_document(seq_lens, positions).tolist() == [2, 3, 4, 1]
     with pytest.raises(ValueError, match="positions must lie in 0..9"):
-        cc.document_ids(seq_lens, torch.tensor([10]))
+        shards.document_ids(seq_lens, torch.tensor([10]))
+
+
+def test_moved_names_still_import_from_where_they_were():
+    from meshpipe.comm import shards as old_shards
+
+    assert cc.zigzag_split is sg.zigzag_split and cc.GradScale is sg.GradScale
+    assert cc.ShardLayout is shards.ShardLayout is old_shards.ShardLayout
+    assert old_shards.split_sizes is cc.split_sizes
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        cc.nothing  # noqa: B018

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshpipe.comm.shards import contiguous_positions, packed_positions, zigzag_positions
+from meshpipe.context.shards import contiguous_positions, packed_positions, zigzag_positions
 from meshpipe.context import RingAttention
 from meshpipe.context.tiles import CAUSAL_LEAF
 from meshpipe.context.blockwise import CAUSAL, CPU_FLASH, CUDA_EFFICIENT, MATH, kernel_for, tile_mask

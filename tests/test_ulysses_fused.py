@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshpipe.comm.shards import split_sizes
+from meshpipe.comm.collectives import split_sizes
 from meshpipe.context import UlyssesAttention
 from meshpipe.context.blockwise import CAUSAL
 from meshpipe.context.tiles import CAUSAL_LEAF

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..comm.shards import split_sizes
+from ..comm.collectives import split_sizes
 from .interface import AttentionError
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..comm.collectives import COMM_LABEL, all_to_all, post_transfers
-from ..comm.shards import split_sizes
+from ..comm.collectives import split_sizes
 from .heads import HeadPlan, plan_heads
 from .interface import Attention, AttentionError
 from .blockwise import BlockKernel, heads_first, kernel_for

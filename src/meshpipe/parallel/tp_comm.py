@@ -15,7 +15,6 @@ A rank passing a shape its peers do not expect makes gloo abort the process. Set
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,8 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from meshpipe.comm import ops
+from meshpipe.comm.checks import CHECK_ENV  # noqa: F401 - the variable's name, as before
+from meshpipe.comm.checks import checks_enabled, exchange_shapes
 
 __all__ = [
     "copy_to_tp", "gather_from_sequence", "reduce_from_tp", "reduce_scatter_to_sequence",
@@ -30,7 +31,6 @@ __all__ = [
 ]
 
 SEQ_DIM = 1
-CHECK_ENV = "MESHPIPE_CHECK_COLLECTIVES"
 _HALF_TYPES = (torch.bfloat16, torch.float16)
 
 
@@ -73,17 +73,9 @@ def _check_seq_divisible(x: Tensor, size: int, what: str) -> None:
 
 def _check_same_shapes(x: Tensor, group: dist.ProcessGroup, what: str) -> None:
     """With MESHPIPE_CHECK_COLLECTIVES set: raise on every rank if the shapes differ."""
-    if os.environ.get(CHECK_ENV, "0") in ("", "0"):
+    if not checks_enabled():
         return
-    size = dist.get_world_size(group)
-    mine = torch.full((9,), -1, dtype=torch.int64, device=x.device)
-    if x.dim() > 8:
-        raise ValueError(f"{what}: cannot check shapes with more than 8 dims")
-    mine[0] = x.dim()
-    mine[1:x.dim() + 1] = torch.tensor(list(x.shape), dtype=torch.int64, device=x.device)
-    table = torch.empty(size * 9, dtype=torch.int64, device=x.device)
-    ops.all_gather_into(table, mine, group=group)
-    shapes = [tuple(row[1:row[0] + 1]) for row in table.view(size, 9).tolist()]
+    shapes = [tuple(shape) for shape in exchange_shapes(x, group, what)]
     if len(set(shapes)) > 1:
         listing = ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
         raise ValueError(f"{what}: every TP rank must pass the same shape, got {listing}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from meshpipe.comm.shards import split_sizes
+from meshpipe.comm.collectives import split_sizes
 
 ENVIRONMENT_VARIABLE = "MESHPIPE_BIND_CORES"
 

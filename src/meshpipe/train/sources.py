@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshpipe.comm.shards import document_ids, positions_in_document
+from meshpipe.context.shards import document_ids, positions_in_document
 from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, causal_lm_loss,
                              shared_parameters, split)
 from meshpipe.runtime import DynamicLossScaler, autocast

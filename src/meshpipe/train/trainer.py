@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from meshpipe.comm import ops
 from meshpipe.comm.p2p import P2PTransport
-from meshpipe.comm.shards import hybrid_positions, packed_hybrid_positions
+from meshpipe.context.shards import hybrid_positions, packed_hybrid_positions
 from meshpipe.comm.vtp import FanoutTransport, VTPTransport
 from meshpipe.context import make_attention
 from meshpipe.models import causal_lm_loss
