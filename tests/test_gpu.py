@@ -220,13 +220,13 @@ def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
 def test_tune_under_torchrun_measures_on_the_gpu(tmp_path):
     """Under torchrun the tuner's in-process profile, its measuring steps and its probes
     (message, all-reduce, optimizer) run on the rank's GPU, timed after a synchronize."""
-    from meshpipe.train import tune as train_tune
+    from meshpipe.train import tune_profile
     from meshpipe.train.config import TrainConfig
 
     config = TrainConfig(dim=64, layers=2, heads=4, kv_heads=2, seq_len=64, microbatch_size=2)
-    profile = train_tune.model_profile(config, torch.device("cuda"))
+    profile = tune_profile.model_profile(config, torch.device("cuda"))
     assert profile.layer.forward > 0 and profile.layer.activation_bytes > 0
-    ((tokens, per_token),) = train_tune.layer_curve(config, [128], torch.device("cuda"))
+    ((tokens, per_token),) = tune_profile.layer_curve(config, [128], torch.device("cuda"))
     assert tokens == 128 and per_token > 0
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m",

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from meshpipe import cli
-from meshpipe.schedules.tune import (Layout, Link, MemoryBudgetError, NoLayoutError, Piece,
+from meshpipe.schedules.ranking import (Layout, Link, MemoryBudgetError, NoLayoutError, Piece,
                                      Profile, TuneError, curve_factor, format_bytes, layouts,
                                      parse_bytes, predict, rank_layouts, stage_costs)
 from meshpipe.testing import run_distributed
-from meshpipe.train import tune as train_tune
+from meshpipe.train import tune_profile, tune_runs, tuner
 from meshpipe.train.config import TrainConfig
 
 LAYER = Piece(forward=1e-5, backward_input=1e-5, backward_weight=1e-5, backward=2e-5,
@@ -107,15 +107,15 @@ def test_action_overhead_is_the_line_through_the_measured_sizes() -> None:
                        forward=(0.5 * (4 * c + variable) / 2,) * 2,
                        backward=(0.5 * (4 * c + variable) / 2,) * 2,
                        sizes=tuple((size, 4 * c + r * variable) for size, r in relative.items()))
-    assert train_tune._action_overhead(measured, relative) == pytest.approx(c)
+    assert tuner._action_overhead(measured, relative) == pytest.approx(c)
     # One size says nothing; noise may make it neither negative nor more than half an
     # action at the smallest size.
-    assert train_tune._action_overhead(replace(measured, sizes=measured.sizes[1:2]),
+    assert tuner._action_overhead(replace(measured, sizes=measured.sizes[1:2]),
                                        relative) == 0.0
-    assert train_tune._action_overhead(
+    assert tuner._action_overhead(
         replace(measured, sizes=((1, 0.01), (2, 0.03), (4, 0.06))), relative) == 0.0
     shrinking = replace(measured, sizes=((1, 0.02), (2, 0.019), (4, 0.018)))
-    assert train_tune._action_overhead(shrinking, relative) == pytest.approx(0.018 / 8)
+    assert tuner._action_overhead(shrinking, relative) == pytest.approx(0.018 / 8)
 
 
 def test_calibration_prices_each_measured_size_at_what_training_measured() -> None:
@@ -124,10 +124,10 @@ def test_calibration_prices_each_measured_size_at_what_training_measured() -> No
     measured = replace(_fake_measurement(None, layout), sizes=sizes)  # base: 2 x (2 + 4) ms
     profile = replace(_profile(), token_curve=((64.0, 1.2), (128.0, 1.0), (256.0, 0.8),
                                                (512.0, 0.7)))
-    priced = train_tune.calibrate(profile, measured)
+    priced = tuner.calibrate(profile, measured)
 
     def forward_and_backward(size: int) -> float:
-        costs = stage_costs(train_tune.size_layout(layout, size), priced, 2)
+        costs = stage_costs(tune_runs.size_layout(layout, size), priced, 2)
         return sum(costs.forward) + sum(costs.backward)
 
     for size, seconds in sizes:
@@ -166,9 +166,9 @@ def test_cli_bad_input_is_one_line(extra: list[str], expected: str, capsys) -> N
 
 def _fake_measurement(config: TrainConfig, layout: Layout, sizes: list[int] = (),
                       cores: float | None = None, ulysses: dict[int, list[int]] | None = None
-                      ) -> train_tune.Measurement:
+                      ) -> tune_runs.Measurement:
     stages = layout.pp * layout.vpp
-    return train_tune.Measurement(layout=layout, forward=(0.002,) * stages,
+    return tune_runs.Measurement(layout=layout, forward=(0.002,) * stages,
                                   backward=(0.004,) * stages,
                                   backward_input=(0.002,) * stages,
                                   backward_weight=(0.003,) * stages,
@@ -180,7 +180,7 @@ def _fake_measurement(config: TrainConfig, layout: Layout, sizes: list[int] = ()
 
 def test_cli_prints_the_table_and_writes_a_config_train_reads(tmp_path, monkeypatch,
                                                               capsys) -> None:
-    monkeypatch.setattr(train_tune, "measure", _fake_measurement)
+    monkeypatch.setattr(tuner, "measure", _fake_measurement)
     path = tmp_path / "run.toml"
     argv = ["tune", *TINY, "--steps", "7", "--world-size", "4", "--top", "3",
             "--memory-budget", "64MiB", "--write", str(path)]
@@ -189,9 +189,9 @@ def test_cli_prints_the_table_and_writes_a_config_train_reads(tmp_path, monkeypa
     rows = [line for line in printed.splitlines() if line.startswith("| ")]
     assert len(rows) == 2 + 3  # header, rule, three layouts
     best = rows[2].split("|")
-    result = train_tune.tune(cli.train_config_from_arguments(
+    result = tuner.tune(cli.train_config_from_arguments(
         cli._parser().parse_args(["train", *TINY, "--steps", "7"])), 4, 64 * 2**20)
-    expected = train_tune.config_for(result.predictions[0].layout, TrainConfig(
+    expected = tune_runs.config_for(result.predictions[0].layout, TrainConfig(
         dim=16, layers=2, heads=2, kv_heads=1, seq_len=16, microbatch_size=1, microbatches=2,
         steps=7))
     assert best[8].strip() == expected.schedule
@@ -212,14 +212,14 @@ def test_in_process_timings_take_the_functions_in_turn(monkeypatch) -> None:
             clock[0] += 5 * seconds if calls.count(name) <= slow_calls else seconds
         return call
 
-    monkeypatch.setattr(train_tune, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    per_turn = 1 + train_tune.CALLS_PER_TURN
-    times = train_tune._seconds_in_turn(
+    monkeypatch.setattr(tune_profile, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    per_turn = 1 + tune_profile.CALLS_PER_TURN
+    times = tune_profile._seconds_in_turn(
         {"spoilt": run("spoilt", 1.0, slow_calls=per_turn), "steady": run("steady", 2.0)},
         torch.device("cpu"))
     assert calls[:2 * per_turn] == ["spoilt"] * per_turn + ["steady"] * per_turn
-    assert len(calls) == 2 * per_turn * train_tune.TURNS
-    assert times["spoilt"][:train_tune.CALLS_PER_TURN] == [5.0] * train_tune.CALLS_PER_TURN
+    assert len(calls) == 2 * per_turn * tune_profile.TURNS
+    assert times["spoilt"][:tune_profile.CALLS_PER_TURN] == [5.0] * tune_profile.CALLS_PER_TURN
     assert min(times["spoilt"]) == 1.0 and set(times["steady"]) == {2.0}
 
 
@@ -228,9 +228,9 @@ def test_cpu_ranks_share_the_machine_also_under_torchrun(monkeypatch) -> None:
     GPUs compute apart."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert train_tune._shared_cores() == os.cpu_count()
-    monkeypatch.setattr(train_tune, "device_for_this_rank", lambda: torch.device("cuda", 0))
-    assert train_tune._shared_cores() is None
+    assert tuner._shared_cores() == os.cpu_count()
+    monkeypatch.setattr(tuner, "device_for_this_rank", lambda: torch.device("cuda", 0))
+    assert tuner._shared_cores() is None
 
 
 def test_one_process_is_measured_without_messages() -> None:
@@ -238,10 +238,10 @@ def test_one_process_is_measured_without_messages() -> None:
     exist crashed the process): the message link is free, the rest is measured."""
     config = TrainConfig(dim=16, layers=2, heads=2, kv_heads=1, seq_len=16, microbatch_size=2,
                          microbatches=2)
-    result = train_tune.tune(config, 1, None)
+    result = tuner.tune(config, 1, None)
     measured = result.measurement
     assert (measured.layout.pp, measured.layout.dp, measured.layout.schedule) == (1, 1, "none")
-    assert measured.message == train_tune._UNMEASURED_LINK
+    assert measured.message == tune_profile.UNMEASURED_LINK
     assert measured.step_s >= measured.pipeline_s > 0 and min(measured.forward) > 0
     assert result.predictions and all(p.layout.pp == 1 for p in result.predictions)
 
@@ -278,26 +278,26 @@ def test_a_failed_measuring_run_is_one_line_naming_the_rank_and_its_kept_log(
 
 def _measure_body(rank: int, world_size: int, phases: list[list[TrainConfig]], path: str,
                   ulysses: dict[int, list[int]]) -> None:
-    train_tune._measure_on_this_rank(phases, path, ulysses)
+    tune_runs._measure_on_this_rank(phases, path, ulysses)
 
 
 def test_measurement_on_processes_prices_the_profile(tmp_path) -> None:
     config = TrainConfig(dim=16, layers=2, heads=2, kv_heads=1, seq_len=16, microbatch_size=2,
                          microbatches=2, timeline_step=0)
-    profile = train_tune.model_profile(config)
-    layout = train_tune.base_layout(2, profile, 4, 2)
+    profile = tune_profile.model_profile(config)
+    layout = tune_runs.base_layout(2, profile, 4, 2)
     assert (layout.pp, layout.schedule) == (2, "1f1b")
-    sizes = train_tune.measured_sizes(rank_layouts(2, profile, 4), layout, profile)
+    sizes = tune_runs.measured_sizes(rank_layouts(2, profile, 4), layout, profile)
     assert sizes == [1, 2, 4]
-    phases = train_tune.run_configs(config, layout, sizes, steps=3)
+    phases = tune_runs.run_configs(config, layout, sizes, steps=3)
     assert [[(c.schedule, c.microbatches, c.microbatch_size) for c in configs]
             for configs in phases] == [[("1f1b", 2, 2), ("zb-h1", 2, 2)],
                                        [("1f1b", 4, 1), ("1f1b", 2, 2), ("1f1b", 1, 4)]]
-    ulysses = train_tune.ulysses_sizes(profile, 2, 4)
+    ulysses = tune_profile.ulysses_sizes(profile, 2, 4)
     assert ulysses == {2: [1, 4]}  # cp 2 x 1 to 4 microbatches of 4 to 1 sequences
     path = tmp_path / "measured.json"
     run_distributed(2, _measure_body, phases, str(path), ulysses)
-    measurement = train_tune._measurement(layout, json.loads(path.read_text()), sizes)
+    measurement = tune_runs._measurement(layout, json.loads(path.read_text()), sizes)
     ((cp, overhead),) = measurement.ulysses
     assert cp == 2 and overhead.latency >= 0 and overhead.bytes_per_s > 0
     assert min(measurement.forward + measurement.backward + measurement.backward_weight) > 0
@@ -308,7 +308,7 @@ def test_measurement_on_processes_prices_the_profile(tmp_path) -> None:
     assert min(seconds for _, seconds in measurement.sizes) > 0
     assert measurement.step_s >= measurement.pipeline_s > 0
     assert measurement.message_s is not None  # stage 1's first forward waits for stage 0's
-    priced = train_tune.calibrate(profile, measurement, cores=2)
+    priced = tuner.calibrate(profile, measurement, cores=2)
     predicted = predict(layout, priced)
     assert predicted.step_s == pytest.approx(measurement.step_s, rel=0.01) or (
         priced.step_overhead_s == 0 and predicted.step_s > measurement.step_s)
@@ -335,7 +335,7 @@ def test_measured_ulysses_overhead_prices_context_parallel_layers() -> None:
 def test_ulysses_overhead_is_a_line_in_bytes_priced_as_if_alone() -> None:
     times = [(2, 1000.0, 0.005, 0.002), (2, 3000.0, 0.009, 0.004),  # overheads 3 and 5 ms
              (4, 1000.0, 0.010, 0.002), (4, 3000.0, 0.012, 0.002)]  # 8 and 10 ms on 4 ranks
-    links = dict(train_tune._ulysses_links(times, cores=2))
+    links = dict(tune_runs._ulysses_links(times, cores=2))
     assert links[2].seconds(1000.0) == pytest.approx(0.003)
     assert links[2].seconds(3000.0) == pytest.approx(0.005)
     assert links[2].latency == pytest.approx(0.002)
@@ -343,7 +343,7 @@ def test_ulysses_overhead_is_a_line_in_bytes_priced_as_if_alone() -> None:
     assert links[4].seconds(1000.0) == pytest.approx(0.004)
     assert links[4].seconds(3000.0) == pytest.approx(0.005)
     # Noise: an overhead that shrinks with size, or a negative one, is flat and not below 0.
-    flat = dict(train_tune._ulysses_links([(2, 1000.0, 0.006, 0.002),
+    flat = dict(tune_runs._ulysses_links([(2, 1000.0, 0.006, 0.002),
                                            (2, 3000.0, 0.001, 0.002)], cores=None))[2]
     assert flat.seconds(0.0) == pytest.approx(0.002) == flat.seconds(1e6)
 
@@ -369,5 +369,15 @@ def test_contention_slows_layouts_that_keep_more_ranks_busy() -> None:
 
 def test_measured_actions_are_priced_as_if_they_ran_alone() -> None:
     records = {0: [("0F0", 0.0, 2.0)], 1: [("1F0", 0.0, 2.0), ("1B0", 2.0, 3.0)]}
-    alone = train_tune._alone(records, cores=1)
+    alone = tune_runs._alone(records, cores=1)
     assert alone == {0: [("0F0", 0.0, 1.0)], 1: [("1F0", 0.0, 1.0), ("1B0", 2.0, 3.0)]}
+
+
+def test_the_tuners_names_still_import_from_their_old_modules():
+    from meshpipe.schedules import ranking
+    from meshpipe.schedules import tune as old_ranking
+    from meshpipe.train import tune as old_tuner
+
+    assert old_tuner.tune is tuner.tune and old_tuner.config_for is tune_runs.config_for
+    assert old_tuner.layer_curve is tune_profile.layer_curve
+    assert old_ranking.rank_layouts is ranking.rank_layouts

@@ -236,7 +236,7 @@ _TUNED_FIELDS = ("pp", "vpp", "dp", "cp_ulysses", "cp_ring", "schedule", "placem
 
 
 def _memory_size(text: str) -> int:
-    from meshpipe.schedules.tune import TuneError, parse_bytes
+    from meshpipe.schedules.ranking import TuneError, parse_bytes
 
     try:
         return parse_bytes(text)
@@ -272,10 +272,11 @@ def _add_tune_parser(commands) -> None:
 
 def _tune(args: argparse.Namespace, out: TextIO) -> int:
     """Tune, print the table; exit status 1 if the measuring run failed."""
-    from meshpipe.schedules.tune import table
+    from meshpipe.schedules.ranking import table
     from meshpipe.train.launch import LaunchError, reports_for_the_job
     from meshpipe.train.toml_config import to_toml
-    from meshpipe.train.tune import config_for, tune
+    from meshpipe.train.tune_runs import config_for
+    from meshpipe.train.tuner import tune
 
     chosen = [f"--{name.replace('_', '-')}" for name in _TUNED_FIELDS if hasattr(args, name)]
     if chosen:

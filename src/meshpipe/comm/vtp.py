@@ -1,4 +1,4 @@
-"""Pipeline messages between stages of different tensor-parallel sizes (seed 001's VTP).
+"""Pipeline messages between stages of different tensor-parallel sizes (VTP).
 
 ``stage_ranks[s]`` lists the global ranks of pipeline position ``s`` (its tensor-parallel
 ranks, in tp-rank order). Tensor parallelism makes a stage's output identical on all its

@@ -4,8 +4,8 @@ A chunk speaks pipeline messages: the first takes ``(tokens, positions, doc_ids)
 chunk but the last returns ``(hidden, positions, doc_ids)`` for the next one, and the last
 returns logits. A model with mixture-of-experts layers adds the running load-balancing loss
 (a scalar) to every message: ``(hidden, positions, doc_ids, aux)``, and ``(logits, aux)``
-from the last chunk. ``positions`` and ``doc_ids`` may be None; int64 tensors and None travel beside
-the float activations (the multi-tensor message of seed 000).
+from the last chunk. ``positions`` and ``doc_ids`` may be None; int64 tensors and None
+travel beside the float activations in one message.
 
 Chunks reuse the model's own submodules, so on one process chaining them is the model, and
 their parameter names are the full model's names (``layers.5.mlp.w_up.weight`` on whichever

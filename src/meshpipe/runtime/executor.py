@@ -9,9 +9,9 @@ state"; it dispatches each action to a handler:
 - ``F`` / ``B`` / ``I`` / ``W`` run the stage, waiting on the parked handle (or taking the
   local hand-over from a neighbouring stage on this rank);
 - ``SEND_F`` / ``SEND_B`` post a send; a sent forward output's storage is released at once
-  (seed 003's deallocation: the transport sends from its own packed copy, and the autograd
-  graph stays usable);
-- ``OVERLAP`` co-schedules its forward half and its backward half (seed 002): both messages
+  (the transport sends from its own packed copy, and the autograd graph stays usable: the
+  memory of activations in flight is not held twice);
+- ``OVERLAP`` co-schedules its forward half and its backward half: both messages
   are taken first, then the sub-steps of the two alternate, so each exchange one of them
   posts (an expert-parallel all-to-all) travels while the other computes. A module without
   sub-steps runs F then B, with a one-time notice that nothing is overlapped. The optional
@@ -153,8 +153,8 @@ class _Planned(NamedTuple):
 class OverlapHooks:
     """Callables run around the halves of every OVERLAP action, each given that half (an F or
     a B action): ``pre_forward`` and ``pre_backward`` before the co-scheduled compute (in that
-    order), ``post_forward`` and ``post_backward`` after it (seed 002's hooks; e.g. to post
-    or wait for pipeline messages around the combined step)."""
+    order), ``post_forward`` and ``post_backward`` after it (e.g. to post or wait for
+    pipeline messages around the combined step)."""
 
     pre_forward: Callable[[Action], None] | None = None
     pre_backward: Callable[[Action], None] | None = None

@@ -150,7 +150,7 @@ def low_precision_tolerance(dtype_name: str,
 class DynamicLossScaler:
     """fp16 dynamic loss scaling whose skip decision every rank of a pipeline shares.
 
-    ``scale_loss`` is the last stage's ``grad_scale_fn`` (seed 000's ``grad_scale_func``):
+    ``scale_loss`` is the last stage's ``grad_scale_fn``:
     backward then produces gradients ``scale`` times too large, which keeps small float16
     gradients above underflow. ``unscale_`` divides them back and finds any inf or NaN;
     one all-reduce (MAX) makes the verdict the same on every rank, since the stage that

@@ -1,7 +1,7 @@
 """One pipeline stage: a model chunk with forward, full backward and split backward per microbatch.
 
-Messages between stages are pytrees of tensors and small Python values. Backward follows
-the multi-tensor semantics of seed 000:
+Messages between stages are pytrees of tensors and small Python values. Backward with
+several tensors in and out of a stage:
 
 - only outputs that require grad take part; the gradients given for the others are ignored
   (and may be None);
@@ -180,7 +180,7 @@ class Stage:
     """One model chunk of a pipeline: runs forward and backward actions per microbatch.
 
     ``loss_fn(output, target)`` (last stage) must return a scalar tensor. ``grad_scale_fn``
-    maps the scaled loss to the tensor whose backward is taken (seed 000's grad-scale hook).
+    maps the scaled loss to the tensor whose backward is taken (a loss scaler's hook).
     """
 
     def __init__(self, module: nn.Module, index: int, num_stages: int, *,
@@ -596,7 +596,7 @@ class Stage:
     # ------------------------------------------------------------------ memory
 
     def release_output(self, microbatch: int) -> None:
-        """Free the storage of this microbatch's outputs once they are sent (seed 003).
+        """Free the storage of this microbatch's outputs once they are sent.
 
         The next stage holds its own copy, and backward only needs the outputs' autograd
         nodes, which stay. Only an output that a differentiable op produced (one with a

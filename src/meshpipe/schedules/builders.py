@@ -3,10 +3,10 @@
 ``SCHEDULE_SPECS`` records each schedule once, beside its builder: its name, how many stages
 a rank holds, the placement it runs on, whether its backward is split, and what it equals
 at one stage per rank. ``build``, the config, ``compare`` and the tuner read these instead
-of keeping name lists of their own; ``SCHEDULES`` is their names. The closed-form orders of GPipe and 1F1B (one stage per rank) live here; see
-``interleaved`` for interleaved and combined 1F1B, ``zero_bubble`` for ZB-H1, ZB-V and
-DualPipeV, and ``list_scheduler`` for 1F1B on placements where a rank holds several stages
-(GPipe runs those breadth first).
+of keeping name lists of their own; ``SCHEDULES`` is their names. The closed-form orders of
+GPipe and 1F1B (one stage per rank) live here; see ``interleaved`` for interleaved and
+combined 1F1B, ``zero_bubble`` for ZB-H1, ZB-V and DualPipeV, and ``list_scheduler`` for
+1F1B on placements where a rank holds several stages (GPipe runs those breadth first).
 """
 
 from __future__ import annotations

@@ -414,7 +414,7 @@ class Trainer:
 
     def _packed_microbatches(self, batch):
         """Each microbatch one packed row (``sources.packed_rows``): this rank's piece of
-        every document (seed 004's packed split over the ring, then Ulysses), with each
+        every document (each document split contiguously over the ring, then Ulysses), with each
         token's position inside its document and its document id, so that attention applies
         the block-diagonal causal mask without materialising it here."""
         config = self.config

@@ -1,10 +1,10 @@
 """How well ``meshpipe tune`` predicts: its top picks' predicted step time against the
 step time ``meshpipe train`` measures for them on this machine.
 
-    .venv/bin/python benchmarks/tune.py                # about 2-3 min on 2 cores
-    .venv/bin/python benchmarks/tune.py --picks 5 --steps 10 --dim 256
+    .venv/bin/python benchmarks/tune_picks.py                # about 2-3 min on 2 cores
+    .venv/bin/python benchmarks/tune_picks.py --picks 5 --steps 10 --dim 256
 
-It tunes the reference transformer for ``--world-size`` processes (``meshpipe.train.tune``:
+It tunes the reference transformer for ``--world-size`` processes (``meshpipe.train.tuner``:
 a short measured run of its base layout, then every layout simulated), then trains each of
 the ``--picks`` fastest predicted layouts (skipping a layout that only renames the schedule
 of an earlier pick at the same predicted time) with ``meshpipe.train.run`` (local gloo processes,
@@ -18,7 +18,7 @@ The tuner's base layout (the one it measured and fitted to) is trained in the sa
 its measured / predicted says how far the machine moved between the tuner's run and the
 benchmark's (the tuner predicts its base layout at what it measured).
 
-Writes ``<out>/tune.json`` and ``<out>/tune.md`` (default ``benchmarks/results``).
+Writes ``<out>/tune_picks.json`` and ``<out>/tune_picks.md`` (default ``benchmarks/results``).
 Benchmarks print and record; they never assert a time.
 """
 
@@ -35,10 +35,11 @@ from pathlib import Path
 
 from common import load_average
 
-from meshpipe.schedules.tune import Prediction, table
+from meshpipe.schedules.ranking import Prediction, table
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.trainer import run
-from meshpipe.train.tune import config_for, tune
+from meshpipe.train.tune_runs import config_for
+from meshpipe.train.tuner import tune
 
 WARMUP_STEPS = 2
 
@@ -140,17 +141,17 @@ def main(argv: list[str] | None = None) -> None:
     markdown = to_markdown(rows)
     print(markdown)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tune.json").write_text(json.dumps(
+    (args.out / "tune_picks.json").write_text(json.dumps(
         {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
          "load_average": {"before": load_before, "after": load_average()},
          "arguments": {k: str(v) for k, v in vars(args).items()},
          "measurement": asdict(result.measurement), "profile": asdict(result.profile),
          "tuner_table": ranking, "picks": rows}, indent=2))
-    (args.out / "tune.md").write_text(
+    (args.out / "tune_picks.md").write_text(
         f"Tuner's top {args.picks}:\n\n{ranking}\n"
         f"Predicted vs measured (median of {args.rounds} rounds; `base`: the layout the "
         f"tuner measured, at the step it measured):\n\n{markdown}")
-    print(f"wrote {args.out / 'tune.json'} and .md")
+    print(f"wrote {args.out / 'tune_picks.json'} and .md")
 
 
 if __name__ == "__main__":
