@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshpipe.comm.p2p import MessageMismatchError, average_messages
-from meshpipe.comm.vtp import (STOP_NOTICE_KEY, FanoutTransport, VTPTransport, is_stop_notice,
-                               linked_ranks)
+from meshpipe.comm.transport import stop_notice
+from meshpipe.comm.vtp import FanoutTransport, VTPTransport, is_stop_notice, linked_ranks
 from meshpipe.runtime import Executor, ExecutorError, Stage
 from meshpipe.schedules import build
 from meshpipe.testing import run_distributed
@@ -224,7 +224,7 @@ def test_a_stop_notice_crosses_a_fan_in(mode):
 
 
 def test_average_messages_passes_a_stop_notice_through_and_names_differences():
-    notice = {STOP_NOTICE_KEY: {"rank": 1, "reason": "boom"}}
+    notice = stop_notice(1, "boom")
     real = (torch.ones(2), 3)
     assert is_stop_notice(notice) and not is_stop_notice({"x": 1})
     assert average_messages([real, notice], [0, 1], "m", rank=2,
@@ -236,7 +236,22 @@ def test_average_messages_passes_a_stop_notice_through_and_names_differences():
     assert mean[1] == 3
 
 
-def test_the_stop_notice_key_is_the_executors():
-    from meshpipe.runtime import executor
+def _transports_implement_the_protocol(rank, world_size):
+    from meshpipe.comm.p2p import P2PTransport
+    from meshpipe.comm.transport import Transport
 
-    assert executor._STOP_KEY == STOP_NOTICE_KEY
+    stage_ranks = [[0], [1]]
+    transports = [P2PTransport(timeout=9.0), VTPTransport(stage_ranks, timeout=9.0),
+                  FanoutTransport(stage_ranks, timeout=9.0)]
+    return [(type(t).__name__, isinstance(t, Transport), t.timeout) for t in transports]
+
+
+def test_every_transport_offers_what_the_executor_is_typed_for():
+    import typing
+
+    from meshpipe.comm.transport import Transport
+    from meshpipe.runtime.executor import Executor
+
+    assert typing.get_type_hints(Executor.__init__)["transport"] is Transport
+    for name, implements, timeout in run_distributed(2, _transports_implement_the_protocol)[0]:
+        assert implements and timeout == 9.0, name

@@ -40,6 +40,8 @@ from meshpipe.comm.p2p import (
     average_messages,
     remaining,
 )
+from meshpipe.comm.transport import STOP_NOTICE_KEY  # noqa: F401 - where it was imported
+from meshpipe.comm.transport import is_stop_notice
 from meshpipe.comm.wire import (
     HEADER_NUMEL,
     ROOT_FAILED_SLOT,
@@ -54,15 +56,6 @@ from meshpipe.comm.wire import (
     layout_for,
     pack,
 )
-
-# The executor's stop notice (meshpipe.runtime.executor): a message standing in for one that
-# will never come. A fan-in that receives one from any link returns it instead of averaging.
-STOP_NOTICE_KEY = "meshpipe.executor.stopped"
-
-
-def is_stop_notice(message: Any) -> bool:
-    """Whether ``message`` is the executor's stop notice (a one-key dict)."""
-    return isinstance(message, dict) and message.keys() == {STOP_NOTICE_KEY}
 
 
 def validate_stages(stage_ranks: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
@@ -238,6 +231,11 @@ class VTPTransport:
     def wait_sends(self, timeout: float | None = None) -> None:
         """Wait for every send this rank posted and has not waited."""
         self.p2p.wait_sends(timeout)
+
+    @property
+    def timeout(self) -> float | None:
+        """The default timeout of every wait (the inner transport's)."""
+        return self.p2p.timeout
 
     def flush(self) -> None:
         """Issue the queued operations (batched mode; see ``P2PTransport.flush``)."""

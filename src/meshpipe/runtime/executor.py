@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from meshpipe.comm.p2p import P2PConnectionError, P2PTransport
+from meshpipe.comm.p2p import P2PConnectionError
+from meshpipe.comm.transport import Transport, is_stop_notice, stop_notice, stopped_by
 from meshpipe.runtime import activity
 from meshpipe.runtime.stage import Stage, Task
 from meshpipe.runtime.substeps import co_schedule, drain
@@ -67,8 +68,6 @@ class PeerFailedError(ExecutorError):
         self.reason = reason
 
 
-# The only key of a stop notice: a message sent in place of one that will never come.
-_STOP_KEY = "meshpipe.executor.stopped"
 # A rank stopped by a peer waits at most this long (and at most its receive timeout) for its
 # own stop notices to be received before raising.
 _STOP_NOTICE_DELIVERY_S = 5.0
@@ -94,10 +93,6 @@ class _PeerStopped(Exception):
         self.peer = peer
         self.failed_rank = failed_rank
         self.reason = reason
-
-
-def _is_stop_notice(message: Any) -> bool:
-    return isinstance(message, dict) and message.keys() == {_STOP_KEY}
 
 
 def _await_stop_notices(first_notices: dict[int, Any], skip: set[int], patience: float) -> None:
@@ -202,7 +197,7 @@ class Executor:
     """
 
     def __init__(self, schedule: Schedule, stages: Mapping[int, Stage], *, pp_rank: int,
-                 pipeline_ranks: Sequence[int], transport: P2PTransport,
+                 pipeline_ranks: Sequence[int], transport: Transport,
                  recv_timeout: float | None = None, overlap_hooks: OverlapHooks | None = None):
         self.schedule = schedule if schedule.is_lowered else lower(schedule)
         validate(self.schedule)
@@ -221,9 +216,6 @@ class Executor:
         self.recv_timeout = recv_timeout
         self.overlap_hooks = overlap_hooks or OverlapHooks()
         self.actions = self.schedule.ranks[pp_rank]
-        # A transport that queues posted operations (P2PTransport(mode="batched")) issues
-        # them in flush(): once after each run of consecutive SEND/RECV actions.
-        self._flush = getattr(transport, "flush", None)
         self._failure: str | None = None
         self._computes: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
@@ -250,8 +242,10 @@ class Executor:
         is_send = action.kind in (Kind.SEND_F, Kind.SEND_B)
         peer = self._global_rank_of_stage(message.receiver if is_send else message.sender)
         last_of_run = index + 1 == len(self.actions) or not self.actions[index + 1].kind.is_comm
+        # A transport that queues posted operations (P2PTransport(mode="batched")) issues
+        # them in flush(): once after each run of consecutive SEND/RECV actions.
         return _Planned(action, text, partial(self._comms[action.kind], action, message, peer),
-                        self._flush is not None and last_of_run)
+                        last_of_run)
 
     def _check_stages(self, stages: Mapping[int, Stage], pp_rank: int) -> None:
         """The given stages are exactly the ones the schedule places here, built for it."""
@@ -377,7 +371,7 @@ class Executor:
                                 action=planned.text):
                 planned.run()
                 if planned.flush:
-                    self._flush()
+                    self.transport.flush()
         except _PeerStopped as stop:
             raise PeerFailedError(self._describe(index, action) + f": {stop}", peer=stop.peer,
                                   failed_rank=stop.failed_rank, reason=stop.reason) from None
@@ -406,13 +400,12 @@ class Executor:
         the transport lives.
         """
         if isinstance(error, PeerFailedError):
-            notice = {_STOP_KEY: {"rank": error.failed_rank, "reason": error.reason}}
+            notice = stop_notice(error.failed_rank, error.reason)
             _await_stop_notices(self._post_stop_notices(notice),
                                 skip={error.peer, error.failed_rank},
                                 patience=self._stop_notice_patience())
             return
-        notice = {_STOP_KEY: {"rank": self.pipeline_ranks[self.pp_rank],
-                              "reason": self._failure}}
+        notice = stop_notice(self.pipeline_ranks[self.pp_rank], self._failure)
         first_notices = self._post_stop_notices(notice)
         if first_notices:
             threading.Thread(target=_await_stop_notices, name="meshpipe-stop-notices",
@@ -437,19 +430,17 @@ class Executor:
                 unreachable.add(peer)
                 continue
             first_notices.setdefault(peer, handle)
-        if self._flush is not None:
-            try:
-                self._flush()
-            except Exception:  # noqa: BLE001 - best effort, as above
-                pass
+        try:
+            self.transport.flush()
+        except Exception:  # noqa: BLE001 - best effort, as above
+            pass
         return first_notices
 
     def _stop_notice_patience(self) -> float:
         """How long to wait for the peers to take the stop notices: a few seconds, at most
         the receive timeout."""
-        transport_timeout = getattr(self.transport, "timeout", None)  # VTPTransport has none
         return min(_STOP_NOTICE_DELIVERY_S,
-                   self.recv_timeout or transport_timeout or _STOP_NOTICE_DELIVERY_S)
+                   self.recv_timeout or self.transport.timeout or _STOP_NOTICE_DELIVERY_S)
 
     def _owed_sends(self) -> list[_Message]:
         """Every message of this step not sent yet, in order."""
@@ -508,9 +499,8 @@ class Executor:
         with activity.waiting(f"{what} of stage {key[0]} microbatch {key[1]}", peer=item.peer,
                               label=item.label):
             message = item.handle.wait(self.recv_timeout)
-        if _is_stop_notice(message):
-            stopped = message[_STOP_KEY]
-            raise _PeerStopped(item.peer, item.label, stopped["rank"], stopped["reason"])
+        if is_stop_notice(message):
+            raise _PeerStopped(item.peer, item.label, *stopped_by(message))
         return message
 
     def _timed(self, action: Action, compute: Callable[[], Any]) -> Any:

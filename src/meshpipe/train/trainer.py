@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from meshpipe.comm import ops
 from meshpipe.comm.p2p import P2PTransport
+from meshpipe.comm.transport import Transport
 from meshpipe.context.shards import hybrid_positions, packed_hybrid_positions
 from meshpipe.comm.vtp import FanoutTransport, VTPTransport
 from meshpipe.context import make_attention
@@ -313,7 +314,7 @@ class Trainer:
             return chunk
         return AutocastChunk(chunk, self.config.dtype, self.device.type)
 
-    def _transport(self) -> P2PTransport | VTPTransport | FanoutTransport:
+    def _transport(self) -> Transport:
         """The pipeline transport of the layout: each tp rank's own pipeline (uniform tp), or
         stages of different sizes linked through their roots or fanned out to every rank.
 
