@@ -75,6 +75,28 @@ _STOP_REASON_CHARS = 2000
 
 
 @dataclass
+class _StepState:
+    """What one step creates and drops at its end: its arguments, the messages taken and
+    owed, the sends posted so far (a failure owes the rest a stop notice), the result."""
+
+    inputs: Sequence[Any] | None
+    targets: Sequence[Any] | None
+    loss_scales: list[float]
+    forward_inbox: dict[tuple[int, int], Any] = field(default_factory=dict)
+    backward_inbox: dict[tuple[int, int], Any] = field(default_factory=dict)
+    outbox_forward: dict[tuple[int, int], Any] = field(default_factory=dict)
+    outbox_backward: dict[tuple[int, int], Any] = field(default_factory=dict)
+    sends_posted: int = 0
+    result: StepResult = field(default_factory=lambda: StepResult())
+    t0: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def idle(cls) -> _StepState:
+        """Between steps: nothing held."""
+        return cls(None, None, [])
+
+
+@dataclass
 class _PendingReceive:
     """A posted receive parked until the compute that consumes it."""
 
@@ -217,6 +239,7 @@ class Executor:
         self.overlap_hooks = overlap_hooks or OverlapHooks()
         self.actions = self.schedule.ranks[pp_rank]
         self._failure: str | None = None
+        self._now = _StepState.idle()  # what the step in progress holds
         self._computes: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
             Kind.B: self._backward,
@@ -294,10 +317,11 @@ class Executor:
         If the step fails, its error is raised and every later call raises an ExecutorError.
         """
         self._refuse_after_failure()
-        self._sends_posted = 0
         try:
             self._check_step_arguments(inputs, targets, loss_scales)
-            self._start(inputs, targets, loss_scales)
+            self._now = _StepState(inputs, targets, list(
+                loss_scales if loss_scales is not None
+                else [1.0 / self.num_microbatches] * self.num_microbatches))
             for index, planned in enumerate(self._plan):
                 self._run(index, planned)
             self._wait_for_sends()
@@ -308,8 +332,8 @@ class Executor:
                 raise
             raise stopped from error
         finally:
-            self._inputs = self._targets = None
-        return self._result
+            result, self._now = self._now.result, _StepState.idle()
+        return result
 
     def _peer_gone(self, error: Exception) -> PeerFailedError | None:
         """``error`` as a PeerFailedError where it only says that a peer closed its connection.
@@ -350,18 +374,6 @@ class Executor:
             "P2PTransport over a new process group (dist.new_group) and a new Executor (the "
             f"stages were reset and can be reused; zero their gradients). The step failed "
             f"with {self._failure}")
-
-    def _start(self, inputs, targets, loss_scales) -> None:
-        self._inputs = inputs
-        self._targets = targets
-        self._loss_scales = (loss_scales if loss_scales is not None
-                             else [1.0 / self.num_microbatches] * self.num_microbatches)
-        self._forward_inbox: dict[tuple[int, int], Any] = {}
-        self._backward_inbox: dict[tuple[int, int], Any] = {}
-        self._outbox_forward: dict[tuple[int, int], Any] = {}
-        self._outbox_backward: dict[tuple[int, int], Any] = {}
-        self._result = StepResult()
-        self._t0 = time.perf_counter()
 
     def _run(self, index: int, planned: _Planned) -> None:
         """Run one action; any failure becomes an error naming where it happened."""
@@ -445,7 +457,7 @@ class Executor:
     def _owed_sends(self) -> list[_Message]:
         """Every message of this step not sent yet, in order."""
         sends = [a for a in self.actions if a.kind in (Kind.SEND_F, Kind.SEND_B)]
-        return [_message_of(a) for a in sends[self._sends_posted:]]
+        return [_message_of(a) for a in sends[self._now.sends_posted:]]
 
     def _where(self) -> str:
         return f"pipeline rank {self.pp_rank} (global rank {self.pipeline_ranks[self.pp_rank]})"
@@ -504,12 +516,12 @@ class Executor:
         return message
 
     def _timed(self, action: Action, compute: Callable[[], Any]) -> Any:
-        start = time.perf_counter() - self._t0
+        start = time.perf_counter() - self._now.t0
         value = compute()
-        end = time.perf_counter() - self._t0
-        self._result.timeline.append(TimedAction(self.pp_rank, action, start, end))
+        end = time.perf_counter() - self._now.t0
+        self._now.result.timeline.append(TimedAction(self.pp_rank, action, start, end))
         live = sum(stage.live_microbatches for stage in self.stages.values())
-        self._result.peak_live_activations = max(self._result.peak_live_activations, live)
+        self._now.result.peak_live_activations = max(self._now.result.peak_live_activations, live)
         return value
 
     def _forward(self, action: Action) -> None:
@@ -518,8 +530,8 @@ class Executor:
 
     def _forward_message(self, action: Action) -> Any:
         s, m = action.stage, action.microbatch
-        return (self._inputs[m] if s == 0
-                else self._take(self._forward_inbox, (s, m), "forward input"))
+        return (self._now.inputs[m] if s == 0
+                else self._take(self._now.forward_inbox, (s, m), "forward input"))
 
     def _forward_task(self, action: Action, message: Any) -> Task:
         """The forward of ``action`` on ``message``, yielding while its exchanges travel; its
@@ -527,33 +539,33 @@ class Executor:
         s, m = action.stage, action.microbatch
         stage = self.stages[s]
         forward_only = self.schedule.forward_only
-        target = self._targets[m] if stage.is_last and self._targets is not None else None
+        target = self._now.targets[m] if stage.is_last and self._now.targets is not None else None
         output = yield from stage.forward_steps(
-            m, message, target=target, loss_scale=self._loss_scales[m],
+            m, message, target=target, loss_scale=self._now.loss_scales[m],
             keep_for_backward=not forward_only)
         if stage.is_last:
             if stage.computes_loss(target, keep_for_backward=not forward_only):
                 output, loss = output
-                self._result.losses.append(float(loss))
+                self._now.result.losses.append(float(loss))
             if forward_only:
-                self._result.outputs.append(output)
+                self._now.result.outputs.append(output)
         elif self._is_local(s + 1):
-            self._forward_inbox[(s + 1, m)] = output
+            self._now.forward_inbox[(s + 1, m)] = output
         else:
-            self._outbox_forward[(s, m)] = output
+            self._now.outbox_forward[(s, m)] = output
 
     def _output_grads(self, s: int, m: int) -> Any:
         if self.stages[s].is_last:
             return None
-        return self._take(self._backward_inbox, (s, m), "output gradient")
+        return self._take(self._now.backward_inbox, (s, m), "output gradient")
 
     def _deliver_input_grads(self, s: int, m: int, grads: Any) -> None:
         if s == 0:
             return
         if self._is_local(s - 1):
-            self._backward_inbox[(s - 1, m)] = grads
+            self._now.backward_inbox[(s - 1, m)] = grads
         else:
-            self._outbox_backward[(s, m)] = grads
+            self._now.outbox_backward[(s, m)] = grads
 
     def _backward(self, action: Action) -> None:
         """A full backward (B) or its input-gradient half (I): both pass gradients on."""
@@ -601,23 +613,23 @@ class Executor:
                           "(meshpipe.runtime.substeps) to overlap them", stacklevel=3)
 
     def _send_forward(self, action: Action, message: _Message, peer: int) -> None:
-        self._post_send(action, message, peer, self._outbox_forward)
+        self._post_send(action, message, peer, self._now.outbox_forward)
         if not self.schedule.forward_only:
             self.stages[action.stage].release_output(action.microbatch)
 
     def _send_backward(self, action: Action, message: _Message, peer: int) -> None:
-        self._post_send(action, message, peer, self._outbox_backward)
+        self._post_send(action, message, peer, self._now.outbox_backward)
 
     def _post_send(self, action: Action, message: _Message, peer: int, outbox: dict) -> None:
         self.transport.post_send(outbox.pop((action.stage, action.microbatch)), peer,
                                  label=message.label, channel=message.channel)
-        self._sends_posted += 1
+        self._now.sends_posted += 1
 
     def _recv_forward(self, action: Action, message: _Message, peer: int) -> None:
-        self._forward_inbox[(action.stage, action.microbatch)] = self._post_recv(message, peer)
+        self._now.forward_inbox[(action.stage, action.microbatch)] = self._post_recv(message, peer)
 
     def _recv_backward(self, action: Action, message: _Message, peer: int) -> None:
-        self._backward_inbox[(action.stage, action.microbatch)] = self._post_recv(message, peer)
+        self._now.backward_inbox[(action.stage, action.microbatch)] = self._post_recv(message, peer)
 
     def _post_recv(self, message: _Message, peer: int) -> _PendingReceive:
         handle = self.transport.post_recv(peer, label=message.label, channel=message.channel)
