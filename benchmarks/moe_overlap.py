@@ -125,7 +125,7 @@ REAL_LAYOUTS = (  # (pp, vpp, sequential counterpart of combined-1f1b)
 def _exchanges_per_rank_step(config: TrainConfig) -> int:
     """Exchanges one rank posts in a step: dispatch + combine per MoE layer, forward and
     backward, per microbatch (the most loaded pipeline rank)."""
-    from meshpipe.train.trainer import build_schedule, layers_per_stage
+    from meshpipe.train.plan import build_schedule, layers_per_stage
 
     schedule = build_schedule(config)
     per_stage = layers_per_stage(config, schedule)

@@ -54,9 +54,9 @@ def _audited_step(rank, world_size, config):
         inputs, targets = trainer.microbatches(trainer.train_data, 0)
         result = trainer.executor.step(inputs, targets)
         trainer._moe_metrics()
-        trainer._reduce_gradients()
-        norm = trainer._grad_norm()
-        trainer._clip(norm)
+        trainer.gradients.reduce()
+        norm = trainer.gradients.norm()
+        trainer.gradients.clip(norm)
     return result.loss, norm
 
 

@@ -17,14 +17,15 @@ from meshpipe.train.config import TrainConfig
 from meshpipe.train import checkpoint
 from meshpipe.train.resume import ResumePlan
 from meshpipe.train.sources import reference_step as reference_gradients
-from meshpipe.train.trainer import Trainer, compare_with_single_process, lr_at
+from meshpipe.train.parity import compare_with_single_process
+from meshpipe.train.trainer import Trainer, lr_at
 
 SMALL = dict(dim=32, layers=4, heads=4, kv_heads=2, seq_len=16, microbatch_size=2, steps=4,
              eval_every=0, timeline_step=0, progress=False)
 
 
 def _check_first_step(rank, world_size, config):
-    return Trainer(config)._parity_check()
+    return Trainer(config).check_first_step()
 
 
 LAYOUTS = {

@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 
 from meshpipe.comm import ops
 from meshpipe.parallel import shard_dim, tp_rank_and_size
+from meshpipe.runtime import activity
 from meshpipe.runtime.precision import DynamicLossScaler
 
 FORMAT = 1
@@ -359,3 +360,39 @@ def read_model_weights(directory: Path) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, checkpoint_id=str(directory), no_dist=True)
     return {key.removeprefix("model."): tensor for key, tensor in state.items()}
+
+
+class Checkpointer:
+    """A run's saves and its resume, marked in the rank's activity record with ``patience``
+    seconds (a save or load of a large model is slow, not hung). ``saved_step`` is the
+    newest step on disk of this run (``start - 1`` after a resume from ``start``)."""
+
+    def __init__(self, root: Path, parameters: NamedParameters,
+                 optimizer: torch.optim.Optimizer, tp_group: dist.ProcessGroup | None,
+                 scaler: DynamicLossScaler | None, *, config: dict[str, Any], run_id: str,
+                 keep: int, patience: float, after_write: Callable[[], None] | None = None):
+        self.root = Path(root)
+        self.parameters = parameters
+        self.optimizer = optimizer
+        self.tp_group = tp_group
+        self.scaler = scaler
+        self.config = config
+        self.run_id = run_id
+        self.keep = keep
+        self.patience = patience
+        self.after_write = after_write
+        self.saved_step = -1
+
+    def load(self, directory: Path, start_step: int) -> None:
+        with activity.doing("loading the checkpoint", limit=self.patience):
+            load(directory, self.parameters, self.optimizer, self.tp_group, self.scaler)
+        self.saved_step = start_step - 1
+
+    def save(self, step: int) -> None:
+        """The checkpoint of ``step``, written whole or not at all (``save``)."""
+        with activity.doing(f"saving the checkpoint of step {step}", limit=self.patience,
+                            action="checkpoint save"):
+            save(self.root, self.parameters, self.optimizer, step, self.tp_group, self.scaler,
+                 config=self.config, run_id=self.run_id, keep=self.keep,
+                 after_write=self.after_write)
+        self.saved_step = step

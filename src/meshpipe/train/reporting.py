@@ -1,0 +1,109 @@
+"""What a run reports: each step's metrics record and progress-bar text, the measured
+timeline of one step (a picture and a Chrome trace, with its bubble beside the simulated one)
+and, at the end, ``metrics.json`` with the whole history and a one-line summary.
+
+Only rank 0 writes and prints; every rank sends its actions' times for the timeline step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from meshpipe.schedules import Schedule
+from meshpipe.schedules.costs import fit_costs
+from meshpipe.schedules.render import to_png, write_chrome_trace
+from meshpipe.schedules.simulator import simulate
+from meshpipe.schedules.timeline import Timeline
+from meshpipe.train.config import TrainConfig
+from meshpipe.train.metrics import FILE_NAME as METRICS_FILE
+from meshpipe.train.metrics import dumps
+from meshpipe.train.metrics import read as read_metrics
+
+
+def step_record(config: TrainConfig, step: int, stats: Any, lr: float,
+                loss_scale: float | None) -> tuple[dict[str, Any], str]:
+    """The metrics record of one step and its progress-bar text."""
+    tokens_per_s = config.tokens_per_step / stats.seconds
+    record = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
+              "step_seconds": stats.seconds, "tokens_per_s": tokens_per_s}
+    if loss_scale is not None:
+        record.update(skipped=stats.skipped, loss_scale=loss_scale)
+    if stats.nonfinite:
+        record.update(skipped=True, nonfinite=True)
+    postfix = f"loss {stats.loss:.3f} | {tokens_per_s:,.0f} tok/s"
+    if stats.moe is not None:
+        record.update(stats.moe)
+        postfix += (f" | aux {stats.moe['moe_aux_loss']:.3f} | experts "
+                    f"{stats.moe['min_tokens_per_expert']}-"
+                    f"{stats.moe['max_tokens_per_expert']} tok"
+                    + (f", {stats.moe['dropped_tokens']} dropped"
+                       if config.moe_capacity_factor else ""))
+    return record, postfix
+
+
+def gather_timeline(records: list[tuple], pipeline_ranks: list[int],
+                    is_main: bool) -> Timeline | None:
+    """Every rank's ``(pp_rank, action, start, end)`` records of one step; rank 0's
+    pipeline as a measured timeline on rank 0, None elsewhere."""
+    gathered: list[Any] = [None] * dist.get_world_size() if is_main else None
+    dist.gather_object(records, gathered, dst=0)
+    if not is_main:
+        return None
+    return Timeline.from_records([r for rank in pipeline_ranks for r in gathered[rank]],
+                                 num_ranks=len(pipeline_ranks), seconds_per_unit=1.0)
+
+
+def draw_timeline(config: TrainConfig, timeline: Timeline, out: Path) -> str:
+    """Draw a measured step as a picture and a Chrome trace; the picture's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    title = (f"measured step: {config.schedule}, pp {config.pp}, "
+             f"{config.microbatches} microbatches")
+    to_png(timeline, out / "timeline.png", title=title)
+    write_chrome_trace(timeline, out / "timeline.trace.json")
+    return str(out / "timeline.png")
+
+
+def measured_bubble(timeline: Timeline, schedule: Schedule, step: int) -> dict[str, Any]:
+    """The bubble of a measured step beside the simulated bubble of the same schedule at
+    the costs fitted from that step (compute only, messages free): their difference is what
+    communication and the runtime add."""
+    costs = fit_costs(timeline, schedule.num_stages)
+    return {"step": step, "measured": timeline.bubble_ratio,
+            "simulated": simulate(schedule, costs).bubble_ratio,
+            "fitted_costs_s": {"forward": costs.forward, "backward": costs.backward,
+                               "backward_input": costs.backward_input,
+                               "backward_weight": costs.backward_weight}}
+
+
+def write_metrics(out: Path, metrics: dict[str, Any]) -> None:
+    """metrics.json: the whole history (earlier runs of a resumed one included), the
+    evaluations and a summary; the summary line on the terminal."""
+    records = read_metrics(out / METRICS_FILE)
+    history = [r for r in records if "loss" in r]
+    metrics["history"] = history
+    metrics["eval"] = [r for r in records if "val_loss" in r]
+    if history:
+        steady = [h["tokens_per_s"] for h in history[1:]] or [history[0]["tokens_per_s"]]
+        metrics["summary"] = {"first_loss": history[0]["loss"],
+                              "last_loss": history[-1]["loss"],
+                              "median_tokens_per_s": sorted(steady)[len(steady) // 2],
+                              "skipped_steps": sum(bool(h.get("skipped")) for h in history),
+                              "nonfinite_steps": sum(bool(h.get("nonfinite"))
+                                                     for h in history)}
+    (out / "metrics.json").write_text(dumps(metrics, indent=2))
+    summary = metrics.get("summary")
+    if summary:
+        first, last = summary["first_loss"], summary["last_loss"]
+        bubble = metrics.get("bubble")
+        bubbles = (f", bubble {100 * bubble['measured']:.1f}% measured vs "
+                   f"{100 * bubble['simulated']:.1f}% simulated" if bubble else "")
+        print(f"loss {_number(first)} -> {_number(last)} over {len(history)} steps, "
+              f"{summary['median_tokens_per_s']:,.0f} tokens/s{bubbles}; metrics in "
+              f"{out / 'metrics.json'}")
+
+
+def _number(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.3f}"
