@@ -25,7 +25,7 @@ from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, ca
 from meshpipe.runtime import DynamicLossScaler, autocast
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, encode, load_corpus
-from meshpipe.train import text_data
+from meshpipe.train import text_data, text_sampling, tokenizers
 
 VAL_FRACTION = 0.05
 
@@ -44,7 +44,7 @@ def num_layers(config: TrainConfig) -> int:
 
 @lru_cache(maxsize=None)
 def _tokenizer(model_dir: str, tokenizer_dir: str):
-    return text_data.resolve_tokenizer(model_dir, tokenizer_dir)
+    return tokenizers.resolve_tokenizer(model_dir, tokenizer_dir)
 
 
 def tokenizer(config: TrainConfig):
@@ -121,7 +121,7 @@ def samplers(config: TrainConfig, dp_rank: int) -> tuple[Any, Any]:
         return tuple(CorpusSampler(tokens, config.seq_len, batch, seed=seed, split=name)
                      for name in ("train", "val"))
     pad = tokenizer(config).pad_id
-    return tuple(text_data.TextSampler(split, config.seq_len, batch, seed=split_seed,
+    return tuple(text_sampling.TextSampler(split, config.seq_len, batch, seed=split_seed,
                                        pack=config.pack, pad_id=pad)
                  for split, split_seed in zip(dataset(config), (seed, seed + 1_000_003)))
 

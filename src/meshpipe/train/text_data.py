@@ -1,5 +1,5 @@
-"""The user's text (``meshpipe train --data PATH [--tokenizer DIR] [--pack]``): reading,
-tokenizing once into a cache, and a seekable sampler of document pieces.
+"""The user's text (``meshpipe train --data PATH [--tokenizer DIR] [--pack]``): reading, and
+tokenizing once into a cache (tokenizers in ``tokenizers``, sampling in ``text_sampling``).
 
 Reading: ``--data`` is a ``.txt`` file (documents separated by blank lines), a ``.jsonl``
 file (one ``{"text": ...}`` object per line) or a folder of them. Every mistake in the input
@@ -10,13 +10,6 @@ Tokenizing: the documents become one flat int32 token array plus int64 document 
 only memory-mapped, so every rank of a job shares one copy in the page cache. A cache entry
 is built in a temporary directory and renamed into place: a killed tokenization never
 leaves a half-written entry and, of concurrent writers, the first rename wins.
-
-Sampling: ``TextSampler.batch(step)`` is, like ``meshpipe.train.data.CorpusSampler``, a pure
-function of (seed, step): the same on every rank and after a resume, with no state to
-checkpoint. The infinite order of the data is a sequence of epochs, each a permutation
-seeded by (seed, epoch), so batch ``step`` is found by arithmetic instead of by replaying
-the earlier steps. Targets never cross a document boundary: a document's last token, like
-padding, has ``IGNORE_INDEX`` as its target.
 """
 
 from __future__ import annotations
@@ -36,121 +29,25 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
-from meshpipe.train.data import VOCAB_SIZE
+from meshpipe.train.tokenizers import Tokenizer
+# The tokenizers' names, where they were imported before they got a module of their own.
+from meshpipe.train.tokenizers import (TOKENIZER_FILES, ByteTokenizer,  # noqa: F401
+                                       HFTokenizer, has_tokenizer, resolve_tokenizer)
 
 IGNORE_INDEX = -100
 
 SUFFIXES = (".txt", ".jsonl")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-# Files of a model directory that never change what its tokenizer produces; hashing them
-# (gigabytes of weights) would make every start slow.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack",
-                   ".onnx")
 # Bumped when the reading rules or the cache layout change, so old entries are not reused.
 CACHE_FORMAT = 1
 PROGRESS_MIN_BYTES = 4 << 20
 ENCODE_BATCH_BYTES = 1 << 20
 ENCODE_BATCH_DOCS = 1024
 TEMP_PREFIX = ".tmp-"
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenizers
-
-
-class Tokenizer(Protocol):
-    """What the trainer needs of a tokenizer."""
-
-    name: str
-    vocab_size: int
-    eos_id: int | None
-    pad_id: int
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes: the ids of ``meshpipe.train.data.encode``, no end-of-document token."""
-
-    name = "bytes"
-    vocab_size = VOCAB_SIZE
-    eos_id = None
-    pad_id = 0
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [list(text.encode("utf-8")) for text in texts]
-
-
-class HFTokenizer:
-    """A tokenizer directory that ``transformers.AutoTokenizer`` loads offline.
-
-    Each document is encoded with the tokenizer's own special tokens (a Llama-style BOS
-    included) and ends with EOS, so a model trained on packed documents learns where one
-    ends.
-    """
-
-    def __init__(self, path: str | Path):
-        import transformers
-
-        directory = Path(path).resolve()
-        try:
-            self._tokenizer = transformers.AutoTokenizer.from_pretrained(
-                str(directory), local_files_only=True)
-        except Exception as err:  # transformers raises many types; the CLI wants one line
-            raise ValueError(f"cannot load the tokenizer in {directory}: "
-                             f"{_first_line(err)}") from err
-        self.name = f"hf:{directory}:{_fingerprint(directory)}"
-        self.vocab_size = len(self._tokenizer)
-        self.eos_id = self._tokenizer.eos_token_id
-        self.pad_id = next((i for i in (self._tokenizer.pad_token_id, self.eos_id)
-                            if i is not None), 0)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        encoded = self._tokenizer(texts, add_special_tokens=True, return_attention_mask=False,
-                                  return_token_type_ids=False, verbose=False)["input_ids"]
-        if self.eos_id is None:
-            return encoded
-        return [ids if ids and ids[-1] == self.eos_id else ids + [self.eos_id]
-                for ids in encoded]
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def _fingerprint(directory: Path) -> str:
-    """sha256 over the names and contents of the directory's files other than weights: a
-    tokenizer edited in place gets a new cache key."""
-    digest = hashlib.sha256()
-    for file in sorted(p for p in directory.iterdir()
-                       if p.is_file() and p.suffix.lower() not in WEIGHT_SUFFIXES):
-        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
-
-
-def has_tokenizer(directory: str | Path) -> bool:
-    """Whether ``directory`` holds a saved tokenizer."""
-    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
-
-
-def resolve_tokenizer(model_dir: str, tokenizer_dir: str) -> Tokenizer:
-    """``--tokenizer`` when given, else the ``--model``'s own tokenizer, else byte-level."""
-    if tokenizer_dir:
-        if not has_tokenizer(tokenizer_dir):
-            raise ValueError(f"--tokenizer {tokenizer_dir} holds no tokenizer (none of "
-                             f"{', '.join(TOKENIZER_FILES)}): give a directory written by a "
-                             "transformers tokenizer's save_pretrained")
-        return HFTokenizer(tokenizer_dir)
-    if model_dir and has_tokenizer(model_dir):
-        return HFTokenizer(model_dir)
-    return ByteTokenizer()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,145 +404,10 @@ class _TokenFile:
             self._handle.close()
 
 
-# ---------------------------------------------------------------------------------------------
-# Sampling
-
-
-@dataclass(frozen=True)
-class TextBatch:
-    """``tokens`` and ``targets`` [batch, seq_len] int64; ``targets`` holds the next token of
-    the same document piece, ``IGNORE_INDEX`` where there is none. With packing,
-    ``doc_lens`` gives each sequence's document-piece lengths in order (each sums to
-    seq_len); None without."""
-
-    tokens: torch.Tensor
-    targets: torch.Tensor
-    doc_lens: tuple[tuple[int, ...], ...] | None
-
-
-class TextSampler:
-    """Batches of ``batch_size`` sequences of ``seq_len`` tokens; ``batch(step)`` is a pure
-    function of (seed, step).
-
-    Without ``pack`` every document is cut into pieces of at most ``seq_len`` tokens, one
-    piece per sequence (padded with ``pad_id``); epoch ``e`` visits every piece once, in a
-    permutation seeded by (seed, e). With ``pack`` the epochs' permutations of whole
-    documents are concatenated into one endless stream and cut into consecutive windows of
-    ``seq_len`` tokens; ``doc_lens`` tells attention where each document piece starts.
-    """
-
-    def __init__(self, data: TokenizedData, seq_len: int, batch_size: int, *, seed: int = 0,
-                 pack: bool = False, pad_id: int = 0):
-        if seq_len < 1 or batch_size < 1:
-            raise ValueError(f"seq_len and batch_size must be positive, got {seq_len} and "
-                             f"{batch_size}")
-        if data.num_tokens == 0:
-            raise ValueError(f"this split of --data has {data.num_documents} documents and no "
-                             "tokens, so it cannot give a sequence: add text to --data")
-        self.data = data
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.seed = seed
-        self.pack = pack
-        self.pad_id = pad_id
-        self._offsets = np.asarray(data.offsets, dtype=np.int64)
-        self._doc_lengths = np.diff(self._offsets)
-        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        if not pack:
-            self._piece_starts, self._piece_lengths = self._pieces()
-
-    def batch(self, step: int) -> TextBatch:
-        """Batch number ``step``: identical on every rank and across restarts."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        first = step * self.batch_size
-        rows = range(first, first + self.batch_size)
-        if self.pack:
-            return self._packed_batch(rows)
-        return self._unpacked_batch(rows)
-
-    # -- epochs ------------------------------------------------------------------------------
-
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Epoch ``epoch``'s permutation of the units (pieces, or documents with ``pack``)
-        and, with ``pack``, the stream offset at which each of its documents starts.
-
-        The two most recent epochs are kept: a batch spans at most an epoch boundary
-        (unless the data is smaller than a batch)."""
-        if epoch not in self._epochs:
-            units = len(self._doc_lengths) if self.pack else len(self._piece_starts)
-            generator = np.random.default_rng([self.seed % 2**64, epoch])
-            order = generator.permutation(units)
-            starts = (np.concatenate([[0], np.cumsum(self._doc_lengths[order])])
-                      if self.pack else np.zeros(0, dtype=np.int64))
-            self._epochs[epoch] = (order, starts)
-            while len(self._epochs) > 2:
-                del self._epochs[min(self._epochs)]
-        return self._epochs[epoch]
-
-    # -- without packing ---------------------------------------------------------------------
-
-    def _pieces(self) -> tuple[np.ndarray, np.ndarray]:
-        """Start (into the token array) and length of every piece: document ``d`` gives
-        ``ceil(len_d / seq_len)`` pieces, all of ``seq_len`` tokens but its last."""
-        per_doc = -(-self._doc_lengths // self.seq_len)
-        doc = np.repeat(np.arange(len(per_doc)), per_doc)
-        first_piece = np.cumsum(per_doc) - per_doc
-        index_in_doc = np.arange(len(doc)) - first_piece[doc]
-        starts = self._offsets[doc] + index_in_doc * self.seq_len
-        lengths = np.minimum(self.seq_len, self._offsets[doc + 1] - starts)
-        return starts, lengths
-
-    def _unpacked_batch(self, rows: range) -> TextBatch:
-        tokens = np.full((len(rows), self.seq_len), self.pad_id, dtype=np.int64)
-        targets = np.full((len(rows), self.seq_len), IGNORE_INDEX, dtype=np.int64)
-        count = len(self._piece_starts)
-        for row, sequence in enumerate(rows):
-            epoch, index = divmod(sequence, count)
-            piece = self._epoch(epoch)[0][index]
-            start, length = int(self._piece_starts[piece]), int(self._piece_lengths[piece])
-            tokens[row, :length] = self.data.tokens[start:start + length]
-            targets[row, :length - 1] = tokens[row, 1:length]
-        return TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets), None)
-
-    # -- with packing ------------------------------------------------------------------------
-
-    def _packed_batch(self, rows: range) -> TextBatch:
-        tokens = np.empty((len(rows), self.seq_len), dtype=np.int64)
-        targets = np.empty_like(tokens)
-        doc_lens = []
-        for row, sequence in enumerate(rows):
-            sources, lengths = self._window(sequence * self.seq_len)
-            index = np.arange(self.seq_len) + np.repeat(
-                sources - (np.cumsum(lengths) - lengths), lengths)
-            tokens[row] = self.data.tokens[index]
-            targets[row, :-1] = tokens[row, 1:]
-            targets[row, np.cumsum(lengths) - 1] = IGNORE_INDEX
-            doc_lens.append(tuple(int(n) for n in lengths))
-        return TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets), tuple(doc_lens))
-
-    def _window(self, begin: int) -> tuple[np.ndarray, np.ndarray]:
-        """The document pieces of stream tokens ``[begin, begin + seq_len)``: where each
-        starts in the token array, and its length."""
-        total = self.data.num_tokens
-        end = begin + self.seq_len
-        sources, lengths = [], []
-        for epoch in range(begin // total, (end - 1) // total + 1):
-            low = max(begin, epoch * total) - epoch * total
-            high = min(end, (epoch + 1) * total) - epoch * total
-            piece_sources, piece_lengths = self._epoch_pieces(epoch, low, high)
-            sources.append(piece_sources)
-            lengths.append(piece_lengths)
-        return np.concatenate(sources), np.concatenate(lengths)
-
-    def _epoch_pieces(self, epoch: int, low: int, high: int) -> tuple[np.ndarray, np.ndarray]:
-        """The pieces of epoch ``epoch``'s tokens ``[low, high)``: every document that
-        overlaps the range, clipped to it."""
-        order, starts = self._epoch(epoch)
-        first = int(np.searchsorted(starts, low, side="right")) - 1
-        last = int(np.searchsorted(starts, high, side="left"))
-        piece_begin = np.maximum(starts[first:last], low)
-        piece_end = np.minimum(starts[first + 1:last + 1], high)
-        sources = self._offsets[order[first:last]] + (piece_begin - starts[first:last])
-        nonempty = piece_end > piece_begin  # documents without tokens give no piece
-        return sources[nonempty], (piece_end - piece_begin)[nonempty]
+def __getattr__(name: str) -> Any:
+    """The samplers where they were imported before they got a module of their own
+    (compatibility names, resolved on use: that module builds on this one)."""
+    if name in ("TextBatch", "TextSampler"):
+        from meshpipe.train import text_sampling
+        return getattr(text_sampling, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
