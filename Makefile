@@ -25,7 +25,7 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) $(GPU_VENV) out .pytest_cache .hypothesis
 
-# One command for a GPU machine (README "GPU check"). Nothing is installed or run unless
+# One command for a GPU machine (docs/gpu.md). Nothing is installed or run unless
 # nvidia-smi lists a GPU. The python is the first of: $(PY) (.venv) if its torch sees CUDA,
 # $(PYTHON) (python3 on PATH) if its torch (>= 2.6) sees CUDA, else $(GPU_VENV), created with
 # torch==2.13.0 from $(TORCH_INDEX_URL) (PyPI's Linux wheel is the CUDA build; for another

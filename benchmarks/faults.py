@@ -11,7 +11,7 @@ its log) or the signal was sent to the launcher's exit; for bad input and the re
 cases it is the whole command. "processes left" counts processes of the case still alive
 after the launcher exited (found by an environment tag). The cases are the ones
 tests/test_faults.py asserts on (tests/fault_cases.py). Results go to
-benchmarks/results/faults.json and faults.md; the README's "When something goes wrong"
+benchmarks/results/faults.json and faults.md; docs/when-something-goes-wrong.md
 shows the table.
 """
 

@@ -2,7 +2,7 @@
 one fault (``MESHPIPE_FAULT``), a signal, or bad input, and records how it ended.
 
 Shared by tests/test_faults.py (which asserts on each outcome) and benchmarks/faults.py
-(which prints the table of the README's "When something goes wrong").
+(which prints the table of docs/when-something-goes-wrong.md).
 """
 
 from __future__ import annotations
