@@ -4,6 +4,7 @@
   counts, also one inside a function, except inside a module-level ``__getattr__``: that is
   how a name that moved keeps working where users imported it, resolved only on use.
 - ``meshpipe.schedules`` is Python and numpy: none of its modules imports torch.
+- A module longer than ``LONG_MODULE`` lines says in its docstring why it is one module.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import ast
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent.parent / "src"
+LONG_MODULE = 500
+LENGTH_REASON = "One module because"
 
 
 def _modules() -> dict[str, Path]:
@@ -115,3 +118,16 @@ def test_schedules_import_no_torch():
             if torch:
                 offenders[module] = torch
     assert offenders == {}
+
+
+def test_every_long_module_says_why_it_is_one():
+    unexplained = {}
+    for module, path in _modules().items():
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > LONG_MODULE and LENGTH_REASON not in (ast.get_docstring(ast.parse(text))
+                                                         or ""):
+            unexplained[module] = lines
+    assert unexplained == {}, (
+        f"split these modules, or say in the docstring why each is one ('{LENGTH_REASON} "
+        f"...'): {unexplained}")

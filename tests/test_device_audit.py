@@ -53,7 +53,7 @@ def _audited_step(rank, world_size, config):
     with device_audit():
         inputs, targets = trainer.microbatches(trainer.train_data, 0)
         result = trainer.executor.step(inputs, targets)
-        trainer._moe_metrics()
+        trainer.experts.metrics()
         trainer.gradients.reduce()
         norm = trainer.gradients.norm()
         trainer.gradients.clip(norm)

@@ -155,3 +155,31 @@ def test_check_fails_when_a_gradient_is_missing():
     report = compare_with_single_process(config, loss, [grads])
     assert not report["passed"]
     assert report["mismatched"] == ["layers.1.attention.wq.weight"]
+
+
+def _train_from_plan(rank, world_size, plan):
+    """A rank given the launcher's plan builds from it: building a schedule here fails."""
+    from meshpipe.schedules import builders
+    from meshpipe.train import plan as plan_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank with a plan built a schedule")
+
+    saved = builders.build, plan_module.build
+    builders.build = plan_module.build = refuse
+    try:
+        trainer = Trainer(plan.config, plan=plan)
+        stats = trainer.train_step(0)
+    finally:
+        builders.build, plan_module.build = saved
+    return trainer.schedule is plan.schedule, stats.loss
+
+
+def test_ranks_build_from_the_launchers_plan_without_deciding_again(tmp_path):
+    from meshpipe.train.plan import plan_run
+
+    config = TrainConfig(**{**SMALL, "pp": 2, "schedule": "zb-v", "out_dir": str(tmp_path)})
+    plan = plan_run(config)
+    assert plan.layers == (1, 1, 1, 1) and plan.eval_schedule.forward_only
+    for from_plan, loss in run_distributed(2, _train_from_plan, plan):
+        assert from_plan and (loss is None or loss > 0)

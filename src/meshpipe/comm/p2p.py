@@ -61,6 +61,11 @@ Transports built on this one (:mod:`meshpipe.comm.vtp`) use its public hooks onl
 :meth:`P2PTransport.deadline`, :meth:`~P2PTransport.wait_work`,
 :meth:`~P2PTransport.count`, :meth:`~P2PTransport.carries_cpu`, :func:`remaining` and
 :func:`average_messages`.
+
+One module because the transport is one state machine: posting, batching, deferring and
+resolving receives share each peer's inbox, outbox, expected layouts and queued operations,
+and splitting them would expose that state to other modules; the handles and the averaging
+of fan-ins are the only parts that read it, through the transport.
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ that alternates between layouts sends each one's metadata once; :func:`layout_fo
 received header into its layout. The transports (:mod:`meshpipe.comm.p2p`,
 :mod:`meshpipe.comm.vtp`) decide when each part is sent; this module only says what is on
 the wire.
+
+One module because it is one format: the layout's encoding, the header and the packing of
+the payload are read and written together, and each part's byte offsets depend on the
+others'.
 """
 
 from __future__ import annotations

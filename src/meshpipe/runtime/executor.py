@@ -26,6 +26,10 @@ connections before the peers read them, so the transport is kept alive until eac
 its first notice (a few seconds at most). A peer that finds the connection closed anyway
 raises PeerFailedError naming the rank that closed it. A peer that never receives (a dead
 process) is still bounded by the receive timeout.
+
+One module because it is the one executor: every action's handler reads and writes the
+same per-step state (the inboxes, outboxes and sends posted that a failure turns into stop
+notices), which is what makes one generic loop run every schedule.
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ on the communication thread, and backward walks the pieces in reverse with the e
 reverse in between. ``forward_steps``/``backward_steps``/``backward_input_steps`` expose
 the pieces as tasks that yield while an exchange travels (what ``OVERLAP`` co-schedules);
 ``forward``/``backward``/``backward_input`` run them to their end.
+
+One module because forward, full backward, split backward and the sub-step runner share
+what a microbatch leaves behind (its saved graph, received leaves and outputs), and each
+must free it at the same points for the others to stay exact.
 """
 
 from __future__ import annotations

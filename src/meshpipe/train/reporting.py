@@ -1,5 +1,5 @@
-"""What a run reports: each step's metrics record and progress-bar text, the measured
-timeline of one step (a picture and a Chrome trace, with its bubble beside the simulated one)
+"""What a run reports: each step's metrics record and progress-bar text, the experts'
+statistics, the measured timeline of one step (a picture and a Chrome trace, with its bubble beside the simulated one)
 and, at the end, ``metrics.json`` with the whole history and a one-line summary.
 
 Only rank 0 writes and prints; every rank sends its actions' times for the timeline step.
@@ -10,7 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from meshpipe.comm import ops
 
 from meshpipe.schedules import Schedule
 from meshpipe.schedules.costs import fit_costs
@@ -42,6 +45,47 @@ def step_record(config: TrainConfig, step: int, stats: Any, lr: float,
                     + (f", {stats.moe['dropped_tokens']} dropped"
                        if config.moe_capacity_factor else ""))
     return record, postfix
+
+
+class ExpertStats:
+    """The mixture-of-experts layers' statistics of a step, over the whole job.
+
+    ``moe_index`` gives each local expert layer's global layer index (its place in the
+    step's counts)."""
+
+    def __init__(self, config: TrainConfig, stages: dict[int, Any], moe_index: dict[int, int],
+                 device: torch.device):
+        self.config = config
+        self.stages = stages
+        self.moe_index = moe_index
+        self.device = device
+
+    def take(self) -> list[tuple[int, Any]]:
+        """Each local expert layer's stats since the last call (global layer index, stats)."""
+        return [(self.moe_index[id(module)], module.take_stats())
+                for stage in self.stages.values() for module in stage.module.modules()
+                if id(module) in self.moe_index]
+
+    def metrics(self) -> dict[str, float] | None:
+        """The step's load-balancing loss (mean per microbatch, summed over layers), the
+        most and fewest picks any expert of any layer got, and the dropped picks, over the
+        whole job (one all-reduce on every rank); None without experts."""
+        if not self.moe_index:
+            return None
+        experts = self.config.moe_experts
+        counts = torch.zeros(len(self.moe_index) * experts + 2, dtype=torch.float64,
+                             device=self.device)
+        for index, stats in self.take():
+            counts[index * experts:(index + 1) * experts] += stats.tokens_per_expert.to(
+                counts.device, torch.float64)
+            counts[-2] += stats.dropped.to(counts.device, torch.float64)
+            counts[-1] += stats.aux_loss.to(counts.device)
+        ops.all_reduce(counts)
+        per_expert = counts[:-2]
+        return {"moe_aux_loss": counts[-1].item() / (self.config.dp * self.config.microbatches),
+                "max_tokens_per_expert": int(per_expert.max().item()),
+                "min_tokens_per_expert": int(per_expert.min().item()),
+                "dropped_tokens": int(counts[-2].item())}
 
 
 def gather_timeline(records: list[tuple], pipeline_ranks: list[int],

@@ -179,10 +179,9 @@ class Trainer:
             make_attention(self.topology.cp_ulysses_group, self.topology.cp_ring_group),
             my_stages, tp_group=self.tp_group, ep_group=self.topology.ep_group,
             token_group=self.topology.cp_group if config.layout.cp > 1 else None)
-        # Global layer index of each mixture-of-experts layer (its stats' place in a step).
-        self._moe_index = parts.moe_index
         self.scaler = DynamicLossScaler() if config.dtype == "fp16" else None
         self.stages = self._stages(parts.chunks, my_stages)
+        self.experts = reporting.ExpertStats(config, self.stages, parts.moe_index, self.device)
         # This rank's parameters once each, under their full-model names (a tied head is the
         # embedding): the names key checkpoints and --check.
         self.parameters = list({id(param): (parts.names[id(param)], param)
@@ -334,10 +333,10 @@ class Trainer:
 
     def train_step(self, step: int) -> StepStats:
         start = time.perf_counter()
-        self._take_moe_stats()
+        self.experts.take()
         result = self._run(self.executor, self.train_data, step)
         with self._collective("the expert statistics all-reduce"):
-            moe = self._moe_metrics()
+            moe = self.experts.metrics()
         locally_finite = (result.loss is None or math.isfinite(result.loss),
                           self.scaler is not None or self.gradients.all_finite())
         with self._collective("the gradient reduction"):
@@ -390,33 +389,6 @@ class Trainer:
         if self.is_main:
             tqdm.write(f"meshpipe: {message}; step skipped ({self._nonfinite_in_a_row} in a "
                        f"row, --skip-nonfinite {allowed})")
-
-    def _take_moe_stats(self) -> list[tuple[int, Any]]:
-        """Each local expert layer's stats since the last call (global layer index, stats)."""
-        return [(self._moe_index[id(module)], module.take_stats())
-                for stage in self.stages.values() for module in stage.module.modules()
-                if id(module) in self._moe_index]
-
-    def _moe_metrics(self) -> dict[str, float] | None:
-        """The step's load-balancing loss (mean per microbatch, summed over layers), the
-        most and fewest picks any expert of any layer got, and the dropped picks, over the
-        whole job; None without experts."""
-        if not self._moe_index:
-            return None
-        experts = self.config.moe_experts
-        counts = torch.zeros(len(self._moe_index) * experts + 2, dtype=torch.float64,
-                             device=self.device)
-        for index, stats in self._take_moe_stats():
-            counts[index * experts:(index + 1) * experts] += stats.tokens_per_expert.to(
-                counts.device, torch.float64)
-            counts[-2] += stats.dropped.to(counts.device, torch.float64)
-            counts[-1] += stats.aux_loss.to(counts.device)
-        ops.all_reduce(counts)
-        per_expert = counts[:-2]
-        return {"moe_aux_loss": counts[-1].item() / (self.config.dp * self.config.microbatches),
-                "max_tokens_per_expert": int(per_expert.max().item()),
-                "min_tokens_per_expert": int(per_expert.min().item()),
-                "dropped_tokens": int(counts[-2].item())}
 
     def evaluate(self, step: int) -> float:
         with activity.doing(f"evaluation after step {step}"):
