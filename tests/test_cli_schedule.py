@@ -15,6 +15,8 @@ from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.render import to_text
 from meshpipe.schedules import CostModel, simulate
 
+pytestmark = pytest.mark.distributed
+
 
 def run(capsys, *argv):
     status = main(list(argv))

@@ -19,7 +19,9 @@ from meshpipe.models import Transformer, TransformerConfig
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.trainer import Trainer
-from test_trainer import SMALL
+from trainer_cases import SMALL
+
+pytestmark = pytest.mark.distributed
 
 AUDIT = dict(SMALL, steps=1)
 

@@ -217,6 +217,7 @@ def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
     torch.testing.assert_close(out[:, rows].float(), expected, rtol=1.6e-2, atol=2e-3)
 
 
+@pytest.mark.distributed
 def test_tune_under_torchrun_measures_on_the_gpu(tmp_path):
     """Under torchrun the tuner's in-process profile, its measuring steps and its probes
     (message, all-reduce, optimizer) run on the rank's GPU, timed after a synchronize."""
@@ -339,9 +340,11 @@ def _ring_equals_sdpa(rank: int, world_size: int, device: torch.device, backend:
                                    msg=name)
 
 
+@pytest.mark.distributed
 def test_p2p_pytrees_travel_between_two_ranks_on_the_gpu():
     _run_on_gpus(2, _p2p_both_ways)
 
 
+@pytest.mark.distributed
 def test_ring_attention_over_two_ranks_on_the_gpu_equals_sdpa_on_the_whole_sequence():
     _run_on_gpus(2, _ring_equals_sdpa)

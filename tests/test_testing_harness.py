@@ -6,6 +6,8 @@ import pytest
 
 from meshpipe.testing import DistributedTestError, get_pool, run_distributed
 
+pytestmark = pytest.mark.distributed
+
 
 def _all_reduce_rank(rank, world_size, scale):
     import torch

@@ -5,6 +5,8 @@ import pytest
 from meshpipe.testing import run_distributed
 from meshpipe.topology import ParallelLayout, Topology
 
+pytestmark = pytest.mark.distributed
+
 
 def test_rank_and_coordinates_are_inverse():
     layout = ParallelLayout(pp=2, dp=3, cp_ring=2, cp_ulysses=2)

@@ -14,7 +14,9 @@ from meshpipe.testing import run_distributed
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.trainer import run
-from test_trainer import SMALL, _check_first_step
+from trainer_cases import SMALL, check_first_step
+
+pytestmark = pytest.mark.distributed
 
 pytest.importorskip("transformers")
 
@@ -38,7 +40,7 @@ def test_packed_documents_train_as_in_one_process(tmp_path, layout):
                          out_dir=str(tmp_path))
     batch = sources.samplers(config, 0)[0].batch(0)
     assert all(len(lens) > 1 for lens in batch.doc_lens)  # several documents per sequence
-    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == [] and report["passed"], report
 
 
@@ -53,7 +55,7 @@ def test_a_model_with_its_own_tokenizer_trains_on_padded_documents(tmp_path):
     assert sources.tokenizer(config).vocab_size == 290
     targets = sources.samplers(config, 0)[0].batch(0).targets
     assert 0 < sources.counted_targets(targets) < targets.numel()  # padding is left out
-    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == [] and report["passed"], report
     assert report["loss_difference"] < 1e-5
 
@@ -63,7 +65,7 @@ def test_a_packed_model_matches_upstream_under_zero_bubble(tmp_path):
     data = write_documents(tmp_path / "docs.txt")
     config = TrainConfig(**HF, pp=2, schedule="zb-v", cp_ulysses=2, model=str(directory),
                          data=str(data), pack=True, out_dir=str(tmp_path))
-    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == [] and report["passed"], report
 
 
@@ -140,13 +142,13 @@ def test_the_issue_command_line_trains_checks_and_exports(tmp_path):
 
 
 def test_a_resumed_run_on_packed_data_continues_exactly(tmp_path):
-    from test_trainer import _train
+    from trainer_cases import train
 
     data = write_documents(tmp_path / "docs.txt", max_words=4)
     (tmp_path / "run").mkdir()
     base = dict(DATA, steps=4, pp=1, schedule="none", data=str(data), pack=True,
                 out_dir=str(tmp_path / "run"), checkpoint_every=2)
-    straight = run_distributed(1, _train, TrainConfig(**base))[0]
-    resumed = run_distributed(1, _train, TrainConfig(**base, resume=True),
+    straight = run_distributed(1, train, TrainConfig(**base))[0]
+    resumed = run_distributed(1, train, TrainConfig(**base, resume=True),
                               rewind_to="step-000001")[0]
     assert resumed == straight

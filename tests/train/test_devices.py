@@ -22,7 +22,9 @@ from meshpipe.comm.p2p import P2PTransport
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.devices import DevicePlan, plan_devices
-from test_trainer import SMALL, _check_first_step
+from trainer_cases import SMALL, check_first_step
+
+pytestmark = pytest.mark.distributed
 
 
 def _gpus(monkeypatch, count: int) -> None:
@@ -156,7 +158,7 @@ def _check_through_host(rank, world_size, config):
     original = ops.through_host
     ops.through_host = lambda tensor, group: True
     try:
-        return _check_first_step(rank, world_size, config)
+        return check_first_step(rank, world_size, config)
     finally:
         ops.through_host = original
 

@@ -11,6 +11,8 @@ import torch
 from meshpipe.testing import run_distributed
 from pipeline_cases import MICROBATCH_SIZE, pipeline_step, reference_step, tiny_config
 
+pytestmark = pytest.mark.distributed
+
 # (schedule, pp, microbatches, stages_per_rank): microbatches = pp and, where the schedule
 # allows it, a count not divisible by pp.
 CASES = [

@@ -8,6 +8,8 @@ import torch
 from meshpipe.models.moe import MoE, is_expert_param
 from meshpipe.testing import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 DIM, HIDDEN, EXPERTS = 16, 24, 4
 
 

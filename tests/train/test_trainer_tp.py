@@ -13,7 +13,9 @@ from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.trainer import Trainer, run as run_training
 
-from test_trainer import SMALL, _check_first_step, _train, resume_plan
+from trainer_cases import SMALL, check_first_step, resume_plan, train
+
+pytestmark = pytest.mark.distributed
 
 LAYOUTS = {
     "pp2-tp2": dict(pp=2, tp=2),
@@ -39,7 +41,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_tensor_parallel_step_matches_single_process(layout):
     config = TrainConfig(**{**SMALL, **layout})
-    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == []
     assert report["passed"], report
     assert report["max_grad_difference"] < 1e-5
@@ -50,14 +52,14 @@ def test_tensor_parallel_step_matches_single_process(layout):
                          ids=["tp2", "stage-tp-1-2", "tp2-ring2"])
 def test_bf16_step_matches_single_process_in_bf16(layout):
     config = TrainConfig(**{**SMALL, **layout, "dtype": "bf16"})
-    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["passed"], report
     assert report["dtype"] == "bf16" and report["tolerance"]["rtol"] > 1e-3
 
 
 def test_fp16_check_passes_with_loss_scaling():
     config = TrainConfig(**{**SMALL, "pp": 2, "tp": 2, "dtype": "fp16"})
-    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["passed"], report
 
 
@@ -87,8 +89,8 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
 def test_resume_a_tensor_parallel_run_without_tensor_parallelism(tmp_path):
     """Shards are saved whole: a tp 2 checkpoint resumes with tp 1 (and the loss follows)."""
     base = dict(SMALL, out_dir=str(tmp_path), checkpoint_every=2)
-    straight = run_distributed(4, _train, TrainConfig(**base, pp=2, tp=2))[0]
-    resumed = run_distributed(2, _train, TrainConfig(**base, pp=2, resume=True),
+    straight = run_distributed(4, train, TrainConfig(**base, pp=2, tp=2))[0]
+    resumed = run_distributed(2, train, TrainConfig(**base, pp=2, resume=True),
                               rewind_to="step-000001")[0]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
 

@@ -18,6 +18,8 @@ from meshpipe.schedules import build
 from meshpipe.testing import run_distributed
 from pipeline_cases import stage_gradients
 
+pytestmark = pytest.mark.distributed
+
 DIM = 8
 SEQ = 5
 MICROBATCH_SIZE = 2

@@ -2,10 +2,13 @@
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
 from meshpipe.testing import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 CONFIG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, moe_experts=4, moe_top_k=2,
               max_seq_len=16)

@@ -7,26 +7,18 @@ the same step in one process on rank 0 and compares loss and every gradient.
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from meshpipe.train import checkpoint
-from meshpipe.train.resume import ResumePlan
 from meshpipe.train.sources import reference_step as reference_gradients
 from meshpipe.train.parity import compare_with_single_process
 from meshpipe.train.trainer import Trainer, lr_at
+from trainer_cases import SMALL, check_first_step, train
 
-SMALL = dict(dim=32, layers=4, heads=4, kv_heads=2, seq_len=16, microbatch_size=2, steps=4,
-             eval_every=0, timeline_step=0, progress=False)
-
-
-def _check_first_step(rank, world_size, config):
-    return Trainer(config).check_first_step()
-
+pytestmark = pytest.mark.distributed
 
 LAYOUTS = {
     "pp2-cp2-ulysses": dict(pp=2, cp_ulysses=2),
@@ -43,37 +35,22 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_training_step_matches_single_process(layout):
     config = TrainConfig(**{**SMALL, **layout})
-    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == []
     assert report["passed"], report
 
 
-def resume_plan(config, rewind_to):
-    """A plan resuming from the checkpoint directory ``rewind_to`` (not the newest); None
-    without one."""
-    if rewind_to is None:
-        return None
-    info = checkpoint.read_info(Path(config.out_dir) / "checkpoint" / rewind_to)
-    return ResumePlan(checkpoint=info, start_step=info.step + 1)
-
-
-def _train(rank, world_size, config, rewind_to=None):
-    """Train; with ``rewind_to``, resume from that checkpoint directory."""
-    metrics = Trainer(config, resume=resume_plan(config, rewind_to)).fit()
-    return [h["loss"] for h in metrics["history"]]
-
-
 def test_resume_continues_exactly_and_across_layouts(tmp_path):
     base = dict(SMALL, out_dir=str(tmp_path), checkpoint_every=2)
-    straight = run_distributed(2, _train, TrainConfig(**base, pp=2))[0]
+    straight = run_distributed(2, train, TrainConfig(**base, pp=2))[0]
     assert sorted(p.name for p in (tmp_path / "checkpoint").glob("step-*")) == [
         "step-000001", "step-000003"]
-    resumed = run_distributed(2, _train, TrainConfig(**base, pp=2, resume=True),
+    resumed = run_distributed(2, train, TrainConfig(**base, pp=2, resume=True),
                               rewind_to="step-000001")[0]
     # The history continues (steps 0-1 from the first run), and the resumed steps are the
     # straight run's bit for bit.
     assert resumed == straight
-    relayout = run_distributed(4, _train, TrainConfig(**base, pp=4, resume=True),
+    relayout = run_distributed(4, train, TrainConfig(**base, pp=4, resume=True),
                                rewind_to="step-000001")[0]
     torch.testing.assert_close(torch.tensor(relayout), torch.tensor(straight))
 
@@ -141,8 +118,8 @@ def test_cli_reports_a_bad_layout_in_one_line(tmp_path):
 def test_resume_a_tied_model_in_another_layout(tmp_path):
     """Tied weights are saved under one full-model name whatever the layout that wrote them."""
     base = dict(SMALL, out_dir=str(tmp_path), checkpoint_every=2, tie_embeddings=True)
-    straight = run_distributed(1, _train, TrainConfig(**base, pp=1, schedule="none"))[0]
-    relayout = run_distributed(2, _train, TrainConfig(**base, pp=2, resume=True),
+    straight = run_distributed(1, train, TrainConfig(**base, pp=1, schedule="none"))[0]
+    relayout = run_distributed(2, train, TrainConfig(**base, pp=2, resume=True),
                                rewind_to="step-000001")[0]
     torch.testing.assert_close(torch.tensor(relayout), torch.tensor(straight))
 

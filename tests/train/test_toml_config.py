@@ -11,6 +11,8 @@ from meshpipe.train.arguments import add_arguments, from_arguments
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.toml_config import TomlConfigError, load_toml, read_toml, to_toml
 
+pytestmark = pytest.mark.distributed
+
 
 def write(tmp_path, text, name="run.toml"):
     path = tmp_path / name

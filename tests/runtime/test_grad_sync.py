@@ -4,11 +4,14 @@ it would with one replica (no weight decay, no moment update)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from meshpipe.runtime import all_reduce_gradients
 from meshpipe.testing import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 SCALE = 0.5
 

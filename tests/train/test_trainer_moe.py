@@ -6,7 +6,9 @@ import pytest
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
 
-from test_trainer import SMALL, _check_first_step, _train
+from trainer_cases import SMALL, check_first_step, train
+
+pytestmark = pytest.mark.distributed
 
 MOE = dict(SMALL, moe_experts=4)
 LAYOUTS = {
@@ -26,7 +28,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_moe_step_matches_single_process(layout):
     config = TrainConfig(**{**MOE, **layout})
-    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == []
     assert report["passed"], report
     assert report["max_grad_difference"] < 1e-5
@@ -35,7 +37,7 @@ def test_moe_step_matches_single_process(layout):
 def test_bf16_combined_step_matches_single_process_in_bf16():
     config = TrainConfig(**{**MOE, "pp": 1, "dp": 2, "ep": 2, "schedule": "combined-1f1b",
                             "dtype": "bf16"})
-    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["passed"], report
 
 
@@ -62,8 +64,8 @@ def test_metrics_report_load_balance_and_dropped_tokens(tmp_path):
 def test_expert_shards_resume_exactly(tmp_path):
     base = dict(MOE, pp=1, dp=2, ep=2, schedule="combined-1f1b", out_dir=str(tmp_path),
                 checkpoint_every=2)
-    straight = run_distributed(2, _train, TrainConfig(**base))[0]
-    resumed = run_distributed(2, _train, TrainConfig(**base, resume=True),
+    straight = run_distributed(2, train, TrainConfig(**base))[0]
+    resumed = run_distributed(2, train, TrainConfig(**base, resume=True),
                               rewind_to="step-000001")[0]
     assert resumed == straight  # the same layout: bit for bit, the history continued
 

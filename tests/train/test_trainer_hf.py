@@ -10,7 +10,9 @@ import torch
 from hf_models import save_tiny_model
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from test_trainer import SMALL, _check_first_step, _train
+from trainer_cases import SMALL, check_first_step, train
+
+pytestmark = pytest.mark.distributed
 
 pytest.importorskip("transformers")
 
@@ -33,7 +35,7 @@ LAYOUTS = {
 def test_training_step_matches_upstream_transformers(tmp_path, arch, model, layout):
     directory = save_tiny_model(tmp_path / "model", arch, **model)
     config = TrainConfig(**{**HF, **layout}, model=str(directory), out_dir=str(tmp_path))
-    report = run_distributed(config.world_size, _check_first_step, config)[0]
+    report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == []
     assert report["passed"], report
     assert report["loss_difference"] < 1e-5
@@ -43,9 +45,9 @@ def test_resume_continues_exactly_in_another_layout(tmp_path):
     directory = save_tiny_model(tmp_path / "model", "qwen2", tie_word_embeddings=True)
     (tmp_path / "run").mkdir()
     base = dict(HF, model=str(directory), out_dir=str(tmp_path / "run"), checkpoint_every=2)
-    straight = run_distributed(2, _train, TrainConfig(**base, pp=2))[0]
+    straight = run_distributed(2, train, TrainConfig(**base, pp=2))[0]
     other_layout = TrainConfig(**base, pp=1, schedule="none", cp_ulysses=2, resume=True)
-    resumed = run_distributed(2, _train, other_layout, rewind_to="step-000001")[0]
+    resumed = run_distributed(2, train, other_layout, rewind_to="step-000001")[0]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
 
 
@@ -97,7 +99,7 @@ def test_meshpipe_export_writes_a_reference_run_as_a_llama(tmp_path):
     from meshpipe.train.sources import model_config
 
     config = TrainConfig(**SMALL, pp=2, out_dir=str(tmp_path), tie_embeddings=True)
-    run_distributed(2, _train, config)
+    run_distributed(2, train, config)
     assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "E")]) == 0
     trained = Transformer(model_config(config))
     weights = read_model_weights(tmp_path / "checkpoint" / "step-000003")

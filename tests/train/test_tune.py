@@ -23,6 +23,8 @@ from meshpipe.testing import run_distributed
 from meshpipe.train import tune_profile, tune_runs, tuner
 from meshpipe.train.config import TrainConfig
 
+pytestmark = pytest.mark.distributed
+
 LAYER = Piece(forward=1e-5, backward_input=1e-5, backward_weight=1e-5, backward=2e-5,
               activation_bytes=4096.0, parameters=50_000)
 EDGE = Piece(forward=1e-6, backward_input=1e-6, backward_weight=1e-6, backward=2e-6,

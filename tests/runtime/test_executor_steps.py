@@ -13,6 +13,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,6 +22,8 @@ from meshpipe.comm.p2p import P2PTransport
 from meshpipe.runtime import Executor, ExecutorError, Stage
 from meshpipe.schedules import build
 from meshpipe.testing import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 DIM = 4
 MICROBATCHES = 2

@@ -8,6 +8,8 @@ import pytest
 
 from meshpipe.train.launch import LaunchError, launch
 
+pytestmark = pytest.mark.distributed
+
 
 def _write_rank(out_dir):
     import torch

@@ -21,6 +21,8 @@ from meshpipe.context.tiles import CAUSAL_LEAF
 from meshpipe.context.ulysses import _plan_tiles
 from meshpipe.testing import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                causal: bool) -> torch.Tensor:

@@ -11,6 +11,8 @@ import pytest
 from meshpipe.runtime.host_memory import keep_freed_memory
 from meshpipe.testing import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 glibc_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="mallopt and mallinfo2 are glibc's")
 
@@ -26,7 +28,7 @@ print(json.dumps({{"took": took, "blocks": where_large_blocks_go()}}))
 
 def _fresh_process_blocks(keep: bool) -> dict:
     """Where a fresh process's first large blocks go, with or without keeping memory."""
-    script = _PROBE.format(tests=str(Path(__file__).parent), keep=keep)
+    script = _PROBE.format(tests=str(Path(__file__).parent.parent), keep=keep)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, check=True)
     return json.loads(done.stdout.splitlines()[-1])

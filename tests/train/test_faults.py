@@ -17,6 +17,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fault_cases import CASES, PP2, wait_for_training, command, run_case
 from meshpipe.train import checkpoint
 
+pytestmark = pytest.mark.distributed
+
 # Generous: a hang is stopped after --hang-timeout 5 s; everything else within seconds.
 STOP_BOUND_S = 45
 

@@ -26,6 +26,8 @@ from meshpipe.schedules.lowering import lower
 from meshpipe.testing import run_distributed
 from meshpipe.train.launch import LaunchError, launch
 
+pytestmark = pytest.mark.distributed
+
 DIM = 4
 MICROBATCHES = 2
 # Generous for messages that do come (the machine may be loaded); the silent-peer case,

@@ -21,6 +21,8 @@ from meshpipe.train.config import TrainConfig
 from meshpipe.train.resume import (IGNORED_FIELDS, LAYOUT_FIELDS, MODEL_FIELDS, SCHEDULE_FIELDS,
                                    plan_resume)
 
+pytestmark = pytest.mark.distributed
+
 WORLD = 2
 
 

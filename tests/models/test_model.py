@@ -293,6 +293,7 @@ def _context_parallel_rank(rank, world_size, seq):
     return results
 
 
+@pytest.mark.distributed
 def test_context_parallel_ranks_with_their_positions_equal_the_full_model():
     """RoPE and the mask follow positions: zigzag (ring) and contiguous (Ulysses) slices give
     the full model's logits, loss and (summed) gradients."""

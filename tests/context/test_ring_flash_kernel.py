@@ -22,6 +22,8 @@ from meshpipe.context.blockwise import CAUSAL, CPU_FLASH, CUDA_EFFICIENT, MATH, 
 from meshpipe.context.masks import MAX_RUNS
 from meshpipe.testing import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 _FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
 _BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
 

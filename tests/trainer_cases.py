@@ -1,0 +1,31 @@
+"""What the trainer tests share: a small reference model's flags, the first step's --check on
+every rank of a pool, and training a run (optionally resumed from a given checkpoint)."""
+
+from pathlib import Path
+
+from meshpipe.train import checkpoint
+from meshpipe.train.resume import ResumePlan
+from meshpipe.train.trainer import Trainer
+
+SMALL = dict(dim=32, layers=4, heads=4, kv_heads=2, seq_len=16, microbatch_size=2, steps=4,
+             eval_every=0, timeline_step=0, progress=False)
+
+
+def check_first_step(rank, world_size, config):
+    """Rank 0's ``--check`` report of ``config``'s first step (None on the other ranks)."""
+    return Trainer(config).check_first_step()
+
+
+def resume_plan(config, rewind_to):
+    """A plan resuming from the checkpoint directory ``rewind_to`` (not the newest); None
+    without one."""
+    if rewind_to is None:
+        return None
+    info = checkpoint.read_info(Path(config.out_dir) / "checkpoint" / rewind_to)
+    return ResumePlan(checkpoint=info, start_step=info.step + 1)
+
+
+def train(rank, world_size, config, rewind_to=None):
+    """Train; with ``rewind_to``, resume from that checkpoint directory. The step losses."""
+    metrics = Trainer(config, resume=resume_plan(config, rewind_to)).fit()
+    return [h["loss"] for h in metrics["history"]]
