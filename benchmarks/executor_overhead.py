@@ -519,7 +519,7 @@ def meshpipe_runner(case: Case, args: argparse.Namespace, schedule: Schedule,
     def step() -> list[tuple[str, float, float]]:
         transport.stats.reset()
         result = executor.step(inputs, targets)
-        origin = executor._t0  # the executor's own step origin on perf_counter's clock
+        origin = result.origin  # the executor's own step origin on perf_counter's clock
         return [(str(t.action), origin + t.start, origin + t.end) for t in result.timeline]
 
     return Runner(modules, step, comm_log, lambda: dataclasses.asdict(transport.stats))

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -127,6 +128,24 @@ def test_a_buffer_sent_as_an_output_survives_the_step_and_training_stays_exact()
     torch.testing.assert_close(results[0]["buffer"], torch.linspace(0.5, 2.0, DIM))
     losses, _, grads = _reference(step=1)
     _check_against_reference(results, losses, grads)
+
+
+def _timeline_on_the_shared_clock(rank, world_size):
+    stage = _stage(rank, _modules())
+    executor = _executor(rank, stage, P2PTransport())
+    inputs, targets = _data(0)
+    before = time.perf_counter()
+    result = executor.step(inputs, targets)
+    after = time.perf_counter()
+    return before, result.origin, [(result.origin + t.start, result.origin + t.end)
+                                   for t in result.timeline], after
+
+
+def test_a_steps_timeline_is_placed_on_perf_counters_clock_by_its_origin():
+    for before, origin, spans, after in run_distributed(2, _timeline_on_the_shared_clock,
+                                                        timeout=HARNESS_TIMEOUT_S):
+        assert before <= origin and spans
+        assert all(origin <= start <= end <= after for start, end in spans)
 
 
 # ------------------------------------------------------------------ a failed step

@@ -94,6 +94,9 @@ class _StepState:
     result: StepResult = field(default_factory=lambda: StepResult())
     t0: float = field(default_factory=time.perf_counter)
 
+    def __post_init__(self) -> None:
+        self.result.origin = self.t0
+
     @classmethod
     def idle(cls) -> _StepState:
         """Between steps: nothing held."""
@@ -193,14 +196,16 @@ class StepResult:
 
     ``losses`` holds the unscaled loss of every microbatch when this rank holds the last stage
     (empty otherwise); ``outputs`` the last stage's outputs in forward-only mode; ``timeline``
-    the measured start/end of every compute action (seconds since the step began);
-    ``peak_live_activations`` the most forwarded-but-not-yet-backwarded microbatches held.
+    the measured start/end of every compute action (seconds since ``origin``, the
+    ``time.perf_counter()`` at which the step began); ``peak_live_activations`` the most
+    forwarded-but-not-yet-backwarded microbatches held.
     """
 
     losses: list[float] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
     timeline: list[TimedAction] = field(default_factory=list)
     peak_live_activations: int = 0
+    origin: float = 0.0
 
     @property
     def loss(self) -> float | None:
