@@ -31,25 +31,22 @@ prints and records times; it never asserts them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
-from common import paired_ratios
+from harness import join_ranks, paired_ratios, report, spawn_ranks, write_results
 from meshpipe.comm.collectives import COMM_LABEL, all_to_all, split_sizes
 from meshpipe.context.shards import contiguous_positions, hybrid_positions, zigzag_positions
 from meshpipe.context import (HybridAttention, LocalAttention, RingAttention,
@@ -313,13 +310,12 @@ def _worker(rank: int, world: int, init_file: str, result_file: str,
     bind_to_own_cores(rank, world)
     torch.set_num_threads(1)
     keep_freed_memory()
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    join_ranks(rank, world, init_file)
     try:
         result = {"attention": _attention_rows(world, args),
                   "all_to_all": _all_to_all_rows(world, args) if world > 1 else []}
         if rank == 0:
-            Path(result_file).write_text(json.dumps(result))
+            report(result_file, result)
     finally:
         dist.destroy_process_group()
     # After torch.profiler ran in a gloo process, the interpreter's teardown aborts about one
@@ -327,13 +323,6 @@ def _worker(rank: int, world: int, init_file: str, result_file: str,
     # result is written: leave without it.
     sys.stdout.flush()
     os._exit(0)
-
-
-def _run(world: int, args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory(prefix="meshpipe-cp-bench-") as scratch:
-        init_file, result_file = os.path.join(scratch, "init"), os.path.join(scratch, "result")
-        mp.spawn(_worker, args=(world, init_file, result_file, args), nprocs=world, join=True)
-        return json.loads(Path(result_file).read_text())
 
 
 def _markdown(config: dict, attention: list[dict], exchanges: list[dict]) -> str:
@@ -405,16 +394,14 @@ def main(argv: list[str] | None = None) -> None:
     attention, exchanges = [], []
     for world in [1, *args.cp]:
         print(f"cp {world}: spawning {world} process(es)...", flush=True)
-        result = _run(world, args)
+        result = spawn_ranks(_worker, world, args)
         attention += result["attention"]
         exchanges += result["all_to_all"]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cp.json").write_text(json.dumps(
-        {"config": config, "attention": attention, "all_to_all": exchanges}, indent=2) + "\n")
     table = _markdown(config, attention, exchanges)
-    (args.out / "cp.md").write_text(table)
+    paths = write_results(args.out, "cp", {"config": config, "attention": attention,
+                                           "all_to_all": exchanges}, table)
     print(table)
-    print(f"wrote {args.out / 'cp.json'} and {args.out / 'cp.md'}")
+    print(f"wrote {paths[0]} and {paths[1]}")
 
 
 if __name__ == "__main__":

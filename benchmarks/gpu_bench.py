@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import socket
 import statistics
@@ -40,6 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from harness import write_results
 from meshpipe.context import LocalAttention, RingAttention
 from meshpipe.context.blockwise import kernel_for
 from meshpipe.models import Transformer, causal_lm_loss
@@ -272,10 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     out = args.out or (None if args.cpu_rehearsal else RESULTS)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / "gpu_bench.md").write_text(table)
-        print(f"wrote {out / 'gpu_bench.json'} and {out / 'gpu_bench.md'}")
+        json_path, md_path = write_results(out, "gpu_bench", result, table)
+        print(f"wrote {json_path} and {md_path}")
     return 0
 
 

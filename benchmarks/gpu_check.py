@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from harness import write_results
 from meshpipe.train.arguments import add_arguments, from_arguments
 
 RESULTS = Path(__file__).parent / "results"
@@ -271,10 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     out = args.out or (None if args.cpu_rehearsal else RESULTS)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / "gpu_check.md").write_text(table)
-        print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
+        json_path, md_path = write_results(out, "gpu_check", result, table)
+        print(f"wrote {json_path} and {md_path}")
     failed = [f"{row['layout']} ({row['how']})" for row in rows if row["status"] == "FAIL"]
     print(f"gpu_check: {len(rows) - len(failed)} passed, {len(failed)} failed"
           + (f" ({', '.join(failed)})" if failed else ""))

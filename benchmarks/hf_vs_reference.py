@@ -30,7 +30,6 @@ Benchmarks print and record; they never assert a time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from harness import write_results
 from meshpipe.models.transformer import Transformer, TransformerConfig
 from meshpipe.train.config import TrainConfig
 
@@ -227,10 +227,10 @@ def main(argv: list[str] | None = None) -> None:
         rows = measure(args, model_dir, workdir)
     table = to_markdown(args, rows, params)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
     import transformers
 
-    (args.out / "hf_vs_reference.json").write_text(json.dumps(
+    json_path, _ = write_results(
+        args.out, "hf_vs_reference",
         {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                      "torch": torch.__version__, "transformers": transformers.__version__},
          "arguments": {k: str(v) for k, v in vars(args).items()},
@@ -239,9 +239,8 @@ def main(argv: list[str] | None = None) -> None:
                    "ffn_width": reference.ffn_width, "vocab_size": VOCAB,
                    "seq_len": args.seq_len, "tie_embeddings": False},
          "parameters": {"reference": params["reference"], "hf_llama": params["hf"]},
-         "layouts": rows}, indent=2) + "\n")
-    (args.out / "hf_vs_reference.md").write_text(table)
-    print(f"wrote {args.out / 'hf_vs_reference.json'} and .md")
+         "layouts": rows}, table)
+    print(f"wrote {json_path} and .md")
 
 
 if __name__ == "__main__":

@@ -35,21 +35,18 @@ medians with the recorded load average in mind.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from common import load_average
+from harness import (PROCESS_GROUP_TIMEOUT, join_ranks, load_average, report, spawn_ranks,
+                     write_results)
 from meshpipe.comm.p2p import MODES, P2PTransport
 
 DEFAULT_SIZES = (16 << 10, 256 << 10, 6 << 20)
@@ -57,7 +54,6 @@ HEADER_NBYTES = 48
 WAYS = ("meshpipe", "gloo 1 op", "gloo header+payload")
 # The modes each way runs in (header+payload is a floor with no batched counterpart).
 WAY_MODES = {"meshpipe": MODES, "gloo 1 op": MODES, "gloo header+payload": ("async",)}
-PROCESS_GROUP_TIMEOUT = timedelta(minutes=5)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -192,10 +188,10 @@ def measure(rank: int, way: str, mode: str, size: int, args: argparse.Namespace
     return times if rank == 0 else []
 
 
-def _worker(rank: int, init_file: str, result_file: str, args: argparse.Namespace) -> None:
+def _worker(rank: int, world: int, init_file: str, result_file: str,
+            args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=2, timeout=PROCESS_GROUP_TIMEOUT)
+    join_ranks(rank, world, init_file)
     try:
         rows = []
         for size in args.sizes:
@@ -207,7 +203,7 @@ def _worker(rank: int, init_file: str, result_file: str, args: argparse.Namespac
                     print(f"{size:>9} B  {way:<20} {mode:<8} median {row['median_ms']:.3f} "
                           f"ms  p10 {row['p10_ms']:.3f} ms", flush=True)
         if rank == 0:
-            Path(result_file).write_text(json.dumps(rows))
+            report(result_file, rows)
     finally:
         dist.destroy_process_group()
 
@@ -243,21 +239,15 @@ def main(argv: list[str] | None = None) -> None:
               "modes": args.modes,
               "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "python": platform.python_version(), "load_average_before": load_average()}
-    with tempfile.TemporaryDirectory(prefix="meshpipe-p2p-bench-") as scratch:
-        init_file, result_file = os.path.join(scratch, "init"), os.path.join(scratch, "result")
-        mp.spawn(_worker, args=(init_file, result_file, args), nprocs=2, join=True)
-        rows = json.loads(Path(result_file).read_text())
+    rows = spawn_ranks(_worker, 2, args)
     config["load_average_after"] = load_average()
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "p2p_latency.json"
-    path.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
     markdown = table(rows)
     note = (f"2 gloo CPU processes, {config['cpu_count']} CPUs, torch {config['torch']}; "
             f"load average before {config['load_average_before']}, after "
             f"{config['load_average_after']}. Round-trip times; batched mode issues rank 0's "
             "receive and send in one batch_isend_irecv (gloo posts them one by one).")
-    (args.out / "p2p_latency.md").write_text(
-        "# P2P round-trip latency\n\n" + markdown + "\n\n" + note + "\n")
+    path, _ = write_results(args.out, "p2p_latency", {"config": config, "results": rows},
+                            "# P2P round-trip latency\n\n" + markdown + "\n\n" + note + "\n")
     print(markdown)
     print(f"load average before {config['load_average_before']}, after "
           f"{config['load_average_after']}; wrote {path} and p2p_latency.md")

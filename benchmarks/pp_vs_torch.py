@@ -48,28 +48,25 @@ import argparse
 import cProfile
 import gc
 import io
-import json
 import os
 import platform
 import pstats
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV,
                                           ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble)
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from common import load_average, paired_ratios
+from harness import (PROCESS_GROUP_TIMEOUT, join_ranks, load_average, paired_ratios, report,
+                     spawn_ranks, write_results)
 from meshpipe.comm.p2p import P2PTransport
 from meshpipe.models import Transformer, TransformerConfig, causal_lm_loss, split
 from meshpipe.runtime.executor import Executor
@@ -79,7 +76,6 @@ from meshpipe.schedules import build
 LIBRARIES = ("torch", "meshpipe")
 PROFILE_LINES = 25
 # Collective timeout of the benchmark processes: a failure ends the run instead of hanging it.
-PROCESS_GROUP_TIMEOUT = timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -397,8 +393,7 @@ def summary(times: list[float]) -> dict[str, Any]:
 def _worker(rank: int, world: int, init_file: str, result_file: str,
             args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
+    join_ranks(rank, world, init_file)
     try:
         groups = {name: dist.new_group(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
                   for name in LIBRARIES}
@@ -409,7 +404,7 @@ def _worker(rank: int, world: int, init_file: str, result_file: str,
             if rank == 0:
                 print(progress_line(row), flush=True)
         if rank == 0:
-            Path(result_file).write_text(json.dumps(rows))
+            report(result_file, rows)
     finally:
         dist.destroy_process_group()
 
@@ -469,19 +464,13 @@ def main(argv: list[str] | None = None) -> None:
     before = load_average()
     print(f"spawning {args.pp} processes; load average {before}", flush=True)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="meshpipe-pp-bench-") as scratch:
-        init_file, result_file = os.path.join(scratch, "init"), os.path.join(scratch, "result")
-        mp.spawn(_worker, args=(args.pp, init_file, result_file, args), nprocs=args.pp,
-                 join=True)
-        rows = json.loads(Path(result_file).read_text())
+    rows = spawn_ranks(_worker, args.pp, args)
     config["load_average"] = {"before": before, "after": load_average()}
     config["wall_s"] = round(time.perf_counter() - started, 1)
-    stem = "pp_vs_torch.quick" if args.quick else "pp_vs_torch"
-    json_path, md_path = args.out / f"{stem}.json", args.out / f"{stem}.md"
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
     table = markdown(config, rows)
-    md_path.write_text(table)
+    json_path, md_path = write_results(
+        args.out, "pp_vs_torch.quick" if args.quick else "pp_vs_torch",
+        {"config": config, "results": rows}, table)
     print(table)
     print(f"wrote {json_path} and {md_path} ({config['wall_s']} s)")
 

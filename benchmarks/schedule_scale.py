@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import multiprocessing
 import platform
 import resource
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from harness import write_results
 from meshpipe.schedules.builders import build
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules import simulate
@@ -186,16 +186,14 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown(results, with_memory=not args.no_memory)
     print()
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
     environment = {"python": sys.version.split()[0], "platform": platform.platform(),
                    "processor": platform.processor() or platform.machine()}
-    (args.out / "schedule_scale.json").write_text(
-        json.dumps({"environment": environment, "results": results}, indent=2) + "\n")
-    (args.out / "schedule_scale.md").write_text(
+    paths = write_results(
+        args.out, "schedule_scale", {"environment": environment, "results": results},
         f"Schedule core at scale ({environment['python']}, {environment['platform']}); "
         f"seconds and peak RSS from an untraced pass in a fresh process (total: build, "
         f"lower, validate and simulate), MiB per phase from a tracemalloc pass.\n\n{table}")
-    print(f"wrote {args.out / 'schedule_scale.json'} and {args.out / 'schedule_scale.md'}")
+    print(f"wrote {paths[0]} and {paths[1]}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from harness import write_results
 from meshpipe.train.config import TrainConfig
 
 
@@ -125,13 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     memory = memory_rows(args)
     table = to_markdown(steps, memory)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "train_tp_precision.json").write_text(json.dumps(
+    json_path, _ = write_results(
+        args.out, "train_tp_precision",
         {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
          "arguments": {k: str(v) for k, v in vars(args).items()},
-         "step_times": steps, "recompute_memory": memory}, indent=2))
-    (args.out / "train_tp_precision.md").write_text(table)
-    print(f"wrote {args.out / 'train_tp_precision.json'} and .md")
+         "step_times": steps, "recompute_memory": memory}, table)
+    print(f"wrote {json_path} and .md")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Benchmarks print and record; they never assert a time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -33,7 +32,7 @@ import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from common import load_average
+from harness import load_average, write_results
 
 from meshpipe.schedules.ranking import Prediction, table
 from meshpipe.train.config import TrainConfig
@@ -140,18 +139,17 @@ def main(argv: list[str] | None = None) -> None:
     rows = [row_of(name, prediction, measured[name]) for name, prediction in runs.items()]
     markdown = to_markdown(rows)
     print(markdown)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tune_picks.json").write_text(json.dumps(
+    json_path, _ = write_results(
+        args.out, "tune_picks",
         {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
          "load_average": {"before": load_before, "after": load_average()},
          "arguments": {k: str(v) for k, v in vars(args).items()},
          "measurement": asdict(result.measurement), "profile": asdict(result.profile),
-         "tuner_table": ranking, "picks": rows}, indent=2))
-    (args.out / "tune_picks.md").write_text(
+         "tuner_table": ranking, "picks": rows},
         f"Tuner's top {args.picks}:\n\n{ranking}\n"
         f"Predicted vs measured (median of {args.rounds} rounds; `base`: the layout the "
         f"tuner measured, at the step it measured):\n\n{markdown}")
-    print(f"wrote {args.out / 'tune_picks.json'} and .md")
+    print(f"wrote {json_path} and .md")
 
 
 if __name__ == "__main__":

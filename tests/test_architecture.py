@@ -4,7 +4,8 @@
   counts, also one inside a function, except inside a module-level ``__getattr__``: that is
   how a name that moved keeps working where users imported it, resolved only on use.
 - ``meshpipe.schedules`` is Python and numpy: none of its modules imports torch.
-- A module longer than ``LONG_MODULE`` lines says in its docstring why it is one module.
+- A module (or benchmark script) longer than ``LONG_MODULE`` lines says in its docstring why
+  it is one module.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ast
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent.parent / "src"
+BENCHMARKS = SOURCE.parent / "benchmarks"
 LONG_MODULE = 500
 LENGTH_REASON = "One module because"
 
@@ -121,8 +123,10 @@ def test_schedules_import_no_torch():
 
 
 def test_every_long_module_says_why_it_is_one():
+    """Also every benchmark script and piece (no benchmark outgrows the code it measures)."""
     unexplained = {}
-    for module, path in _modules().items():
+    benchmarks = {f"benchmarks/{path.name}": path for path in sorted(BENCHMARKS.glob("*.py"))}
+    for module, path in {**_modules(), **benchmarks}.items():
         text = path.read_text()
         lines = len(text.splitlines())
         if lines > LONG_MODULE and LENGTH_REASON not in (ast.get_docstring(ast.parse(text))
