@@ -32,6 +32,7 @@ from meshpipe.schedules.costs import (RECOMPUTE_MODES, BackwardCostMismatch, Cos
 from meshpipe.schedules.simulator import simulate
 from meshpipe.schedules.validation import validate
 from meshpipe.train.config import TrainConfig
+from meshpipe.train.devices import plan_devices
 from meshpipe.train.arguments import add_arguments as add_train_arguments
 from meshpipe.train.arguments import from_arguments as train_config_from_arguments
 
@@ -198,8 +199,9 @@ def _parser() -> _Parser:
         "the shipped corpus or your text (--data)",
         description="Train the reference transformer, or a Hugging Face Llama, Mistral or "
         "Qwen2 directory (--model), with any pipeline schedule and context-parallel layout, "
-        "on the shipped corpus or your own text (--data): local CPU processes by default, or "
-        "the processes torchrun started. Every flag is a field of meshpipe.train.TrainConfig; "
+        "on the shipped corpus or your own text (--data): one local process per rank (on the "
+        "GPUs where there are, else on the CPU: --device, --backend), or the processes "
+        "torchrun started. Every flag is a field of meshpipe.train.TrainConfig; "
         "--config run.toml gives them as a TOML file, and the flags given on the command line "
         "override it.")
     add_train_arguments(train)
@@ -431,8 +433,10 @@ DEMO_CONFIG = TrainConfig(pp=2, cp_ring=2, schedule="1f1b", microbatches=4, micr
 def _demo(args: argparse.Namespace, out: TextIO) -> int:
     config = replace(DEMO_CONFIG, out_dir=str(args.out / "train"), steps=args.steps,
                      timeline_step=min(DEMO_CONFIG.timeline_step, args.steps))
+    devices = plan_devices(config.device, config.backend, config.world_size)
+    where = f"processes on {devices.gpus} GPU(s)" if devices.on_gpu else "CPU processes"
     out.write(f"Training the reference transformer on the shipped Shakespeare corpus: pp "
-              f"{config.pp} x cp ring {config.cp_ring} = {config.world_size} CPU processes, "
+              f"{config.pp} x cp ring {config.cp_ring} = {config.world_size} {where}, "
               f"schedule {config.schedule}, {config.steps} steps.\n")
     out.flush()
     status = _train_and_report(config)
