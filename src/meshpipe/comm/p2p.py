@@ -62,18 +62,17 @@ Transports built on this one (:mod:`meshpipe.comm.vtp`) use its public hooks onl
 :meth:`~P2PTransport.count`, :meth:`~P2PTransport.carries_cpu`, :func:`remaining` and
 :func:`average_messages`.
 
-One module because the transport is one state machine: posting, batching, deferring and
+Its errors (``errors``), the records it keeps per peer (``p2p_records``), the handles it
+returns (``handles``) and the averaging of fan-ins (``averaging``) are modules of their own.
+One module because what is left is one state machine: posting, batching, deferring and
 resolving receives share each peer's inbox, outbox, expected layouts and queued operations,
-and splitting them would expose that state to other modules; the handles and the averaging
-of fan-ins are the only parts that read it, through the transport.
+which only the transport changes.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -83,326 +82,21 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed import distributed_c10d as _c10d
 
-from meshpipe.comm.wire import (
-    HEADER_NBYTES,
-    SLOW_TAG,
-    STEADY_SLOT,
-    STEADY_TAG,
-    Expected,
-    Header,
-    MessageLayout,
-    ReceiverSlots,
-    SenderSlots,
-    UnsupportedMessageError,
-    capacity,
-    describe_difference,
-    describe_label,
-    flatten,
-    host_message,
-    label_digest,
-    layout_for,
-    new_buffer,
-    pack_into,
-    slot_views,
-    tensor_paths,
-    unflatten,
-    unpack,
-)
+from meshpipe.comm.errors import (MessageMismatchError, P2PConnectionError, P2PError,
+                                  P2PTimeoutError, closed_by_peer)
+from meshpipe.comm.handles import RecvHandle, SendHandle
+from meshpipe.comm.p2p_records import (AllOf, GroupInfo, Inbox, Incoming, Outbox, Part,
+                                       PostedSend, Queued, TransportStats)
+from meshpipe.comm.wire import (HEADER_NBYTES, SLOW_TAG, STEADY_SLOT, STEADY_TAG, Expected, Header,
+                                MessageLayout, UnsupportedMessageError, capacity, describe_label,
+                                flatten, host_message, label_digest, layout_for, new_buffer,
+                                pack_into, unpack)
+
+# Where it was imported before averaging got a module of its own.
+from meshpipe.comm.averaging import average_messages  # noqa: E402,F401
 
 GroupArg = ProcessGroup | Sequence[ProcessGroup] | None
 MODES = ("async", "batched")
-
-
-class P2PError(RuntimeError):
-    """A pipeline message could not be delivered or did not match what was expected.
-
-    ``peer`` is the global rank on the other end, where the error is about one."""
-
-    def __init__(self, message: str, *, peer: int | None = None) -> None:
-        super().__init__(message)
-        self.peer = peer
-
-
-class P2PTimeoutError(P2PError, TimeoutError):
-    """A wait ran out of time; the message names the peer and the label."""
-
-
-class P2PConnectionError(P2PError):
-    """The peer closed the connection (its process exited or crashed, or it destroyed the
-    process group), so nothing more travels to or from it; ``peer`` names it."""
-
-
-# How gloo reports a connection that the other end closed (its process exited or crashed,
-# or it destroyed the group), as opposed to one this rank closed itself after a timeout.
-_CLOSED_BY_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe")
-
-
-def _closed_by_peer(cause: BaseException) -> bool:
-    text = str(cause).lower()
-    return any(sign in text for sign in _CLOSED_BY_PEER)
-
-
-class MessageMismatchError(P2PError):
-    """The peer sent something other than what this rank expected."""
-
-
-@dataclass
-class TransportStats:
-    """Counters of what a transport posted and moved, for tests and benchmarks.
-
-    ``sends_posted`` / ``recvs_posted`` count point-to-point operations however they were
-    issued; ``batches_posted`` counts ``batch_isend_irecv`` calls (batched mode) and
-    ``ops_batched`` the operations they carried.
-    """
-
-    messages_sent: int = 0
-    messages_received: int = 0
-    layout_changes_sent: int = 0
-    layout_changes_received: int = 0
-    metadata_sent: int = 0
-    metadata_received: int = 0
-    header_bytes_sent: int = 0
-    header_bytes_received: int = 0
-    metadata_bytes_sent: int = 0
-    metadata_bytes_received: int = 0
-    payload_bytes_sent: int = 0
-    payload_bytes_received: int = 0
-    sends_posted: int = 0
-    recvs_posted: int = 0
-    recvs_deferred: int = 0
-    batches_posted: int = 0
-    ops_batched: int = 0
-    broadcasts: int = 0
-    broadcast_metadata: int = 0
-
-    def reset(self) -> None:
-        for field in fields(self):
-            setattr(self, field.name, 0)
-
-
-class _Outbox:
-    """Sender state towards one peer: what the peer expects next on each channel."""
-
-    def __init__(self) -> None:
-        self.seq = 0
-        self.slots = SenderSlots()
-        self.expected: dict[Hashable, Expected] = {}
-
-
-@dataclass
-class _Part:
-    """One point-to-point operation of a message send."""
-
-    name: str
-    tensor: torch.Tensor
-    group: ProcessGroup | None
-    tag: int
-
-
-class _Incoming:
-    """One expected message from one peer, from ``post_recv`` until it is resolved."""
-
-    def __init__(self, peer: int, group: ProcessGroup | None, meta_group: ProcessGroup | None,
-                 label: str, channel: Hashable) -> None:
-        self.peer = peer
-        self.group = group
-        self.meta_group = meta_group
-        self.label = label
-        self.digest = label_digest(label)
-        self.channel = channel
-        self.expected: Expected | None = None  # what the posted receive is sized for
-        self.buffer: torch.Tensor | None = None
-        self.host: numpy.ndarray | None = None  # the CPU buffer's memory, as numpy sees it
-        self.work: Any = None                  # None while queued for a batch
-        self.layout: MessageLayout | None = None
-        # The buffer the payload is in, its first byte there, and the buffer's numpy array.
-        self.payload: tuple[torch.Tensor, int, numpy.ndarray | None] | None = None
-        self.error: P2PError | None = None
-        self.resolved = False
-
-
-class _ChannelInbox:
-    """Receiver state of one channel from one peer."""
-
-    def __init__(self) -> None:
-        self.expected: Expected | None = None  # layout of the last resolved message
-        self.outstanding = 0                   # receives posted and not resolved
-
-
-class _Inbox:
-    """Receiver state for one peer: its unresolved messages in posting order.
-
-    ``queue`` holds every unresolved message; its first ``len(queue) - len(deferred)``
-    entries have their receive posted, the rest (``deferred``) wait for the layout of an
-    earlier message of their channel.
-    """
-
-    def __init__(self, peer: int) -> None:
-        self.peer = peer
-        self.seq = 0
-        self.slots = ReceiverSlots()
-        self.channels: dict[Hashable, _ChannelInbox] = {}
-        self.queue: deque[_Incoming] = deque()
-        self.deferred: deque[_Incoming] = deque()
-        self.failure: P2PError | None = None
-
-    def channel(self, channel: Hashable) -> _ChannelInbox:
-        state = self.channels.get(channel)
-        if state is None:
-            state = self.channels[channel] = _ChannelInbox()
-        return state
-
-
-@dataclass(frozen=True)
-class _GroupInfo:
-    """What the transport needs to know about a process group (looked up once)."""
-
-    members: frozenset[int]
-    uses_nccl: bool
-    carries_cpu: bool
-
-    @classmethod
-    def of(cls, group: ProcessGroup | None) -> "_GroupInfo":
-        group = group if group is not None else dist.group.WORLD
-        backend = str(dist.get_backend(group)).lower()
-        return cls(frozenset(dist.get_process_group_ranks(group)), "nccl" in backend,
-                   "gloo" in backend or "nccl" not in backend)
-
-
-@dataclass
-class _PostedSend:
-    work: Any  # None while queued for a batch
-    peer: int
-    group: ProcessGroup | None
-    part: str
-
-
-@dataclass
-class _Queued:
-    """A steady-stream operation waiting for the next ``flush`` (batched mode)."""
-
-    is_send: bool
-    tensor: torch.Tensor
-    peer: int
-    group: ProcessGroup | None
-    target: _PostedSend | _Incoming  # receives the work object once issued
-
-
-class _AllOf:
-    """The works of a batch that a backend returned in another number than its operations:
-    each operation waits for all of them."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self._works = works
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        for work in self._works:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
-
-
-class SendHandle:
-    """Handle of a posted message send (to one or several peers).
-
-    The transport sends from buffers of its own, filled when the send is posted: the
-    caller may free, resize or overwrite the message's tensors as soon as ``post_send``
-    returns (the executor frees sent activations right away). The handle keeps those
-    buffers alive until the send has completed. Gloo reports completion only through
-    ``wait``; NCCL also through ``is_completed``. Dropping the handle does not cancel the
-    send: the transport keeps it until it is waited here or by
-    :meth:`P2PTransport.wait_sends`.
-    """
-
-    def __init__(self, transport: "P2PTransport | None", sends: list[_PostedSend],
-                 keep_alive: list[torch.Tensor], label: str) -> None:
-        self._transport = transport
-        self._sends = sends
-        self._keep_alive = keep_alive
-        self._label = label
-
-    @classmethod
-    def completed(cls) -> "SendHandle":
-        """A handle for a send that posted nothing (e.g. a VTP rank that is not stage root)."""
-        return cls(None, [], [], "")
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every part of the send has completed (or raise ``P2PTimeoutError``).
-
-        In batched mode the transport's queued operations are issued first."""
-        if not self._sends:
-            return
-        transport = self._transport
-        transport.flush()
-        deadline = transport.deadline(timeout)
-        for send in self._sends:
-            transport.wait_work(
-                send.work, deadline, send.group, send.peer,
-                lambda send=send: f"the {send.part} of {describe_label(self._label)} sent "
-                                  f"to rank {send.peer} to be received")
-        self._release()
-
-    def is_completed(self) -> bool:
-        """True once every part has completed; never blocks (it may issue queued parts)."""
-        if any(send.work is None for send in self._sends):
-            self._transport.flush()
-        if self._sends and all(send.work.is_completed() for send in self._sends):
-            for send in self._sends:
-                send.work.wait()
-            self._release()
-        return not self._sends
-
-    def _release(self) -> None:
-        self._sends = []
-        self._keep_alive = []
-        if self._transport is not None:
-            self._transport._pending_sends.pop(self, None)
-
-
-class RecvHandle:
-    """Handle of a posted receive; ``wait`` returns the message.
-
-    From one peer it returns that peer's message; from several peers with
-    ``average=True`` their mean; from several peers without, a list in peer order.
-    """
-
-    _PENDING = object()
-
-    def __init__(self, transport: "P2PTransport", incomings: list[_Incoming], label: str,
-                 average: bool, single: bool) -> None:
-        self._transport = transport
-        self._incomings = incomings
-        self._label = label
-        self._average = average
-        self._single = single
-        self._result: Any = self._PENDING
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until the message has arrived and return it (in batched mode the
-        transport's queued operations are issued first)."""
-        if self._result is self._PENDING:
-            transport = self._transport
-            transport.flush()
-            deadline = transport.deadline(timeout)
-            parts = [transport._delivered(*transport._complete(incoming, deadline))
-                     for incoming in self._incomings]
-            peers = [incoming.peer for incoming in self._incomings]
-            if self._single:
-                self._result = unpack(*parts[0])
-            elif self._average:
-                self._result = _average_flattened(
-                    [(layout, slot_views(layout, payload, start))
-                     for layout, payload, start, _ in parts],
-                    peers, self._label, transport.rank)
-            else:
-                self._result = [unpack(*part) for part in parts]
-            self._incomings = []
-        return self._result
 
 
 class P2PTransport:
@@ -448,7 +142,7 @@ class P2PTransport:
         self.rank = dist.get_rank()
         self.mode = mode
         self._batched = mode == "batched"
-        self._groups: dict[Any, _GroupInfo] = {}
+        self._groups: dict[Any, GroupInfo] = {}
         self._route_cache: dict[tuple, tuple[list[int], list[ProcessGroup | None]]] = {}
         self.group = group
         self.reverse_group = self._checked_reverse_group(group, reverse_group)
@@ -468,13 +162,13 @@ class P2PTransport:
         self.timeout = timeout
         self.check_labels = check_labels
         self.stats = TransportStats()
-        self._outboxes: dict[int, _Outbox] = {}
-        self._inboxes: dict[int, _Inbox] = {}
+        self._outboxes: dict[int, Outbox] = {}
+        self._inboxes: dict[int, Inbox] = {}
         # In-flight sends, oldest first: gloo cancels a send whose work object is destroyed,
         # so the transport, not the caller, keeps every send alive until it is waited.
         self._pending_sends: dict[SendHandle, None] = {}
         # Batched mode: steady operations posted since the last flush, in posting order.
-        self._queued: list[_Queued] = []
+        self._queued: list[Queued] = []
 
     # -- sending -----------------------------------------------------------------------
 
@@ -496,17 +190,17 @@ class P2PTransport:
                 f"rank {self.rank}: cannot send {describe_label(label)} to rank(s) {peers}: "
                 f"{error}") from None
         digest = label_digest(label)
-        sends: list[_PostedSend] = []
+        sends: list[PostedSend] = []
         keep_alive: list[torch.Tensor] = []
         batched = self._batched
         for peer, payload_group in zip(peers, groups):
-            outbox = self._outboxes.get(peer) or self._outboxes.setdefault(peer, _Outbox())
+            outbox = self._outboxes.get(peer) or self._outboxes.setdefault(peer, Outbox())
             parts = self._wire_parts(outbox, channel, layout, tensors, digest, payload_group)
             outbox.seq += 1
             for part in parts:
                 if batched and part.tag == STEADY_TAG:
-                    send = _PostedSend(None, peer, part.group, part.name)
-                    self._queued.append(_Queued(True, part.tensor, peer, part.group, send))
+                    send = PostedSend(None, peer, part.group, part.name)
+                    self._queued.append(Queued(True, part.tensor, peer, part.group, send))
                 else:
                     try:
                         work = dist.isend(part.tensor, dst=peer, group=part.group,
@@ -515,16 +209,16 @@ class P2PTransport:
                         raise self._failure(cause, peer, f"posting the {part.name} of "
                                             f"{describe_label(label)} to rank {peer}"
                                             ) from cause
-                    send = _PostedSend(work, peer, part.group, part.name)
+                    send = PostedSend(work, peer, part.group, part.name)
                 sends.append(send)
                 keep_alive.append(part.tensor)
         handle = SendHandle(self, sends, keep_alive, label)
         self._pending_sends[handle] = None
         return handle
 
-    def _wire_parts(self, outbox: _Outbox, channel: Hashable, layout: MessageLayout,
+    def _wire_parts(self, outbox: Outbox, channel: Hashable, layout: MessageLayout,
                     tensors: list[torch.Tensor], digest: int,
-                    payload_group: ProcessGroup | None) -> list[_Part]:
+                    payload_group: ProcessGroup | None) -> list[Part]:
         """The operations that carry one message to one peer; updates what it expects.
 
         The first part is the steady-stream one (message or layout-change notice, on the
@@ -541,7 +235,7 @@ class P2PTransport:
             stats.sends_posted += 1
             stats.header_bytes_sent += HEADER_NBYTES
             stats.payload_bytes_sent += payload_nbytes
-            return [_Part("message", buffer, payload_group, STEADY_TAG)]
+            return [Part("message", buffer, payload_group, STEADY_TAG)]
         room = capacity(expected)
         buffer = torch.empty(HEADER_NBYTES + room, dtype=torch.uint8, device=self.device)
         body = buffer[HEADER_NBYTES:]
@@ -551,16 +245,16 @@ class P2PTransport:
         Header(outbox.seq, slot, metadata_nbytes, payload_nbytes, digest,
                changed.digest).write_into(buffer)
         meta_group = self._meta_group_for(payload_group)
-        parts = [_Part("layout-change notice", buffer, payload_group, STEADY_TAG)]
+        parts = [Part("layout-change notice", buffer, payload_group, STEADY_TAG)]
         if is_new:
             metadata = torch.frombuffer(bytearray(layout.encoded), dtype=torch.uint8)
-            parts.append(_Part("metadata", metadata, meta_group, SLOW_TAG))
+            parts.append(Part("metadata", metadata, meta_group, SLOW_TAG))
         if payload_nbytes <= room:
             pack_into(layout, tensors, body)
         else:
             payload = _host_bytes(payload_nbytes)
             pack_into(layout, tensors, payload)
-            parts.append(_Part("payload", payload, meta_group, SLOW_TAG))
+            parts.append(Part("payload", payload, meta_group, SLOW_TAG))
         self.count(messages_sent=1, layout_changes_sent=1, sends_posted=len(parts),
                    header_bytes_sent=HEADER_NBYTES, metadata_sent=int(is_new),
                    metadata_bytes_sent=metadata_nbytes, payload_bytes_sent=payload_nbytes)
@@ -595,7 +289,7 @@ class P2PTransport:
         if not queued:
             return
         self._queued = []
-        batches: dict[Any, list[_Queued]] = {}
+        batches: dict[Any, list[Queued]] = {}
         for item in queued:  # torch wants one group (and one device) per call
             batches.setdefault((item.group, item.tensor.device), []).append(item)
         for (group, _), items in batches.items():
@@ -609,7 +303,7 @@ class P2PTransport:
                                     f"posting a batch of {len(items)} operations with ranks "
                                     f"{peers}") from cause
             if len(works) != len(items):  # a coalescing backend (NCCL): one work per batch
-                shared = works[0] if len(works) == 1 else _AllOf(works)
+                shared = works[0] if len(works) == 1 else AllOf(works)
                 works = [shared] * len(items)
             for item, work in zip(items, works):
                 item.target.work = work
@@ -629,13 +323,13 @@ class P2PTransport:
         non-tensor leaves must be equal across sources and pass through.
         """
         peers, groups = self._routes(src, group, "src")
-        inboxes = [self._inboxes.get(peer) or self._inboxes.setdefault(peer, _Inbox(peer))
+        inboxes = [self._inboxes.get(peer) or self._inboxes.setdefault(peer, Inbox(peer))
                    for peer in peers]
         for inbox in inboxes:
             self._raise_if_failed(inbox, label)
         incomings = []
         for inbox, payload_group in zip(inboxes, groups):
-            incoming = _Incoming(inbox.peer, payload_group, self._meta_group_for(payload_group),
+            incoming = Incoming(inbox.peer, payload_group, self._meta_group_for(payload_group),
                                  label, channel)
             inbox.queue.append(incoming)
             if inbox.deferred or inbox.channel(channel).outstanding:
@@ -646,7 +340,7 @@ class P2PTransport:
             incomings.append(incoming)
         return RecvHandle(self, incomings, label, average, single=isinstance(src, int))
 
-    def _post_steady_recv(self, inbox: _Inbox, incoming: _Incoming, queue: bool) -> None:
+    def _post_steady_recv(self, inbox: Inbox, incoming: Incoming, queue: bool) -> None:
         """Post (or queue for the next flush) the one receive of ``incoming``, sized for its
         channel's expected layout."""
         state = inbox.channel(incoming.channel)
@@ -654,7 +348,7 @@ class P2PTransport:
         incoming.buffer, incoming.host = new_buffer(HEADER_NBYTES + capacity(state.expected),
                                                     self.device)
         if queue:
-            self._queued.append(_Queued(False, incoming.buffer, incoming.peer, incoming.group,
+            self._queued.append(Queued(False, incoming.buffer, incoming.peer, incoming.group,
                                         incoming))
         else:
             try:
@@ -667,7 +361,7 @@ class P2PTransport:
         state.outstanding += 1
         self.stats.recvs_posted += 1
 
-    def _complete(self, incoming: _Incoming, deadline: float | None
+    def _complete(self, incoming: Incoming, deadline: float | None
                   ) -> tuple[MessageLayout, torch.Tensor, int, numpy.ndarray | None]:
         """Resolve the peer's messages up to ``incoming``; its layout, the buffer its
         payload is in, the payload's first byte there and the buffer's numpy array."""
@@ -679,7 +373,7 @@ class P2PTransport:
             raise incoming.error
         return (incoming.layout, *incoming.payload)
 
-    def _resolve_next(self, inbox: _Inbox, waited: _Incoming, deadline: float | None) -> None:
+    def _resolve_next(self, inbox: Inbox, waited: Incoming, deadline: float | None) -> None:
         """Wait for the peer's oldest unresolved message and read it (its receive is posted:
         a deferred receive is posted as soon as every earlier message is resolved)."""
         head = inbox.queue[0]
@@ -711,7 +405,7 @@ class P2PTransport:
         while inbox.deferred and not inbox.channel(inbox.deferred[0].channel).outstanding:
             self._post_steady_recv(inbox, inbox.deferred.popleft(), queue=False)
 
-    def _read(self, inbox: _Inbox, head: _Incoming, deadline: float | None) -> None:
+    def _read(self, inbox: Inbox, head: Incoming, deadline: float | None) -> None:
         """Read the arrived message ``head``: its header, layout, payload and label check."""
         peer = head.peer
 
@@ -759,18 +453,18 @@ class P2PTransport:
                 "them) carries a different label: the two ranks post their sends and "
                 "receives in different orders; check that their schedules match")
 
-    def _fetch_metadata(self, head: _Incoming, nbytes: int, deadline: float | None
+    def _fetch_metadata(self, head: Incoming, nbytes: int, deadline: float | None
                         ) -> torch.Tensor:
         data = self._fetch_slow(head, _host_bytes(nbytes), "metadata", deadline)
         self.count(metadata_received=1, metadata_bytes_received=nbytes)
         return data
 
-    def _fetch_payload(self, head: _Incoming, nbytes: int, deadline: float | None
+    def _fetch_payload(self, head: Incoming, nbytes: int, deadline: float | None
                        ) -> torch.Tensor:
         payload = self._fetch_slow(head, _host_bytes(nbytes), "payload", deadline)
         return payload.to(self.device)
 
-    def _fetch_slow(self, head: _Incoming, buffer: torch.Tensor, part: str,
+    def _fetch_slow(self, head: Incoming, buffer: torch.Tensor, part: str,
                     deadline: float | None) -> torch.Tensor:
         """Receive one slow-path follow-up of ``head`` into the CPU ``buffer``."""
         try:
@@ -784,6 +478,16 @@ class P2PTransport:
                        lambda: f"the {part} of {describe_label(head.label)} from rank "
                                f"{head.peer}")
         return buffer
+
+    def received(self, incoming: Incoming, deadline: float | None
+                 ) -> tuple[MessageLayout, torch.Tensor, int, numpy.ndarray | None]:
+        """The message ``incoming`` once it arrived (every earlier one from its peer
+        resolved first): its layout, and its payload on ``deliver_to``."""
+        return self._delivered(*self._complete(incoming, deadline))
+
+    def forget_send(self, handle: SendHandle) -> None:
+        """``handle``'s send completed: the transport no longer keeps it alive."""
+        self._pending_sends.pop(handle, None)
 
     def _delivered(self, layout: MessageLayout, payload: torch.Tensor, start: int,
                    host: numpy.ndarray | None
@@ -917,13 +621,13 @@ class P2PTransport:
             return self.meta_group
         return payload_group
 
-    def _group_info(self, group: ProcessGroup | None) -> _GroupInfo:
+    def _group_info(self, group: ProcessGroup | None) -> GroupInfo:
         info = self._groups.get(group)
         if info is None:
-            info = self._groups[group] = _GroupInfo.of(group)
+            info = self._groups[group] = GroupInfo.of(group)
         return info
 
-    def _raise_if_failed(self, inbox: _Inbox, label: str) -> None:
+    def _raise_if_failed(self, inbox: Inbox, label: str) -> None:
         if inbox.failure is not None:
             kind = (P2PConnectionError if isinstance(inbox.failure, P2PConnectionError)
                     else P2PError)
@@ -935,77 +639,12 @@ class P2PTransport:
     def _failure(self, cause: BaseException, peer: int | None, doing: str) -> P2PError:
         """The error for an operation with ``peer`` that torch.distributed refused or failed
         (not a timeout): a :class:`P2PConnectionError` where the peer closed the connection."""
-        if peer is not None and _closed_by_peer(cause):
+        if peer is not None and closed_by_peer(cause):
             return P2PConnectionError(
                 f"rank {self.rank} failed {doing}: rank {peer} closed the connection (its "
                 f"process exited or crashed, or it destroyed the process group): {cause}",
                 peer=peer)
         return P2PError(f"rank {self.rank} failed {doing}: {cause}", peer=peer)
-
-
-# -- averaging several sources' messages ---------------------------------------------------
-
-def average_messages(messages: Sequence[Any], peers: Sequence[int], label: str = "", *,
-                     rank: int | None = None,
-                     passthrough: Callable[[Any], bool] | None = None) -> Any:
-    """The mean of several sources' messages (``peers[i]`` sent ``messages[i]``).
-
-    The messages must have one layout: floating (and complex) tensors are averaged with
-    float32 (or wider) accumulation and returned in their own dtype; integer and bool
-    tensors and non-tensor leaves must be equal in every source and pass through;
-    otherwise :class:`MessageMismatchError` names the sources and the first difference.
-    The first message for which ``passthrough(message)`` is true is returned as it is
-    (e.g. the executor's stop notice standing in for a message that will never come).
-    ``rank`` (default: this process's global rank) names the receiver in errors.
-    """
-    if len(messages) != len(peers) or not messages:
-        raise ValueError(f"average_messages needs one peer per message, got {len(messages)} "
-                         f"messages from peers {list(peers)}")
-    if passthrough is not None:
-        for message in messages:
-            if passthrough(message):
-                return message
-    if rank is None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-    return _average_flattened([flatten(message) for message in messages], list(peers), label,
-                              rank)
-
-
-def _average_flattened(parts: list[tuple[MessageLayout, list[torch.Tensor]]],
-                       peers: list[int], label: str, rank: int) -> Any:
-    reference = parts[0][0]
-    if len(parts) == 1:
-        return unflatten(reference, parts[0][1])
-    for (layout, _), peer in zip(parts[1:], peers[1:]):
-        difference = describe_difference(reference, layout)
-        if difference:
-            raise MessageMismatchError(
-                f"rank {rank} cannot average {describe_label(label)} from ranks {peers}: "
-                f"the messages of rank {peers[0]} and rank {peer} differ: {difference}")
-    columns = list(zip(*(tensors for _, tensors in parts)))
-    averaged = []
-    for path, column in zip(tensor_paths(reference), columns):
-        if column[0].dtype.is_floating_point or column[0].dtype.is_complex:
-            averaged.append(_mean(column))
-            continue
-        for peer, tensor in zip(peers[1:], column[1:]):
-            if not torch.equal(column[0], tensor):
-                raise MessageMismatchError(
-                    f"rank {rank} cannot average {describe_label(label)} from ranks "
-                    f"{peers}: {path} is a {column[0].dtype} tensor whose values differ "
-                    f"between rank {peers[0]} and rank {peer}; integer and bool tensors "
-                    "are not averaged and must be equal in every source")
-        averaged.append(column[0])
-    return unflatten(reference, averaged)
-
-
-def _mean(column: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Mean of same-shape floating tensors, accumulated in at least float32."""
-    accumulate = torch.promote_types(column[0].dtype, torch.float32)
-    total = column[0].to(accumulate, copy=True)
-    for tensor in column[1:]:
-        total.add_(tensor.to(accumulate))
-    return total.div_(len(column)).to(column[0].dtype)
 
 
 def remaining(deadline: float | None) -> float | None:

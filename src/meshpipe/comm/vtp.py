@@ -29,17 +29,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from meshpipe.comm.p2p import (
-    GroupArg,
-    MessageMismatchError,
-    P2PError,
-    P2PTransport,
-    RecvHandle,
-    SendHandle,
-    TransportStats,
-    average_messages,
-    remaining,
-)
+from meshpipe.comm.averaging import average_messages
+from meshpipe.comm.errors import MessageMismatchError, P2PError
+from meshpipe.comm.handles import RecvHandle, SendHandle
+from meshpipe.comm.p2p import GroupArg, P2PTransport, remaining
+from meshpipe.comm.p2p_records import TransportStats
 from meshpipe.comm.transport import STOP_NOTICE_KEY  # noqa: F401 - where it was imported
 from meshpipe.comm.transport import is_stop_notice
 from meshpipe.comm.wire import (

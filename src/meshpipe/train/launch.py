@@ -48,7 +48,7 @@ from meshpipe.runtime import activity
 from meshpipe.runtime.executor import PeerFailedError
 from meshpipe.runtime.host_cores import bind_to_own_cores
 from meshpipe.runtime.host_memory import keep_freed_memory
-from meshpipe.train.devices import DevicePlan, local_rank
+from meshpipe.train.devices import DevicePlan, local_rank, local_ranks, plan_devices
 from meshpipe.train.diagnosis import failure_report, hang_report, read_statuses
 
 PROCESS_GROUP_TIMEOUT_S = 60.0
@@ -103,11 +103,12 @@ def reports_for_the_job() -> bool:
 
 
 def device_for_this_rank() -> torch.device:
-    """The tuner's device: under torchrun, CUDA device LOCAL_RANK where CUDA exists;
-    otherwise the CPU (training decides with ``meshpipe.train.devices`` instead)."""
-    if under_torchrun() and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    """The tuner's device: its local measuring ranks are CPU processes; under torchrun the
+    job's own devices, placed as training places them (``meshpipe.train.devices``)."""
+    if not under_torchrun():
+        return torch.device("cpu")
+    devices = plan_devices("auto", "auto", local_ranks(int(os.environ["WORLD_SIZE"])))
+    return devices.device(local_rank(int(os.environ["RANK"])))
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads_per_process: int = 1,
