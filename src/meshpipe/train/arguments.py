@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from meshpipe.train.config import FIELD_HELP, TrainConfig, flag_name
+from meshpipe.train.config import FIELD_HELP, TrainConfig, default_help, field_kind, flag_name
 from meshpipe.train.toml_config import read_toml
 
 
@@ -23,13 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the top level or under [train]); flags given here override it")
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + flag_name(field.name)
-        help_text = f"{FIELD_HELP[field.name]} (default: {field.default})"
-        if field.type in ("bool", bool):
+        help_text = f"{FIELD_HELP[field.name]} (default: {default_help(field.name)})"
+        kind = field_kind(field.name)
+        if kind == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         else:
-            kind = {"int": int, "float": float, "str": str}[str(field.type)]
-            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS,
+            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind], default=argparse.SUPPRESS,
                                 metavar=field.name.upper(), help=help_text)
 
 

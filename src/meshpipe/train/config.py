@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from meshpipe.comm.p2p import MODES as P2P_MODES
 from meshpipe.runtime.precision import DTYPES
@@ -27,6 +27,10 @@ STAGE_LINKS = ("root", "fanout")
 _REFERENCE_MODEL_FLAGS = ("dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts")
 # Flags that only mean something with --moe-experts > 0.
 _EXPERT_FLAGS = ("moe_top_k", "moe_every", "moe_aux_coef", "moe_capacity_factor", "ep")
+# A tenth of the peak learning rate is where the cosine decay ends unless --min-lr says.
+MIN_LR_FRACTION = 0.1
+# The step whose timeline is drawn unless --timeline-step says (the first is warm-up).
+TIMELINE_STEP = 2
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ class TrainConfig:
     dim: int = 64
     layers: int = 4
     heads: int = 4
-    kv_heads: int = 2
+    kv_heads: int | None = None  # DERIVED_DEFAULTS
     tie_embeddings: bool = False
     # mixture of experts
     moe_experts: int = 0
@@ -74,7 +78,7 @@ class TrainConfig:
     # optimisation
     steps: int = 30
     lr: float = 3e-3
-    min_lr: float = 3e-4
+    min_lr: float | None = None  # DERIVED_DEFAULTS
     warmup_steps: int = 5
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -87,7 +91,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     allow_config_change: bool = False
     check: bool = False
-    timeline_step: int = 2
+    timeline_step: int | None = None  # DERIVED_DEFAULTS
     progress: bool = True
     # devices
     device: str = "auto"
@@ -98,6 +102,9 @@ class TrainConfig:
     checkpoint_on_signal: bool = False
 
     def __post_init__(self) -> None:
+        for name, rule in DERIVED_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, rule.value(self))
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of "
                              f"{', '.join(SCHEDULES)}")
@@ -156,7 +163,7 @@ class TrainConfig:
         if self.model:
             given = [f"--{flag_name(field.name)}" for field in dataclasses.fields(self)
                      if field.name in _REFERENCE_MODEL_FLAGS
-                     and getattr(self, field.name) != field.default]
+                     and getattr(self, field.name) != self.default_of(field.name)]
             if given:
                 verb = "describes" if len(given) == 1 else "describe"
                 raise ValueError(f"{', '.join(given)} {verb} the reference transformer; with "
@@ -234,6 +241,11 @@ class TrainConfig:
                                  f"parallelism {self.cp_ring * self.cp_ulysses}: use a "
                                  f"multiple of {shards}")
 
+    def default_of(self, name: str) -> Any:
+        """Field ``name``'s default in this config (a derived default follows its rule)."""
+        rule = DERIVED_DEFAULTS.get(name)
+        return rule.value(self) if rule is not None else FIELDS[name].default
+
     @property
     def stage_tp_sizes(self) -> tuple[int, ...] | None:
         """``--stage-tp`` as integers (None when not given)."""
@@ -271,6 +283,45 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class DerivedDefault:
+    """A default that follows other flags: the field is declared None (not given) and
+    ``TrainConfig`` puts ``value(config)`` there; ``says`` is the rule for ``--help``."""
+
+    says: str
+    value: Callable[[TrainConfig], Any]
+
+
+def _grouped_kv_heads(config: TrainConfig) -> int:
+    """2 key/value heads (grouped-query attention) where --heads and every stage's tensor-
+    parallel size allow it, else one per query head."""
+    widest_tp = max(config.stage_tp_sizes or (config.tp,))
+    return 2 if config.heads % 2 == 0 and 2 % widest_tp == 0 else config.heads
+
+
+DERIVED_DEFAULTS = {
+    "kv_heads": DerivedDefault("2 where --heads and --tp allow it, else --heads",
+                               _grouped_kv_heads),
+    "min_lr": DerivedDefault(f"{MIN_LR_FRACTION:g} x --lr",
+                             lambda config: MIN_LR_FRACTION * config.lr),
+    "timeline_step": DerivedDefault(f"{TIMELINE_STEP}, or 1 with --steps 1",
+                                    lambda config: min(TIMELINE_STEP, config.steps)),
+}
+FIELDS = {field.name: field for field in dataclasses.fields(TrainConfig)}
+
+
+def field_kind(name: str) -> str:
+    """Field ``name``'s value type: 'int', 'float', 'str' or 'bool' (a derived default's
+    declared ``| None`` dropped)."""
+    return str(FIELDS[name].type).split(" | ")[0]
+
+
+def default_help(name: str) -> str:
+    """What ``--help`` says field ``name`` defaults to."""
+    rule = DERIVED_DEFAULTS.get(name)
+    return rule.says if rule is not None else str(FIELDS[name].default)
 
 
 def flag_name(name: str) -> str:

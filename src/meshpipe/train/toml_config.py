@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from meshpipe.train.config import TrainConfig
+from meshpipe.train.config import TrainConfig, field_kind
 
 TABLE = "train"
 _EXPECTED = {"bool": "a boolean (true or false)", "int": "an integer", "float": "a number",
@@ -31,7 +31,7 @@ class TomlConfigError(ValueError):
 
 def _field_types() -> dict[str, str]:
     """Each TrainConfig field's type name ('int', 'float', 'str' or 'bool'), in field order."""
-    return {field.name: str(field.type) for field in dataclasses.fields(TrainConfig)}
+    return {field.name: field_kind(field.name) for field in dataclasses.fields(TrainConfig)}
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def to_toml(config: TrainConfig, *, only_changed: bool = True) -> str:
     lines = [f"# meshpipe train --config FILE: TrainConfig, {what}"]
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if not only_changed or value != field.default:
+        if not only_changed or value != config.default_of(field.name):
             lines.append(f"{field.name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 
