@@ -4,7 +4,7 @@ every rank of a pool, and training a run (optionally resumed from a given checkp
 from pathlib import Path
 
 from meshpipe.train import checkpoint
-from meshpipe.train.resume import ResumePlan
+from meshpipe.train.resume import resume_from
 from meshpipe.train.trainer import Trainer
 
 SMALL = dict(dim=32, layers=4, heads=4, kv_heads=2, seq_len=16, microbatch_size=2, steps=4,
@@ -22,7 +22,7 @@ def resume_plan(config, rewind_to):
     if rewind_to is None:
         return None
     info = checkpoint.read_info(Path(config.out_dir) / "checkpoint" / rewind_to)
-    return ResumePlan(checkpoint=info, start_step=info.step + 1)
+    return resume_from(info, config)
 
 
 def train(rank, world_size, config, rewind_to=None):

@@ -18,7 +18,9 @@ import torch
 from meshpipe.testing import run_distributed
 from meshpipe.train import checkpoint
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.resume import (IGNORED_FIELDS, LAYOUT_FIELDS, MODEL_FIELDS, SCHEDULE_FIELDS,
+from meshpipe.train.learning_rate import LearningRate
+from meshpipe.train.resume import (IGNORED_FIELDS, LAYOUT_FIELDS, MODEL_FIELDS, RUN_FIELDS,
+                                   SCHEDULE_FIELDS,
                                    plan_resume)
 
 pytestmark = pytest.mark.distributed
@@ -176,12 +178,13 @@ def test_a_save_killed_after_writing_leaves_the_last_checkpoint_in_charge(tmp_pa
 # ---- plan_resume: pure file reading ----
 
 def _fake(root: Path, step: int, config: TrainConfig | dict, saved_at: float | None = None,
-          run_id: str = "run") -> Path:
+          run_id: str = "run", learning_rate: dict | None = None) -> Path:
     values = config.to_dict() if isinstance(config, TrainConfig) else config
     directory = root / "checkpoint" / f"step-{step:06d}"
     _write(directory, {".metadata": "", "meta.json": json.dumps(
         {"step": step, "run_id": run_id, "config": values, "format": 1,
-         "saved_at": time.time() if saved_at is None else saved_at})})
+         "saved_at": time.time() if saved_at is None else saved_at,
+         "learning_rate": learning_rate})})
     return directory
 
 
@@ -198,7 +201,7 @@ def _refusal(config: TrainConfig) -> str:
 
 
 def test_every_config_field_is_in_exactly_one_group():
-    groups = MODEL_FIELDS + SCHEDULE_FIELDS + LAYOUT_FIELDS + IGNORED_FIELDS
+    groups = MODEL_FIELDS + SCHEDULE_FIELDS + RUN_FIELDS + LAYOUT_FIELDS + IGNORED_FIELDS
     names = [field.name for field in dataclasses.fields(TrainConfig)]
     assert sorted(groups) == sorted(names)
     assert len(set(groups)) == len(groups)
@@ -257,20 +260,54 @@ def test_changed_training_settings_need_allow_config_change(tmp_path):
                                                       (29, 20, "past the last")])
 def test_nothing_to_train_says_to_raise_steps(tmp_path, saved_step, steps, position):
     _fake(tmp_path, saved_step, _config(tmp_path, steps=steps))
-    message = _refusal(_config(tmp_path, steps=steps, allow_config_change=True))
+    message = _refusal(_config(tmp_path, steps=steps))
     assert message == (f"nothing to train: checkpoint step 30 is {position} of --steps "
-                       f"{steps}; raise --steps (with --allow-config-change)")
+                       f"{steps}; give a larger --steps to continue the run")
+
+
+def test_a_longer_or_shorter_run_is_taken_with_the_learning_rate_rule(tmp_path):
+    _fake(tmp_path, 1, _config(tmp_path, steps=4, warmup_steps=0, eval_every=2))
+    longer = plan_resume(_config(tmp_path, steps=6, warmup_steps=0, eval_every=3))
+    assert longer.start_step == 2
+    assert longer.learning_rate == LearningRate.of(
+        _config(tmp_path, steps=6, warmup_steps=0), {"step": 1, "progress": 0.25})
+    assert longer.notes[1] == (
+        "run settings changed: steps 4 -> 6, eval_every 2 -> 3; the cosine decay goes on from "
+        f"step 2 at lr {longer.learning_rate.at(2):.3g} (40% decayed) and reaches --min-lr "
+        "0.0003 at step 6 (was 4)")
+    shorter = plan_resume(_config(tmp_path, steps=3, warmup_steps=0))
+    assert shorter.learning_rate.anchor == {"step": 1, "progress": 0.25}
+    assert shorter.learning_rate.progress(2) == pytest.approx(0.625)
+
+
+def test_a_resume_continues_the_anchor_its_checkpoint_saved(tmp_path):
+    _fake(tmp_path, 7, _config(tmp_path, steps=20, warmup_steps=0),
+          learning_rate={"step": 4, "progress": 0.4})
+    same = plan_resume(_config(tmp_path, steps=20, warmup_steps=0))
+    assert same.learning_rate.anchor == {"step": 4, "progress": 0.4}
+    assert "run settings changed" not in " ".join(same.notes)
+    longer = plan_resume(_config(tmp_path, steps=30, warmup_steps=0))
+    assert longer.learning_rate.anchor == {"step": 7, "progress": pytest.approx(0.4 + 0.6 * 3 / 16)}
+
+
+def test_a_changed_learning_rate_still_needs_allow_config_change(tmp_path):
+    _fake(tmp_path, 1, _config(tmp_path, steps=2))
+    message = _refusal(_config(tmp_path, steps=3, lr=1e-3))
+    assert "lr 0.003 -> 0.001, min_lr 0.0003 -> 0.0001" in message
+    assert "--allow-config-change" in message
 
 
 def test_ignored_fields_and_an_older_or_newer_saved_config(tmp_path):
-    """Output and fault flags may differ silently; a field an older version did not save
+    """Output and fault flags may differ (noted); a field an older version did not save
     counts as its default; one this version does not know is noted."""
     saved = _config(tmp_path).to_dict()
     del saved["moe_capacity_factor"], saved["ep"]
     saved.update(out_dir="elsewhere", eval_every=1, hang_timeout=1.0, future_flag=3)
     _fake(tmp_path, 3, saved)
     plan = plan_resume(_config(tmp_path, checkpoint_every=5, progress=False))
-    assert plan.notes[1:] == ["ignoring settings this version does not know in the "
+    assert plan.notes[1:] == ["run settings changed: eval_every 1 -> 10, checkpoint_every 0 -> "
+                              "5, progress True -> False, hang_timeout 1.0 -> 30.0",
+                              "ignoring settings this version does not know in the "
                               "checkpoint: future_flag"]
     saved["dim"] = 32  # and a missing model field still counts as its default
     del saved["layers"]

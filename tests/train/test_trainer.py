@@ -4,7 +4,9 @@ Each case runs the real Trainer on a pooled group of ranks; its built-in ``--che
 the same step in one process on rank 0 and compares loss and every gradient.
 """
 
+import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -15,8 +17,8 @@ from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.sources import reference_step as reference_gradients
 from meshpipe.train.parity import compare_with_single_process
-from meshpipe.train.trainer import Trainer, lr_at
-from trainer_cases import SMALL, check_first_step, train
+from meshpipe.train.trainer import Trainer
+from trainer_cases import SMALL, check_first_step, resume_plan, train
 
 pytestmark = pytest.mark.distributed
 
@@ -40,6 +42,36 @@ def test_training_step_matches_single_process(layout):
     assert report["passed"], report
 
 
+def _learning_rates(rank, world_size, config, rewind_to=None):
+    """The (step, learning rate) of every step in the run's history."""
+    metrics = Trainer(config, resume=resume_plan(config, rewind_to)).fit()
+    return [(h["step"], h["lr"]) for h in metrics["history"]]
+
+
+def _cosine(config: TrainConfig, progress: float) -> float:
+    return config.min_lr + (config.lr - config.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def test_resume_extends_or_shortens_a_run_and_re_spans_the_decay(tmp_path):
+    """--steps 2, then --steps 3 --resume: step 2 goes on from the decay's progress at step 1
+    (0.5) over the new remaining steps, to 0.75; and 4 -> 2 from step 0 speeds it up."""
+    base = dict(SMALL, pp=2, warmup_steps=0, checkpoint_every=1, keep_checkpoints=4)
+    for name in ("extend", "shorten"):
+        (tmp_path / name).mkdir()
+    two = TrainConfig(**{**base, "steps": 2}, out_dir=str(tmp_path / "extend"))
+    assert run_distributed(2, _learning_rates, two)[0] == [
+        (0, pytest.approx(_cosine(two, 0))), (1, pytest.approx(_cosine(two, 0.5)))]
+    three = dataclasses.replace(two, steps=3, resume=True)
+    assert run_distributed(2, _learning_rates, three)[0] == [
+        (0, pytest.approx(_cosine(two, 0))), (1, pytest.approx(_cosine(two, 0.5))),
+        (2, pytest.approx(_cosine(two, 0.75)))]
+    four = TrainConfig(**{**base, "steps": 4}, out_dir=str(tmp_path / "shorten"))
+    run_distributed(2, _learning_rates, four)
+    two_of_four = dataclasses.replace(four, steps=2, resume=True)
+    assert run_distributed(2, _learning_rates, two_of_four, rewind_to="step-000000")[0] == [
+        (0, pytest.approx(_cosine(four, 0))), (1, pytest.approx(_cosine(four, 0.5)))]
+
+
 def test_resume_continues_exactly_and_across_layouts(tmp_path):
     base = dict(SMALL, out_dir=str(tmp_path), checkpoint_every=2)
     straight = run_distributed(2, train, TrainConfig(**base, pp=2))[0]
@@ -53,14 +85,6 @@ def test_resume_continues_exactly_and_across_layouts(tmp_path):
     relayout = run_distributed(4, train, TrainConfig(**base, pp=4, resume=True),
                                rewind_to="step-000001")[0]
     torch.testing.assert_close(torch.tensor(relayout), torch.tensor(straight))
-
-
-def test_learning_rate_warms_up_then_decays():
-    config = TrainConfig(steps=20, warmup_steps=5, lr=1e-3, min_lr=1e-4)
-    rates = [lr_at(config, step) for step in range(20)]
-    assert rates[0] == pytest.approx(2e-4) and rates[4] == pytest.approx(1e-3)
-    assert all(a >= b for a, b in zip(rates[4:], rates[5:]))
-    assert rates[-1] >= 1e-4
 
 
 @pytest.mark.parametrize("bad,message", [

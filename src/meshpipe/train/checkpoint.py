@@ -137,6 +137,7 @@ class CheckpointInfo:
     run_id: str
     saved_at: float
     config: dict[str, Any]
+    learning_rate: dict[str, Any] | None = None  # the schedule's anchor (learning_rate.py)
 
 
 def read_info(directory: Path) -> CheckpointInfo | None:
@@ -151,7 +152,8 @@ def read_info(directory: Path) -> CheckpointInfo | None:
         meta = json.loads((directory / META_FILE).read_text())
         return CheckpointInfo(directory=directory, step=int(meta["step"]),
                               run_id=str(meta["run_id"]), saved_at=float(meta["saved_at"]),
-                              config=dict(meta["config"]))
+                              config=dict(meta["config"]),
+                              learning_rate=meta.get("learning_rate"))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -262,13 +264,15 @@ def _rotate(root: Path, run_id: str, keep: int) -> list[Path]:
 def save(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimizer,
          step: int, tp_group: dist.ProcessGroup | None = None,
          scaler: DynamicLossScaler | None = None, *, config: dict[str, Any], run_id: str,
-         keep: int = 2, after_write: Callable[[], None] | None = None) -> Path:
+         keep: int = 2, after_write: Callable[[], None] | None = None,
+         learning_rate: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint of ``step`` under ``root`` whole or not at all (a collective
     call on every rank); return its directory ``root/step-NNNNNN``.
 
     ``tp_group`` is this rank's tensor-parallel group when its parameters are shards;
     ``scaler`` the fp16 loss scaler whose state a resume continues from. ``config`` (the
-    run's TrainConfig as a dict) and ``run_id`` are recorded in ``meta.json``; of the
+    run's TrainConfig as a dict), ``run_id`` and ``learning_rate`` (the schedule's anchor) are
+    recorded in ``meta.json``; of the
     checkpoints of ``run_id`` the ``keep`` newest stay, other runs' are never deleted.
     ``after_write`` runs on every rank once its part is written, before the checkpoint is
     published (fault injection: a save that dies there leaves only a partial directory).
@@ -298,7 +302,7 @@ def save(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimiz
     if is_main:
         _write_json_durably(partial / META_FILE, {
             "step": step, "run_id": run_id, "saved_at": time.time(), "config": config,
-            "format": FORMAT})
+            "learning_rate": learning_rate, "format": FORMAT})
         _publish(partial, final, run_id)
         _rotate(root, run_id, keep)
     dist.barrier()
@@ -370,7 +374,8 @@ class Checkpointer:
     def __init__(self, root: Path, parameters: NamedParameters,
                  optimizer: torch.optim.Optimizer, tp_group: dist.ProcessGroup | None,
                  scaler: DynamicLossScaler | None, *, config: dict[str, Any], run_id: str,
-                 keep: int, patience: float, after_write: Callable[[], None] | None = None):
+                 keep: int, patience: float, after_write: Callable[[], None] | None = None,
+                 learning_rate: dict[str, Any] | None = None):
         self.root = Path(root)
         self.parameters = parameters
         self.optimizer = optimizer
@@ -381,6 +386,7 @@ class Checkpointer:
         self.keep = keep
         self.patience = patience
         self.after_write = after_write
+        self.learning_rate = learning_rate
         self.saved_step = -1
 
     def load(self, directory: Path, start_step: int) -> None:
@@ -394,5 +400,5 @@ class Checkpointer:
                             action="checkpoint save"):
             save(self.root, self.parameters, self.optimizer, step, self.tp_group, self.scaler,
                  config=self.config, run_id=self.run_id, keep=self.keep,
-                 after_write=self.after_write)
+                 after_write=self.after_write, learning_rate=self.learning_rate)
         self.saved_step = step

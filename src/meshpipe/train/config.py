@@ -27,8 +27,8 @@ STAGE_LINKS = ("root", "fanout")
 _REFERENCE_MODEL_FLAGS = ("dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts")
 # Flags that only mean something with --moe-experts > 0.
 _EXPERT_FLAGS = ("moe_top_k", "moe_every", "moe_aux_coef", "moe_capacity_factor", "ep")
-# A tenth of the peak learning rate is where the cosine decay ends unless --min-lr says.
-MIN_LR_FRACTION = 0.1
+# The cosine decay ends at the peak learning rate over this unless --min-lr says.
+MIN_LR_DIVISOR = 10
 # The step whose timeline is drawn unless --timeline-step says (the first is warm-up).
 TIMELINE_STEP = 2
 
@@ -301,11 +301,17 @@ def _grouped_kv_heads(config: TrainConfig) -> int:
     return 2 if config.heads % 2 == 0 and 2 % widest_tp == 0 else config.heads
 
 
+def _decimal(value: float) -> float:
+    """``value`` rounded to 12 significant digits: 3e-3 / 10 is 0.0003, not
+    0.00030000000000000003, in metrics, checkpoints and messages."""
+    return float(f"{value:.12g}")
+
+
 DERIVED_DEFAULTS = {
     "kv_heads": DerivedDefault("2 where --heads and --tp allow it, else --heads",
                                _grouped_kv_heads),
-    "min_lr": DerivedDefault(f"{MIN_LR_FRACTION:g} x --lr",
-                             lambda config: MIN_LR_FRACTION * config.lr),
+    "min_lr": DerivedDefault(f"--lr / {MIN_LR_DIVISOR}", lambda config: _decimal(
+        config.lr / MIN_LR_DIVISOR)),
     "timeline_step": DerivedDefault(f"{TIMELINE_STEP}, or 1 with --steps 1",
                                     lambda config: min(TIMELINE_STEP, config.steps)),
 }

@@ -5,10 +5,15 @@
 given, field group by field group:
 
 - model fields (``MODEL_FIELDS``) must match: the weights would not fit another model;
-- training-schedule fields (``SCHEDULE_FIELDS``: steps, learning rates, batch, data order,
-  precision) must match unless ``--allow-config-change`` accepts them (then a note says so);
+- fields that change the trajectory (``SCHEDULE_FIELDS``: learning rates, batch, data
+  order, precision) must match unless ``--allow-config-change`` accepts them (then a note
+  says so);
+- the run's length and running (``RUN_FIELDS``: ``--steps``, evaluation, checkpoints,
+  output, progress, fault handling) may change, with a note: a changed ``--steps`` extends
+  or shortens the run and re-spans the learning-rate decay from where it stands
+  (``learning_rate``);
 - layout fields (``LAYOUT_FIELDS``) may change freely: checkpoints are layout-free;
-- the rest (``IGNORED_FIELDS``: output, logging, fault handling) does not matter.
+- the rest (``IGNORED_FIELDS``) does not matter.
 
 Every refusal is a ValueError of one line that says what to do. A field missing from an
 older checkpoint's config counts as its default; a field this version does not know is noted
@@ -20,33 +25,38 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any
 
 from meshpipe.train.checkpoint import CheckpointInfo, incomplete_checkpoints, newest
 from meshpipe.train.config import TrainConfig
+from meshpipe.train.learning_rate import LearningRate
 
 # Every TrainConfig field is in exactly one group (a test checks it, so a new field cannot be
 # forgotten here).
 MODEL_FIELDS = ("model", "dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts",
                 "moe_top_k", "moe_every")
-SCHEDULE_FIELDS = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed",
+SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed",
                    "microbatches", "microbatch_size", "dp", "seq_len", "dtype", "moe_aux_coef",
                    "moe_capacity_factor", "data", "tokenizer", "pack")
 LAYOUT_FIELDS = ("pp", "vpp", "cp_ulysses", "cp_ring", "tp", "stage_tp", "stage_link",
-                 "sequence_parallel", "schedule", "placement", "p2p", "recompute", "ep")
-IGNORED_FIELDS = ("out_dir", "resume", "check", "progress", "eval_every", "checkpoint_every",
-                  "keep_checkpoints", "timeline_step", "hang_timeout", "skip_nonfinite",
-                  "checkpoint_on_signal", "allow_config_change", "data_cache", "export",
-                  "device", "backend")
+                 "sequence_parallel", "schedule", "placement", "p2p", "recompute", "ep",
+                 "device", "backend")
+RUN_FIELDS = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "timeline_step",
+              "progress", "hang_timeout", "skip_nonfinite", "checkpoint_on_signal", "export",
+              "data_cache")
+IGNORED_FIELDS = ("out_dir", "resume", "check", "allow_config_change")
 
 
 @dataclass(frozen=True)
 class ResumePlan:
-    """The checkpoint to load, the first step to train, and one-line notes for the user."""
+    """The checkpoint to load, the first step to train, the learning-rate schedule from
+    there, and one-line notes for the user."""
 
     checkpoint: CheckpointInfo
     start_step: int
+    learning_rate: LearningRate
     notes: list[str] = field(default_factory=list)
 
 
@@ -62,6 +72,12 @@ def plan_resume(config: TrainConfig) -> ResumePlan:
     info = newest(root)
     if info is None:
         raise ValueError(_nothing_to_resume(root))
+    return resume_from(info, config)
+
+
+def resume_from(info: CheckpointInfo, config: TrainConfig) -> ResumePlan:
+    """The plan of continuing the checkpoint ``info`` with ``config`` (``plan_resume``'s
+    checks and notes), or a one-line ValueError."""
     saved = _saved_values(info.config)
     where = f"checkpoint {info.directory}"
 
@@ -79,7 +95,9 @@ def plan_resume(config: TrainConfig) -> ResumePlan:
     if start_step >= config.steps:
         position = "the last" if start_step == config.steps else "past the last"
         raise ValueError(f"nothing to train: checkpoint step {start_step} is {position} of "
-                         f"--steps {config.steps}; raise --steps (with --allow-config-change)")
+                         f"--steps {config.steps}; give a larger --steps to continue the run")
+    saved_rate = LearningRate.of(SimpleNamespace(**saved), info.learning_rate)
+    learning_rate = saved_rate.respanned(start_step, config)
 
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.saved_at))
     notes = [f"resuming from {info.directory} (step {start_step} of {config.steps}, saved "
@@ -87,6 +105,11 @@ def plan_resume(config: TrainConfig) -> ResumePlan:
     if schedule:
         notes.append(f"training settings changed: {schedule} (accepted with "
                      "--allow-config-change)")
+    run = _differences(saved, config, RUN_FIELDS)
+    if run:
+        rate = (f"; {saved_rate.describe_change(start_step, learning_rate)}"
+                if saved["steps"] != config.steps else "")
+        notes.append(f"run settings changed: {run}{rate}")
     layout = _differences(saved, config, LAYOUT_FIELDS)
     if layout:
         notes.append(f"layout changed: {layout} (checkpoints are layout-free)")
@@ -95,7 +118,8 @@ def plan_resume(config: TrainConfig) -> ResumePlan:
     if unknown:
         notes.append(f"ignoring settings this version does not know in the checkpoint: "
                      f"{', '.join(unknown)}")
-    return ResumePlan(checkpoint=info, start_step=start_step, notes=notes)
+    return ResumePlan(checkpoint=info, start_step=start_step, learning_rate=learning_rate,
+                      notes=notes)
 
 
 def _nothing_to_resume(root: Path) -> str:

@@ -56,6 +56,7 @@ from meshpipe.train.config import TrainConfig
 from meshpipe.train.devices import DevicePlan, local_rank
 from meshpipe.train.gradients import Gradients, tied_groups
 from meshpipe.train.launch import Supervision, launch, reports_for_the_job
+from meshpipe.train.learning_rate import LearningRate
 from meshpipe.train.metrics import MetricsLog
 from meshpipe.train.plan import CHECK_TIMEOUT_S, RunPlan, plan_for_rank, plan_run
 from meshpipe.train.resume import ResumePlan
@@ -123,14 +124,6 @@ def _fit_on_this_rank(plan: RunPlan) -> None:
     trainer.fit()
 
 
-def lr_at(config: TrainConfig, step: int) -> float:
-    """Linear warm-up, then cosine decay from ``lr`` to ``min_lr``."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
-
-
 @dataclass
 class StepStats:
     loss: float
@@ -190,6 +183,8 @@ class Trainer:
         self.gradients = Gradients(config, self.topology, self.parameters, tied_groups(
             parts.shared, parts.chunks, self.stages, self.schedule.placement, config,
             self.rank), self.device)
+        self.learning_rate = (plan.resume.learning_rate if plan.resume is not None
+                              else LearningRate.of(config))
         self.optimizer = torch.optim.AdamW([p for _, p in self.parameters], lr=config.lr,
                                            weight_decay=config.weight_decay)
         executor_args = dict(pp_rank=self.topology.pp_rank,
@@ -205,7 +200,8 @@ class Trainer:
             Path(config.out_dir) / "checkpoint", self.parameters, self.optimizer,
             self.tp_group, self.scaler, config=config.to_dict(), run_id=plan.run_id,
             keep=config.keep_checkpoints, patience=SAVE_PATIENCE * config.hang_timeout,
-            after_write=lambda: self._fire_fault("save"))
+            after_write=lambda: self._fire_fault("save"),
+            learning_rate=self.learning_rate.anchor)
         self._now = StepState(-1, float(config.microbatch_size * config.seq_len))
         self.fault = faults.from_environment(self.rank)
         if self.fault is not None:
@@ -354,7 +350,7 @@ class Trainer:
         else:
             self._nonfinite_in_a_row = 0
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.config, step)
+            group["lr"] = self.learning_rate.at(step)
         if not (overflow or nonfinite):
             self.gradients.clip(grad_norm)
             self.optimizer.step()
@@ -448,7 +444,7 @@ class Trainer:
         config = self.config
         stats = self.train_step(step)
         record, postfix = reporting.step_record(
-            config, step, stats, lr_at(config, step),
+            config, step, stats, self.learning_rate.at(step),
             self.scaler.scale if self.scaler is not None else None)
         if log is not None:
             log.append(record)
