@@ -110,7 +110,7 @@ def test_bad_toml_names_the_file_and_the_line(tmp_path):
 
 
 def test_the_config_is_validated_after_the_merge(tmp_path):
-    path = str(write(tmp_path, "heads = 3\n"))
+    path = str(write(tmp_path, "heads = 3\nkv_heads = 2\n"))
     with pytest.raises(ValueError, match="--heads 3 must be a multiple"):
         parse("--config", path)
     assert parse("--config", path, "--heads", "4").heads == 4
