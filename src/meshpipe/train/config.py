@@ -93,6 +93,7 @@ class TrainConfig:
     check: bool = False
     timeline_step: int | None = None  # DERIVED_DEFAULTS
     progress: bool = True
+    tensorboard: bool = False
     # devices
     device: str = "auto"
     backend: str = "auto"
@@ -400,6 +401,8 @@ FIELD_HELP = {
     "check": "also run the first step in one process and print the loss/gradient difference",
     "timeline_step": "step whose measured per-rank timeline is drawn (0 disables)",
     "progress": "show a progress bar",
+    "tensorboard": "also write every metric as TensorBoard scalars under <out-dir>/tensorboard "
+                   "(needs pip install 'meshpipe[tb]')",
     "device": "where ranks compute: auto (CUDA when torch sees a GPU), cuda or cpu",
     "backend": "process-group backend: auto (nccl when every rank has a GPU of its own, else "
                "gloo), nccl or gloo (ranks may share a GPU; messages go through host memory)",

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from meshpipe.models.transformer import check_tensor_parallel_sizes
 from meshpipe.schedules import Schedule, build
 from meshpipe.schedules.placement import stage_layers, wraparound_placement
-from meshpipe.train import checkpoint, sources
+from meshpipe.train import checkpoint, sources, tensorboard
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.devices import DevicePlan, local_ranks, plan_devices
 from meshpipe.train.launch import PROCESS_GROUP_TIMEOUT_S
@@ -67,6 +67,8 @@ def plan_run(config: TrainConfig) -> RunPlan:
     out = check_out_dir(config.out_dir)
     resume = plan_resume(config) if config.resume else None
     sources.check_sources(config)
+    if config.tensorboard:
+        tensorboard.check_available()
     notes = list(resume.notes if resume is not None else _earlier_checkpoints_note(out))
     notice = devices.notice()
     if notice:

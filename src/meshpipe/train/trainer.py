@@ -409,7 +409,8 @@ class Trainer:
         if resume is not None:
             self.checkpointer.load(resume.checkpoint.directory, resume.start_step)
             start_step = resume.start_step
-        log = MetricsLog(out, start_step) if self.is_main else None
+        log = (MetricsLog(out, start_step, tensorboard=config.tensorboard) if self.is_main
+               else None)
         metrics: dict[str, Any] = {"config": config.to_dict(), "world_size": config.world_size,
                                    "schedule": str(self.schedule.name),
                                    "resumed_from": start_step or None, "history": [],
@@ -460,6 +461,8 @@ class Trainer:
             if timeline is not None:
                 metrics["timeline"] = reporting.draw_timeline(config, timeline, out)
                 metrics["bubble"] = reporting.measured_bubble(timeline, self.schedule, step)
+                log.append({"step": step, "bubble_measured": metrics["bubble"]["measured"],
+                            "bubble_simulated": metrics["bubble"]["simulated"]})
         if config.eval_every and (step + 1) % config.eval_every == 0:
             metrics["eval"].append({"step": step, "val_loss": self.evaluate(step)})
             if log is not None:
