@@ -230,6 +230,7 @@ def test_demo_trains_then_compares_and_draws_the_best_schedule(capsys, tmp_path)
     metrics = json.loads((tmp_path / "out" / "train" / "metrics.json").read_text())
     assert metrics["check"]["passed"] and len(metrics["history"]) == 6
     assert (tmp_path / "out" / "train" / "timeline.png").exists()
+    assert matplotlib.image.imread(tmp_path / "out" / "train" / "loss.png").shape[0] > 300
     assert "| zb-h1 |" in out and "| 1f1b |" in out
     image = matplotlib.image.imread(tmp_path / "out" / "schedule.png")
     assert image.shape[1] > 600

@@ -6,8 +6,13 @@
 a TrainConfig field, and ``--config run.toml`` gives them as a file); ``meshpipe export``
 writes a checkpoint as a directory transformers loads; ``meshpipe tune`` measures the
 model on this machine and ranks the layouts of a world size by predicted step time;
-``meshpipe demo`` runs the project's showcase. Bad input prints one line and exits 2; a
-failed training run (a rank raised, or --check found a difference) exits 1.
+``meshpipe plot`` draws a run's loss.png from its metrics.jsonl; ``meshpipe demo`` runs the
+project's showcase. Bad input prints one line and exits 2; a failed training run (a rank
+raised, or --check found a difference) exits 1.
+
+One module because it is one command line: each command is a few lines of glue over the
+library, sharing the parser, its one-line errors (``CommandLineError``, ``_write``) and the
+exit statuses, and ``meshpipe demo`` runs several of them.
 """
 
 from __future__ import annotations
@@ -223,6 +228,14 @@ def _parser() -> _Parser:
 
     _add_tune_parser(commands)
 
+    plot = commands.add_parser(
+        "plot", help="draw a run's loss, learning rate and gradient norm into loss.png",
+        description="Draw OUT-DIR/metrics.jsonl (training and validation loss, learning "
+        "rate and gradient norm against the step) into OUT-DIR/loss.png: any run, also one "
+        "that failed or still runs. Every run draws it at its end.")
+    plot.add_argument("out_dir", type=Path, metavar="OUT-DIR", help="a run's --out-dir")
+    plot.set_defaults(handler=_plot)
+
     demo = commands.add_parser("demo", help="the showcase: train PP=2 x CP=2 on 4 processes, "
                                "then compare the schedules and draw one")
     demo.add_argument("--out", type=Path, default=Path("out"),
@@ -405,13 +418,41 @@ def _train_and_report(config: TrainConfig) -> int:
     try:
         metrics = run_training(config)
     except LaunchError as error:
-        print(f"meshpipe: training failed: {error}", file=sys.stderr)
+        print(f"meshpipe: training failed: {error}{_loss_so_far(config)}", file=sys.stderr)
         return 1
     except Interrupted as stop:
-        print(f"meshpipe: training {stop}; resume with --resume", file=sys.stderr)
+        print(f"meshpipe: training {stop}; resume with --resume{_loss_so_far(config)}",
+              file=sys.stderr)
         return stop.exit_code
     check = (metrics or {}).get("check")
     return 1 if check and not check["passed"] else 0
+
+
+def _loss_so_far(config: TrainConfig) -> str:
+    """Draw the steps a failed or stopped run took (they tell where it went wrong): the
+    end of its one-line report; '' where it took none, the picture cannot be written (the
+    failure matters more) or another rank reports."""
+    from meshpipe.train.launch import reports_for_the_job
+    from meshpipe.train.plots import plot_run
+
+    if not reports_for_the_job():
+        return ""
+    try:
+        return f"; the loss so far in {plot_run(config.out_dir)}"
+    except (ValueError, OSError):
+        return ""
+
+
+def _plot(args: argparse.Namespace, out: TextIO) -> int:
+    from meshpipe.train.plots import plot_run
+
+    try:
+        path = plot_run(args.out_dir)
+    except OSError as error:
+        raise CommandLineError(f"meshpipe plot: error: cannot draw {args.out_dir}: {error}"
+                               ) from None
+    out.write(f"wrote {path}\n")
+    return 0
 
 
 def _export(args: argparse.Namespace, out: TextIO) -> int:

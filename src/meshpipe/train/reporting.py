@@ -24,6 +24,7 @@ from meshpipe.train.config import TrainConfig
 from meshpipe.train.metrics import FILE_NAME as METRICS_FILE
 from meshpipe.train.metrics import dumps
 from meshpipe.train.metrics import read as read_metrics
+from meshpipe.train.plots import plot_run
 
 
 def step_record(config: TrainConfig, step: int, stats: Any, lr: float,
@@ -124,7 +125,8 @@ def measured_bubble(timeline: Timeline, schedule: Schedule, step: int) -> dict[s
 
 def write_metrics(out: Path, metrics: dict[str, Any]) -> None:
     """metrics.json: the whole history (earlier runs of a resumed one included), the
-    evaluations and a summary; the summary line on the terminal."""
+    evaluations and a summary; loss.png, the picture of that history; the summary line on
+    the terminal."""
     records = read_metrics(out / METRICS_FILE)
     history = [r for r in records if "loss" in r]
     metrics["history"] = history
@@ -140,13 +142,14 @@ def write_metrics(out: Path, metrics: dict[str, Any]) -> None:
     (out / "metrics.json").write_text(dumps(metrics, indent=2))
     summary = metrics.get("summary")
     if summary:
+        picture = plot_run(out)
         first, last = summary["first_loss"], summary["last_loss"]
         bubble = metrics.get("bubble")
         bubbles = (f", bubble {100 * bubble['measured']:.1f}% measured vs "
                    f"{100 * bubble['simulated']:.1f}% simulated" if bubble else "")
         print(f"loss {_number(first)} -> {_number(last)} over {len(history)} steps, "
               f"{summary['median_tokens_per_s']:,.0f} tokens/s{bubbles}; metrics in "
-              f"{out / 'metrics.json'}")
+              f"{out / 'metrics.json'}, loss curves in {picture}")
 
 
 def _number(value: float | None) -> str:
