@@ -147,7 +147,8 @@ def write_metrics(out: Path, metrics: dict[str, Any]) -> None:
         bubble = metrics.get("bubble")
         bubbles = (f", bubble {100 * bubble['measured']:.1f}% measured vs "
                    f"{100 * bubble['simulated']:.1f}% simulated" if bubble else "")
-        print(f"loss {_number(first)} -> {_number(last)} over {len(history)} steps, "
+        steps = f"{len(history)} step{'' if len(history) == 1 else 's'}"
+        print(f"loss {_number(first)} -> {_number(last)} over {steps}, "
               f"{summary['median_tokens_per_s']:,.0f} tokens/s{bubbles}; metrics in "
               f"{out / 'metrics.json'}, loss curves in {picture}")
 
