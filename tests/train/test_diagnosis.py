@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import sys
 import time
 
 import pytest
@@ -78,6 +80,68 @@ def test_a_long_phase_gets_its_own_limit():
     statuses = {0: {**_status("the --check step", 0.0), "limit": 900.0},
                 1: {**_status("gather", 0.0, True, peers=[0, 1]), "limit": 900.0}}
     assert hang_report(statuses, 100.0, 30.0, [None, None]) is None
+
+
+def _freeze_at(control, rank, **fields):
+    """The where-file rank ``rank`` leaves when it freezes inside ``fields``; its time."""
+    activity.reset()
+    reporter = activity.Reporter(rank, control, 30.0, interval_s=60).start()
+    with activity.doing("action", **fields):
+        reporter.stop()  # the where-file keeps this place
+    activity.reset()
+    return activity.read_where_record(control / f"where-{rank}")["written_at"]
+
+
+def _write_status(control, rank, status):
+    (control / f"status-{rank}.json").write_text(json.dumps({"rank": rank, **status}))
+
+
+def test_a_frozen_rank_is_reported_where_its_where_file_last_saw_it(tmp_path):
+    """Rank 1's last status is from step 333; it moved on to step 339, then froze: the
+    report gives the where-file's place and its age, never the stale status as current."""
+    frozen = _freeze_at(tmp_path, 1, step=339, stage=1, microbatch=2, action="1F2")
+    now = frozen + 30
+    _write_status(tmp_path, 0, {**_status("message", frozen, True, peer=1, step=339),
+                                "reported_at": now})
+    _write_status(tmp_path, 1, {**_status("1SEND_B1", frozen - 0.1, step=333, stage=1,
+                                          microbatch=1, action="1SEND_B1"),
+                                "reported_at": frozen - 0.05})
+    picture, line, rank = hang_report(read_statuses(tmp_path, 2), now, 20.0, [None, None])
+    assert rank == 1
+    assert line == ("rank 1 is not responding (frozen, or holding Python's GIL); last seen "
+                    "30 s ago at step 339, stage 1, microbatch 2, action 1F2; rank 0 waits on "
+                    "it")
+    assert picture.endswith("\n  rank 1: not responding (frozen, or holding Python's GIL); "
+                            "last seen 30 s ago at step 339, stage 1, microbatch 2, action 1F2")
+    assert "333" not in picture
+
+
+def test_a_rank_that_still_reports_is_described_as_it_reported(tmp_path):
+    """A fresh heartbeat from a running process: the status is current, whatever the
+    where-file says (a running rank's where-file is often a moment ahead of its status)."""
+    moved = _freeze_at(tmp_path, 1, step=3, stage=1, microbatch=4, action="1F4")
+    status = {**_status("1F3", moved - 40, step=3, stage=1, microbatch=3, action="1F3"),
+              "reported_at": moved, "pid": os.getpid()}
+    _write_status(tmp_path, 1, status)
+    statuses = read_statuses(tmp_path, 2)
+    if sys.platform.startswith("linux"):
+        assert statuses[1]["process_state"] == "R"  # this test's process, reading /proc
+    _, line, rank = hang_report(statuses, moved + 0.5, 30.0, [None, None])
+    assert rank == 1
+    assert line == ("rank 1 hangs: runs 1F3 for 40 s without finishing "
+                    "[step 3, stage 1, microbatch 3, action 1F3]")
+
+
+def test_a_stopped_rank_ends_the_chain_even_if_it_was_waiting():
+    """A stopped process waits on nobody: the rank waiting on it is no deadlock."""
+    statuses = {0: _status("message", 0.0, True, peer=1, step=5),
+                1: {**_status("message", 5.0, True, peer=0, step=5, stage=1),
+                    "reported_at": 39.0, "process_state": "T"}}
+    picture, line, rank = hang_report(statuses, 40.0, 30.0, [None, None])
+    assert rank == 1
+    assert line == ("rank 1 is stopped (SIGSTOP or a debugger); last seen 1 s ago at step 5, "
+                    "stage 1; rank 0 waits on it")
+    assert "  rank 0: waits 40 s for message from rank 1 [step 5] -> rank 1\n" in picture
 
 
 def test_activity_snapshot_nests_and_remembers_where_the_first_error_was():

@@ -2,11 +2,13 @@
 
 import json
 import os
+import re
+import sys
 import time
 
 import pytest
 
-from meshpipe.train.launch import LaunchError, launch
+from meshpipe.train.launch import LaunchError, Supervision, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -32,6 +34,34 @@ def _fail_on_rank_one_while_others_wait():
     if dist.get_rank() == 1:
         raise RuntimeError("stage 1 microbatch 0: deliberate failure")
     dist.all_reduce(torch.ones(1))
+
+
+def _stop_rank_one_inside_step_seven():
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    from meshpipe.runtime import activity
+
+    if dist.get_rank() == 1:
+        with activity.doing("step 7", step=7):
+            with activity.doing("1F0", stage=1, microbatch=0, action="1F0"):
+                os.kill(os.getpid(), signal.SIGSTOP)
+    with activity.waiting("a message", peer=1):
+        dist.recv(torch.ones(1), src=1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_stopped_rank_is_reported_at_the_step_it_stopped_in():
+    """Rank 1 stops itself as it enters step 7, before its reporter writes that: the report
+    takes the place from its where-file and the reason from /proc."""
+    with pytest.raises(LaunchError) as info:
+        launch(_stop_rank_one_inside_step_seven, 2, supervision=Supervision(hang_timeout=4.0))
+    assert info.value.rank == 1
+    assert re.fullmatch(r"rank 1 is stopped \(SIGSTOP or a debugger\); last seen \d+ s ago at "
+                        r"step 7, stage 1, microbatch 0, action 1F0; rank 0 waits on it",
+                        str(info.value)), info.value.details
 
 
 def test_every_rank_runs_in_an_initialised_group(tmp_path):

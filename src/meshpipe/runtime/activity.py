@@ -6,9 +6,10 @@ innermost one is this rank's current activity, and ``snapshot()`` describes it t
 the step, stage and microbatch of the entries around it and how long nothing has changed.
 
 A process that runs under a launcher starts a ``Reporter``: a thread that writes the
-snapshot to a status file whenever it changes (the launcher reads every rank's file to draw
-who waits on whom), notices a stop request, and ends the process if its launcher is gone.
-Where no launcher watches (torchrun), the reporter judges a hang itself.
+snapshot to a status file every interval, changed or not (the launcher reads every rank's
+file to draw who waits on whom, and a file that stops being rewritten shows a frozen
+process), notices a stop request, and ends the process if its launcher is gone. Where no
+launcher watches (torchrun), the reporter judges a hang itself.
 
 Marking costs a list append and pop; without a reporter nothing else happens.
 """
@@ -41,49 +42,75 @@ class _Entry:
 
 
 # The fields that say where in the training a rank is (written through at once, below).
-_WHERE_FIELDS = ("step", "stage", "microbatch", "action")
-WHERE_BYTES = 512
+WHERE_FIELDS = ("step", "stage", "microbatch", "action")
+# How often a reporter rewrites its rank's status.
+REPORT_INTERVAL_S = 0.2
+# The where-file: a header (the length of the current record, and which of the two slots
+# holds it) and two slots. A record goes to the slot not in use, then the header points at
+# it: neither a reader nor a rank frozen mid-write ever leaves half a record to read.
+WHERE_BYTES = 1024
+_HEADER_BYTES = 4
+_SLOT_BYTES = (WHERE_BYTES - _HEADER_BYTES) // 2
 
 _stack: list[_Entry] = []
 # Where this rank is, kept current in a small memory-mapped file the launcher reads after a
-# death (the status file is only written every interval, too late for a rank killed mid-step).
+# death or when the rank stops reporting (the status file is only written every interval:
+# too late for a rank killed or frozen mid-step).
 _where_map: mmap.mmap | None = None
+_where_slot = 0
 _changed_at = time.time()
-_version = 0
 _first_failure: dict[str, Any] | None = None
 _stop_requested = threading.Event()
 
 
 def _push(entry: _Entry) -> None:
-    global _changed_at, _version
+    global _changed_at
     _stack.append(entry)
     _changed_at = time.time()
-    _version += 1
-    if _where_map is not None and entry.fields.keys() & _WHERE_FIELDS:
+    if _where_map is not None and entry.fields.keys() & WHERE_FIELDS:
         _write_where()
 
 
 def _write_where() -> None:
-    fields: dict[str, Any] = {}
-    for entry in _stack:
-        fields.update(entry.fields)
-    text = describe(fields).encode()[:WHERE_BYTES - 4]
-    _where_map[4:4 + len(text)] = text
-    _where_map[0:4] = len(text).to_bytes(4, "little")
+    """Write where this rank is, and since when, to the slot not in use, then switch."""
+    global _where_slot
+    record = {key: value for entry in _stack for key, value in entry.fields.items()
+              if key in WHERE_FIELDS}
+    record["written_at"] = _changed_at
+    data = json.dumps(record, default=str).encode()
+    if len(data) > _SLOT_BYTES:  # an unusually long action name: keep the numbers
+        data = json.dumps({k: v for k, v in record.items() if isinstance(v, (int, float))}
+                          ).encode()
+    _where_slot = 1 - _where_slot
+    start = _HEADER_BYTES + _where_slot * _SLOT_BYTES
+    _where_map[start:start + len(data)] = data
+    _where_map[0:_HEADER_BYTES] = len(data).to_bytes(2, "little") + bytes((_where_slot, 0))
 
 
-def read_where(path: Path) -> str | None:
-    """The place a rank last wrote to its where-file (None if it wrote none)."""
+def read_where_record(path: Path) -> dict[str, Any] | None:
+    """What a rank last wrote to its where-file: the step, stage, microbatch and action it
+    was in and when it got there (``written_at``); None if it wrote none."""
     try:
         data = Path(path).read_bytes()
     except OSError:
         return None
-    length = int.from_bytes(data[:4], "little") if len(data) >= 4 else 0
-    return data[4:4 + length].decode(errors="replace") if 0 < length <= len(data) - 4 else None
+    if len(data) != WHERE_BYTES or data[2] > 1:
+        return None
+    length, start = int.from_bytes(data[:2], "little"), _HEADER_BYTES + data[2] * _SLOT_BYTES
+    try:
+        return json.loads(data[start:start + length]) if length else None
+    except ValueError:
+        return None
+
+
+def read_where(path: Path) -> str | None:
+    """The place a rank last wrote to its where-file (None if it wrote none)."""
+    record = read_where_record(path)
+    return describe(record) if record is not None else None
 
 
 def _pop(entry: _Entry, failed: BaseException | None) -> None:
-    global _changed_at, _version, _first_failure
+    global _changed_at, _first_failure
     if failed is not None and _first_failure is None:
         _first_failure = {**snapshot(), "error": one_line(failed)}
     if _stack and _stack[-1] is entry:
@@ -91,8 +118,7 @@ def _pop(entry: _Entry, failed: BaseException | None) -> None:
     elif entry in _stack:
         _stack.remove(entry)
     _changed_at = time.time()
-    _version += 1
-    if _where_map is not None and entry.fields.keys() & _WHERE_FIELDS:
+    if _where_map is not None and entry.fields.keys() & WHERE_FIELDS:
         _write_where()
 
 
@@ -170,13 +196,14 @@ def one_line(error: BaseException) -> str:
 
 def describe(state: dict[str, Any]) -> str:
     """Where a snapshot is, in words: "step 3, stage 1, microbatch 2, action B"."""
-    parts = [f"{key} {state[key]}" for key in ("step", "stage", "microbatch", "action")
-             if state.get(key) is not None]
+    parts = [f"{key} {state[key]}" for key in WHERE_FIELDS if state.get(key) is not None]
     return ", ".join(parts) if parts else state.get("what", "idle")
 
 
 class Reporter:
-    """Writes this rank's snapshot to ``status_dir/status-<rank>.json`` when it changes.
+    """Writes this rank's snapshot to ``status_dir/status-<rank>.json`` every ``interval_s``
+    with the time it wrote it (``reported_at``): a heartbeat, so the launcher tells a frozen
+    rank from one that is still where it reported.
 
     It also watches ``status_dir/stop-request`` (a stop asked by the launcher), ends the
     process when the launcher that started it is gone (``parent_pid``), and with
@@ -186,14 +213,13 @@ class Reporter:
 
     def __init__(self, rank: int, status_dir: Path | None, hang_timeout: float, *,
                  parent_pid: int | None = None, judge_hangs: bool = False,
-                 interval_s: float = 0.2):
+                 interval_s: float = REPORT_INTERVAL_S):
         self.rank = rank
         self.status_dir = Path(status_dir) if status_dir is not None else None
         self.hang_timeout = hang_timeout
         self.parent_pid = parent_pid
         self.judge_hangs = judge_hangs
         self.interval_s = interval_s
-        self._written = -1
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshpipe-activity",
                                         daemon=True)
@@ -205,6 +231,7 @@ class Reporter:
             path.write_bytes(bytes(WHERE_BYTES))
             with open(path, "r+b") as stream:
                 _where_map = mmap.mmap(stream.fileno(), WHERE_BYTES)
+            self._write_status()  # now: a rank may freeze before the first interval ends
         self._thread.start()
         return self
 
@@ -221,22 +248,19 @@ class Reporter:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 os._exit(1)  # the launcher died: nobody would ever stop this rank
             if self.status_dir is not None:
-                self._write_if_changed()
+                self._write_status()
                 if (self.status_dir / "stop-request").exists():
                     request_stop()
             if self.judge_hangs:
                 self._judge_hang()
 
-    def _write_if_changed(self) -> None:
-        version = _version
-        if version == self._written:
-            return
-        state = {"rank": self.rank, "pid": os.getpid(), **snapshot()}
+    def _write_status(self) -> None:
+        state = {"rank": self.rank, "pid": os.getpid(), "reported_at": time.time(),
+                 **snapshot()}
         path = self.status_dir / f"status-{self.rank}.json"
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps(state, default=str))
         os.replace(temporary, path)
-        self._written = version
 
     def _judge_hang(self) -> None:
         state = snapshot()

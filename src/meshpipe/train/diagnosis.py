@@ -2,8 +2,10 @@
 or, for a hang, who waits on whom and the rank, the death or the cycle at the end of it.
 
 Pure functions over the launcher's control files (``error-<rank>.json`` written by a rank
-that raised, ``status-<rank>.json`` written by each rank's activity reporter), so they are
-tested without processes.
+that raised, ``status-<rank>.json`` rewritten every interval by each rank's activity
+reporter, ``where-<rank>`` written by the rank at every move), so they are tested without
+processes. A rank whose status stopped being rewritten (a stopped or frozen process) is
+reported where it was last seen, and how long ago, never as if it were still there now.
 """
 
 from __future__ import annotations
@@ -13,18 +15,65 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from meshpipe.runtime.activity import describe, hang_line
+from meshpipe.runtime.activity import (REPORT_INTERVAL_S, WHERE_FIELDS, describe, hang_line,
+                                       read_where_record)
+
+# A status not rewritten for this long comes from a process that no longer runs Python.
+STALE_AFTER_S = 10 * REPORT_INTERVAL_S
+# What a process state in /proc/<pid>/stat says of a rank that has stopped moving.
+_PROCESS_STATES = {"T": "stopped (SIGSTOP or a debugger)",
+                   "t": "stopped (SIGSTOP or a debugger)"}
+_NOT_RESPONDING = "not responding (frozen, or holding Python's GIL)"
 
 
 def read_statuses(control: Path, world_size: int) -> dict[int, dict[str, Any]]:
-    """Every rank's last reported activity (ranks that never reported are missing)."""
+    """Every rank's last reported activity (ranks that never reported are missing), with
+    its where-file's record (``where_file``: newer than the status when the rank moved,
+    then froze, between two reports) and its process state (``process_state``, Linux)."""
     statuses = {}
     for rank in range(world_size):
         try:
-            statuses[rank] = json.loads((control / f"status-{rank}.json").read_text())
+            status = json.loads((control / f"status-{rank}.json").read_text())
         except (OSError, ValueError):
             continue
+        status["where_file"] = read_where_record(control / f"where-{rank}")
+        status["process_state"] = _process_state(status.get("pid"))
+        statuses[rank] = status
     return statuses
+
+
+def _process_state(pid: int | None) -> str | None:
+    """The state letter of process ``pid`` (R, S, T...); None without /proc or process."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # the command name in (...) may hold spaces
+    return fields[0] if fields else None
+
+
+def as_of(status: dict[str, Any], now: float) -> dict[str, Any]:
+    """The status to report at ``now``: as written while the rank's reporter runs. For a
+    rank that stopped (/proc) or whose status is older than ``STALE_AFTER_S``: why
+    (``frozen``), its freshest place (the where-file's when newer), and when it was last
+    seen (``seen``); it waits on nobody, since it runs nothing."""
+    why = _PROCESS_STATES.get(status.get("process_state"))
+    reported = status.get("reported_at", status["since"])
+    if why is None and "reported_at" in status and now - reported > STALE_AFTER_S:
+        why = _NOT_RESPONDING
+    if why is None:
+        return status
+    where = status.get("where_file")
+    if where is not None and where["written_at"] > status["since"]:
+        # A record without step or action was written as the rank left its last step.
+        place = {"what": "outside any step", **where, "since": where["written_at"]}
+    else:
+        place = status
+    return {**{key: place[key] for key in (*WHERE_FIELDS, "what") if key in place},
+            "since": place["since"], "limit": status.get("limit"), "waiting": False,
+            "frozen": why, "seen": max(reported, place["since"])}
 
 
 def failure_report(records: list[dict], unrecorded: dict[int, dict], world_size: int,
@@ -106,6 +155,7 @@ def hang_report(statuses: dict[int, dict], now: float, hang_timeout: float,
     limit (``hang_timeout`` unless the activity set a longer one); None otherwise. With
     ``always`` the picture is drawn anyway (an on-demand dump)."""
     world_size = len(exit_codes)
+    statuses = {rank: as_of(status, now) for rank, status in statuses.items()}
     ages = {rank: now - status["since"] for rank, status in statuses.items()}
     running = [rank for rank in range(world_size) if exit_codes[rank] is None]
     overdue = [rank for rank in running if rank in statuses
@@ -118,7 +168,8 @@ def hang_report(statuses: dict[int, dict], now: float, hang_timeout: float,
              f"have not moved for longer than their limit (--hang-timeout "
              f"{hang_timeout:g} s); who waits on whom:"]
     for rank in range(world_size):
-        lines.append(f"  rank {rank}: {_state(rank, statuses, ages, exit_codes, blocked_by)}")
+        lines.append(f"  rank {rank}: "
+                     f"{_state(rank, statuses, ages, exit_codes, blocked_by, now)}")
     if not overdue:
         return "\n".join(lines), "", -1
     culprit, cycle = max(ends.values(), key=lambda end: sum(e == end for e in ends.values()))
@@ -126,7 +177,8 @@ def hang_report(statuses: dict[int, dict], now: float, hang_timeout: float,
     # longer than the rank it waits on, so it is often not overdue yet.
     waiters = sorted(rank for rank in blocked_by
                      if rank != culprit and _chain_end(rank, blocked_by)[0] == culprit)
-    waiting = f"; {_ranks_word(waiters)} {_join(waiters)} wait{'s' if len(waiters) == 1 else ''} on it" if waiters else ""
+    waiting = (f"; {_ranks_word(waiters)} {_join(waiters)} wait{'s' if len(waiters) == 1 else ''}"
+               " on it" if waiters else "")
     if cycle:
         line = (f"ranks {' -> '.join(str(r) for r in cycle)} wait on each other (a deadlock): "
                 f"rank {culprit} {hang_line(statuses[culprit], ages[culprit])}")
@@ -137,7 +189,9 @@ def hang_report(statuses: dict[int, dict], now: float, hang_timeout: float,
                  else _how_it_ended(exit_codes[culprit]))
         line = f"rank {culprit} {ended} while other ranks still wait for it{waiting}"
     else:
-        line = f"rank {culprit} hangs: {hang_line(statuses[culprit], ages[culprit])}{waiting}"
+        verb = "is" if "frozen" in statuses[culprit] else "hangs:"
+        line = (f"rank {culprit} {verb} {_activity(statuses[culprit], ages[culprit], now)}"
+                f"{waiting}")
     return "\n".join(lines), line, culprit
 
 
@@ -172,15 +226,24 @@ def _chain_end(rank: int, blocked_by: dict[int, int | None]) -> tuple[int, tuple
         path.append(nxt)
 
 
-def _state(rank: int, statuses: dict, ages: dict, exit_codes: list, blocked_by: dict) -> str:
+def _state(rank: int, statuses: dict, ages: dict, exit_codes: list, blocked_by: dict,
+           now: float) -> str:
     code = exit_codes[rank]
     if code is not None:
         return "finished" if code == 0 else _how_it_ended(code)
     if rank not in statuses:
         return "has not reported yet"
-    text = hang_line(statuses[rank], ages[rank])
+    text = _activity(statuses[rank], ages[rank], now)
     blocker = blocked_by.get(rank)
     return text + (f" -> rank {blocker}" if blocker is not None else "")
+
+
+def _activity(status: dict, age: float, now: float) -> str:
+    """What a rank runs or waits for; for a frozen one, why, and where it was last seen."""
+    if "frozen" not in status:
+        return hang_line(status, age)
+    return (f"{status['frozen']}; last seen {now - status['seen']:.0f} s ago at "
+            f"{describe(status)}")
 
 
 def _ranks_word(ranks: list) -> str:

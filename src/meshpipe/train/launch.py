@@ -16,8 +16,8 @@ own, ``runtime.host_cores``) and supervises them:
   to ``log_dir`` when given;
 - every rank reports what it is doing (``meshpipe.runtime.activity``); when one has not
   moved for longer than ``hang_timeout`` the launcher prints who waits on whom, ending at
-  the hanging rank, the dead one or a cycle, and stops the job; SIGUSR1 prints the same
-  picture without stopping;
+  the hanging rank, the dead one, a stopped one (where it was last seen, and when) or a
+  cycle, and stops the job; SIGUSR1 prints the same picture without stopping;
 - SIGINT or SIGTERM stops every rank within seconds (``Interrupted``, exit status 128 +
   signal); with ``checkpoint_on_signal`` the ranks first finish their step and save;
 - workers end themselves if the launcher dies, so no process is left behind.
