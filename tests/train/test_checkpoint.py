@@ -214,6 +214,7 @@ def test_resume_notes_the_checkpoint_and_a_changed_layout(tmp_path):
     assert plan.checkpoint.directory == directory and plan.start_step == 10
     assert plan.notes == [
         f"resuming from {directory} (step 10 of 30, saved 2026-11-24 08:30:12)",
+        "run settings changed: eval_every 3 -> 10, hang_timeout 30.0 -> 5.0",
         "layout changed: pp 2 -> 4, schedule 1f1b -> gpipe (checkpoints are layout-free)"]
 
 
