@@ -249,12 +249,13 @@ def test_another_model_is_always_refused_naming_each_field(tmp_path):
 def test_changed_training_settings_need_allow_config_change(tmp_path):
     _fake(tmp_path, 3, _config(tmp_path, lr=3e-3, seed=0, dp=1))
     message = _refusal(_config(tmp_path, lr=1e-3, seed=7, dp=2))
-    assert "lr 0.003 -> 0.001, seed 0 -> 7, dp 1 -> 2" in message
+    assert "lr 0.003 -> 0.001, min_lr 0.0003 -> 0.0001, seed 0 -> 7, dp 1 -> 2" in message
     assert "--allow-config-change" in message
     plan = plan_resume(_config(tmp_path, lr=1e-3, seed=7, dp=2, allow_config_change=True))
     assert plan.start_step == 4
-    assert plan.notes[1] == ("training settings changed: lr 0.003 -> 0.001, seed 0 -> 7, "
-                             "dp 1 -> 2 (accepted with --allow-config-change)")
+    assert plan.notes[1] == ("training settings changed: lr 0.003 -> 0.001, min_lr 0.0003 -> "
+                             "0.0001, seed 0 -> 7, dp 1 -> 2 (accepted with "
+                             "--allow-config-change)")
 
 
 @pytest.mark.parametrize("saved_step,steps,position", [(29, 30, "the last"),

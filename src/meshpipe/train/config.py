@@ -132,6 +132,9 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.lr:  # before --min-lr, which follows it by default
+            raise ValueError(f"need 0 < --lr and --min-lr <= --lr, got --lr {self.lr} "
+                             f"--min-lr {self.min_lr}")
         non_negative = ("warmup_steps", "weight_decay", "grad_clip", "eval_every",
                         "checkpoint_every", "timeline_step", "min_lr", "skip_nonfinite")
         for name in non_negative:
@@ -140,7 +143,7 @@ class TrainConfig:
                                  f"applies), got {getattr(self, name)}")
         if not self.hang_timeout > 0:
             raise ValueError(f"--hang-timeout must be > 0 seconds, got {self.hang_timeout}")
-        if not 0 < self.lr or self.min_lr > self.lr:
+        if self.min_lr > self.lr:
             raise ValueError(f"need 0 < --lr and --min-lr <= --lr, got --lr {self.lr} "
                              f"--min-lr {self.min_lr}")
         if self.timeline_step > self.steps:
