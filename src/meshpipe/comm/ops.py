@@ -13,13 +13,14 @@ Two things are decided in this one place instead of at every call:
   is used (meshpipe runs on torch >= 2.6).
 
 The functions take the arguments of their ``torch.distributed`` namesakes (synchronous
-calls). The pipeline transport does not come through here: it sends from host buffers
+calls); the ``*_started`` ones start the collective and return what to ``wait()`` on (where
+a host copy is needed they finish before returning). The pipeline transport does not come through here: it sends from host buffers
 itself when ranks share a GPU (``P2PTransport(device="cpu", deliver_to=...)``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,40 @@ def reduce_scatter_into(output: Tensor, tensor: Tensor,
     """The sum over ranks of ``tensor``, this rank's equal dim-0 chunk into ``output``."""
     _staged(lambda out, inp: _reduce_scatter_into(out[0], inp[0], op=op, group=group),
             [output], [tensor], group)
+
+
+class _Finished:
+    """The handle of a collective that already finished (it went through the host)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _started(call: Callable[..., Any], output: Tensor, tensor: Tensor,
+             group: dist.ProcessGroup | None) -> Any:
+    """``call(output, tensor, async_op=True)``'s handle; through the host it runs at once."""
+    if through_host(output, group):
+        _staged(lambda out, inp: call(out[0], inp[0], group=group), [output], [tensor], group)
+        return _Finished()
+    return call(output, tensor, group=group, async_op=True)
+
+
+def all_reduce_started(tensor: Tensor, group: dist.ProcessGroup | None = None) -> Any:
+    """Start summing ``tensor`` over ``group`` in place."""
+    return _started(lambda out, _, **options: dist.all_reduce(out, **options), tensor, tensor,
+                    group)
+
+
+def reduce_scatter_started(output: Tensor, tensor: Tensor,
+                           group: dist.ProcessGroup | None = None) -> Any:
+    """Start ``reduce_scatter_into`` (a sum)."""
+    return _started(_reduce_scatter_into, output, tensor, group)
+
+
+def all_gather_started(output: Tensor, tensor: Tensor,
+                       group: dist.ProcessGroup | None = None) -> Any:
+    """Start ``all_gather_into``."""
+    return _started(_gather_into, output, tensor, group)
 
 
 def all_to_all_single(output: Tensor, tensor: Tensor,

@@ -1,7 +1,7 @@
 """meshpipe.runtime: pipeline stages and the executor that runs a lowered schedule."""
 
 from meshpipe.runtime.executor import (Executor, ExecutorError, OverlapHooks, PeerFailedError,
-                                       StepResult)
+                                       StageHooks, StepResult)
 from meshpipe.runtime.grad_sync import all_reduce_gradients
 from meshpipe.runtime.precision import (AutocastChunk, DynamicLossScaler, autocast,
                                         low_precision_tolerance)
@@ -10,5 +10,6 @@ from meshpipe.runtime.stage import Stage, StageError
 from meshpipe.runtime.substeps import Exchange, run_steps
 
 __all__ = ["AutocastChunk", "DynamicLossScaler", "Exchange", "Executor", "ExecutorError",
-           "OverlapHooks", "PeerFailedError", "SplitBackward", "Stage", "StageError", "StepResult",
+           "OverlapHooks", "PeerFailedError", "SplitBackward", "Stage", "StageError", "StageHooks",
+           "StepResult",
            "all_reduce_gradients", "autocast", "low_precision_tolerance", "run_steps"]

@@ -186,6 +186,40 @@ class OverlapHooks:
     post_backward: Callable[[Action], None] | None = None
 
 
+@dataclass
+class StageHooks:
+    """Callables given a stage index at two moments of every step: ``before_first_forward``
+    before the stage's first forward of the step (e.g. to wait for its weights, gathered
+    while the step began), ``after_last_backward`` once the step's last gradient
+    contribution to its weights is done (its last B, or its last W under split backward),
+    e.g. to start reducing them while the pipeline runs its remaining actions. They must not
+    wait on other pipeline ranks: those may be waiting on this rank's next action."""
+
+    before_first_forward: Callable[[int], None] | None = None
+    after_last_backward: Callable[[int], None] | None = None
+
+
+def _stage_moments(actions: Sequence[Action]) -> tuple[dict[int, list[int]],
+                                                       dict[int, list[int]]]:
+    """For a rank's action list: the stages whose first forward is at each index, and the
+    stages whose last weight-gradient action (B, or W under split backward) is."""
+    first_forward: dict[int, int] = {}
+    last_backward: dict[int, int] = {}
+    for index, action in enumerate(actions):
+        for part in action.computations:
+            if part.kind is Kind.F:
+                first_forward.setdefault(part.stage, index)
+            elif part.kind in (Kind.B, Kind.W):
+                last_backward[part.stage] = index
+    before: dict[int, list[int]] = {}
+    after: dict[int, list[int]] = {}
+    for stage, index in first_forward.items():
+        before.setdefault(index, []).append(stage)
+    for stage, index in last_backward.items():
+        after.setdefault(index, []).append(stage)
+    return before, after
+
+
 # Stage module types already told that their OVERLAPs run F then B.
 _NOTIFIED_WITHOUT_SUBSTEPS: set[str] = set()
 
@@ -229,7 +263,8 @@ class Executor:
 
     def __init__(self, schedule: Schedule, stages: Mapping[int, Stage], *, pp_rank: int,
                  pipeline_ranks: Sequence[int], transport: Transport,
-                 recv_timeout: float | None = None, overlap_hooks: OverlapHooks | None = None):
+                 recv_timeout: float | None = None, overlap_hooks: OverlapHooks | None = None,
+                 stage_hooks: StageHooks | None = None):
         self.schedule = schedule if schedule.is_lowered else lower(schedule)
         validate(self.schedule)
         if not 0 <= pp_rank < self.schedule.num_ranks:
@@ -246,7 +281,9 @@ class Executor:
         self.transport = transport
         self.recv_timeout = recv_timeout
         self.overlap_hooks = overlap_hooks or OverlapHooks()
+        self.stage_hooks = stage_hooks or StageHooks()
         self.actions = self.schedule.ranks[pp_rank]
+        self._first_forward_at, self._last_backward_at = _stage_moments(self.actions)
         self._failure: str | None = None
         self._now = _StepState.idle()  # what the step in progress holds
         self._computes: dict[Kind, Callable[[Action], None]] = {
@@ -331,8 +368,13 @@ class Executor:
             self._now = _StepState(inputs, targets, list(
                 loss_scales if loss_scales is not None
                 else [1.0 / self.num_microbatches] * self.num_microbatches))
+            hooks = self.stage_hooks
             for index, planned in enumerate(self._plan):
+                self._at_stage_moment(hooks.before_first_forward, self._first_forward_at, index,
+                                      "before its first forward")
                 self._run(index, planned)
+                self._at_stage_moment(hooks.after_last_backward, self._last_backward_at, index,
+                                      "after its last backward")
             self._wait_for_sends()
         except Exception as error:
             stopped = self._peer_gone(error)
@@ -343,6 +385,18 @@ class Executor:
         finally:
             result, self._now = self._now.result, _StepState.idle()
         return result
+
+    def _at_stage_moment(self, hook: Callable[[int], None] | None,
+                         moments: dict[int, list[int]], index: int, when: str) -> None:
+        """Run ``hook`` for the stages whose moment is at action ``index``."""
+        if hook is None:
+            return
+        for stage in moments.get(index, ()):
+            try:
+                hook(stage)
+            except Exception as error:
+                raise ExecutorError(f"{self._where()}: the stage hook of stage {stage} {when} "
+                                    f"failed: {error}") from error
 
     def _peer_gone(self, error: Exception) -> PeerFailedError | None:
         """``error`` as a PeerFailedError where it only says that a peer closed its connection.
