@@ -18,7 +18,8 @@ import torch
 from meshpipe import cli
 from meshpipe.schedules.ranking import (Layout, Link, MemoryBudgetError, NoLayoutError, Piece,
                                      Profile, TuneError, curve_factor, format_bytes, layouts,
-                                     parse_bytes, predict, rank_layouts, stage_costs)
+                                     parse_bytes, predict, rank_layouts, stage_costs,
+                                     state_bytes)
 from meshpipe.testing import run_distributed
 from meshpipe.train import tune_profile, tune_runs, tuner
 from meshpipe.train.config import TrainConfig
@@ -70,6 +71,21 @@ def test_a_budget_below_every_layout_names_the_smallest_that_fits() -> None:
     fitting = rank_layouts(4, profile, 8, memory_budget=smallest)
     assert fitting and all(p.peak_bytes <= smallest for p in fitting)
     assert len(rank_layouts(4, profile, 8, memory_budget=max(peaks))) == len(peaks)
+
+
+def test_zero_levels_are_tried_where_a_stage_has_replicas_and_priced_by_memory() -> None:
+    profile = _profile()
+    found = layouts(4, profile, global_batch=8)
+    assert {layout.zero for layout in found if layout.dp * layout.cp == 1} == {0}
+    assert {layout.zero for layout in found if layout.dp * layout.cp > 1} == {0, 1, 2}
+    assert state_bytes(0, 4) == 16 and state_bytes(1, 4) == 4 + 4 + 2
+    assert state_bytes(2, 4) == 4 + 1 + 2
+    plain = Layout(pp=1, vpp=1, dp=4, cp=1, microbatches=2, microbatch_size=1, schedule="none")
+    peaks = [predict(replace(plain, zero=zero), profile).peak_bytes for zero in (0, 1, 2)]
+    assert peaks[0] > peaks[1] > peaks[2]
+    # A budget that only sharded states fit picks them.
+    ranked = rank_layouts(4, profile, 8, memory_budget=peaks[1], schedules=["none"])
+    assert {p.layout.zero for p in ranked if p.layout.dp == 4} == {1, 2}
 
 
 def test_a_world_size_without_layouts_is_one_line() -> None:

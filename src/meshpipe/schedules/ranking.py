@@ -40,8 +40,12 @@ The model of one layout:
   ``dp x cp`` replicas of the rank's stages (ring all-reduce: ``latency + 2 (n-1)/n bytes /
   bandwidth``), the optimizer (seconds per parameter held) and a fixed per-step overhead
   (loss and norm all-reduces, data), whichever rank takes longest.
-- memory per rank: ``state_bytes_per_parameter`` (fp32 weights, gradients and AdamW's two
-  moments: 16 B) for each parameter of its stages, plus the schedule's peak of live
+- the zero level (``ZERO_LEVELS``, tried where a stage has replicas): ``--zero 1`` and 2
+  reduce-scatter the gradients and all-gather the weights (the bytes of one all-reduce) and
+  update a ``1/replicas`` shard, so the optimizer's time is divided by the replicas.
+- memory per rank: ``state_bytes`` for each parameter of its stages (fp32 weights 4 B,
+  gradients 4 B, AdamW's two moments 8 B; ``--zero 1`` shares the moments out over the
+  replicas, 2 the gradients too), plus the schedule's peak of live
   activations, each (stage, microbatch) pair weighing its pieces' saved bytes per token
   times the tokens. Not modelled: temporaries inside one action, allocator slack, the
   process's own baseline (torch, data).
@@ -52,12 +56,19 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.builders import SCHEDULES, build, schedule_spec
+
+# --zero: 0 every replica holds the whole optimizer state, 1 the AdamW moments are sharded
+# over the replicas of each weight, 2 the reduced gradients too (``parallel.zero``).
+ZERO_LEVELS = (0, 1, 2)
+WEIGHT_BYTES = 4.0  # fp32
+GRADIENT_BYTES = 4.0
+MOMENT_BYTES = 8.0  # AdamW's exp_avg and exp_avg_sq
 from meshpipe.schedules.costs import CostModel
 from meshpipe.schedules.placement import balanced_layers
 from meshpipe.schedules.simulator import simulate
@@ -129,7 +140,6 @@ class Profile:
     step_overhead_s: float = 0.0
     message_overhead_s: float = 0.0
     action_overhead_s: float = 0.0
-    state_bytes_per_parameter: float = 16.0
     cores: float | None = None
     token_curve: tuple[tuple[float, float], ...] = ()
     ulysses: tuple[tuple[int, Link], ...] = ()
@@ -146,10 +156,12 @@ class Layout:
     microbatches: int
     microbatch_size: int
     schedule: str
+    zero: int = 0
 
     def describe(self) -> str:
+        zero = f", zero {self.zero}" if self.zero else ""
         return (f"pp {self.pp}, vpp {self.vpp}, dp {self.dp}, cp {self.cp}, {self.microbatches} "
-                f"microbatches of {self.microbatch_size}, {self.schedule}")
+                f"microbatches of {self.microbatch_size}, {self.schedule}{zero}")
 
 
 @dataclass(frozen=True)
@@ -214,7 +226,8 @@ def _layouts(world_size: int, profile: Profile, global_batch: int,
                     for vpp in _vpp_choices(schedule, pp, profile.layers):
                         layout = Layout(pp, vpp, dp, cp, microbatches, size, schedule)
                         if buildable(layout):
-                            yield layout
+                            for zero in ZERO_LEVELS if dp * cp > 1 else (0,):
+                                yield replace(layout, zero=zero)
 
 
 def _divisors(n: int) -> list[int]:
@@ -337,13 +350,23 @@ def predict(layout: Layout, profile: Profile) -> Prediction:
                           cores=profile.cores, replicas=layout.dp * layout.cp)
     parameters = _parameters_per_rank(schedule, profile)
     replicas = layout.dp * layout.cp
-    sync = max(all_reduce_s(profile.all_reduce, 4 * held, replicas)
-               + profile.optimizer_s_per_parameter * held for held in parameters)
+    updated = replicas if layout.zero else 1  # the share of its weights a rank updates
+    sync = max(all_reduce_s(profile.all_reduce, GRADIENT_BYTES * held, replicas)
+               + profile.optimizer_s_per_parameter * held / updated for held in parameters)
     sync += profile.step_overhead_s
-    peak = max(profile.state_bytes_per_parameter * held + live for held, live in
+    peak = max(state_bytes(layout.zero, replicas) * held + live for held, live in
                zip(parameters, simulation.peak_activation_bytes))
     return Prediction(layout, simulation.makespan + sync, simulation.makespan, sync,
                       simulation.bubble_ratio, peak)
+
+
+def state_bytes(zero: int, replicas: int) -> float:
+    """Bytes a rank holds per parameter of its stages at ``zero`` with ``replicas`` replicas
+    of each weight: the weights, the gradients (shared out at 2) and the AdamW moments
+    (shared out at 1 and 2)."""
+    gradients = GRADIENT_BYTES / replicas if zero >= 2 else GRADIENT_BYTES
+    moments = MOMENT_BYTES / replicas if zero >= 1 else MOMENT_BYTES
+    return WEIGHT_BYTES + gradients + moments
 
 
 def _parameters_per_rank(schedule: Schedule, profile: Profile) -> list[int]:
@@ -376,8 +399,8 @@ def rank_layouts(world_size: int, profile: Profile, global_batch: int,
     return sorted(fitting, key=lambda p: (p.step_s, p.peak_bytes))
 
 
-TABLE_HEADER = ("rank", "pp", "vpp", "dp", "cp", "microbatches", "mb size", "schedule",
-                "step ms", "pipeline ms", "bubble", "peak memory")
+TABLE_HEADER = ("rank", "pp", "vpp", "dp", "cp", "zero", "microbatches", "mb size",
+                "schedule", "step ms", "pipeline ms", "bubble", "peak memory")
 
 
 def table(predictions: Sequence[Prediction], top: int | None = None) -> str:
@@ -386,7 +409,8 @@ def table(predictions: Sequence[Prediction], top: int | None = None) -> str:
     for place, p in enumerate(predictions[:top], start=1):
         layout = p.layout
         rows.append((str(place), str(layout.pp), str(layout.vpp), str(layout.dp), str(layout.cp),
-                     str(layout.microbatches), str(layout.microbatch_size), layout.schedule,
+                     str(layout.zero), str(layout.microbatches), str(layout.microbatch_size),
+                     layout.schedule,
                      f"{1000 * p.step_s:.1f}", f"{1000 * p.pipeline_s:.1f}",
                      f"{100 * p.bubble:.1f}%", format_bytes(p.peak_bytes)))
     numeric = [column not in ("schedule",) for column in TABLE_HEADER]

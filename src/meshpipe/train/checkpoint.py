@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 
 from meshpipe.comm import ops
 from meshpipe.parallel import shard_dim, tp_rank_and_size
+from meshpipe.parallel.zero import ADAM_MOMENTS, Bucket, OptimizerMoments
 from meshpipe.runtime import activity
 from meshpipe.runtime.precision import DynamicLossScaler
 
@@ -47,17 +48,7 @@ _COMPLETE_NAME = re.compile(r"step-(\d{6,})")
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]+")
 
 NamedParameters = Sequence[tuple[str, torch.nn.Parameter]]
-_ADAM_STATE = ("exp_avg", "exp_avg_sq")
-
-
-def _adam_state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) -> dict:
-    """The parameter's AdamW state, created empty if the optimizer has not stepped yet."""
-    state = optimizer.state[param]
-    if not state:
-        state["step"] = torch.tensor(0.0, device="cpu")  # as AdamW keeps it
-        for key in _ADAM_STATE:
-            state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    return state
+_ADAM_STATE = ADAM_MOMENTS
 
 
 def _gathered(shard: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -76,7 +67,7 @@ def _whole_shape(param: torch.nn.Parameter, tp_size: int) -> tuple[int, ...] | N
     return tuple(shape)
 
 
-def _state_dict(parameters: NamedParameters, optimizer: torch.optim.Optimizer, step: int,
+def _state_dict(parameters: NamedParameters, moments: OptimizerMoments, step: int,
                 tp_group: dist.ProcessGroup | None, *, for_loading: bool
                 ) -> dict[str, torch.Tensor]:
     """Entries under full-model names; a tensor-parallel shard's entries are whole tensors:
@@ -84,7 +75,7 @@ def _state_dict(parameters: NamedParameters, optimizer: torch.optim.Optimizer, s
     _, tp_size = tp_rank_and_size(tp_group)
     state: dict[str, torch.Tensor] = {"meta.step": torch.tensor(step, device="cpu")}
     for name, param in parameters:
-        adam = _adam_state(optimizer, param)
+        adam = moments.of(param)
         state[f"optim.{name}.step"] = adam["step"]
         tensors = {f"model.{name}": param.data,
                    **{f"optim.{name}.{key}": adam[key] for key in _ADAM_STATE}}
@@ -100,15 +91,14 @@ def _state_dict(parameters: NamedParameters, optimizer: torch.optim.Optimizer, s
 
 
 def _keep_own_slices(state: dict[str, torch.Tensor], parameters: NamedParameters,
-                     optimizer: torch.optim.Optimizer, tp_group: dist.ProcessGroup | None
-                     ) -> None:
+                     moments: OptimizerMoments, tp_group: dist.ProcessGroup | None) -> None:
     """Copy this rank's slice of every whole tensor read for a shard into the shard."""
     tp_rank, tp_size = tp_rank_and_size(tp_group)
     for name, param in parameters:
         if _whole_shape(param, tp_size) is None:
             continue
         dim = shard_dim(param)
-        adam = optimizer.state[param]
+        adam = moments.of(param)
         targets = {f"model.{name}": param.data,
                    **{f"optim.{name}.{key}": adam[key] for key in _ADAM_STATE}}
         for key, target in targets.items():
@@ -265,15 +255,17 @@ def save(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimiz
          step: int, tp_group: dist.ProcessGroup | None = None,
          scaler: DynamicLossScaler | None = None, *, config: dict[str, Any], run_id: str,
          keep: int = 2, after_write: Callable[[], None] | None = None,
-         learning_rate: dict[str, Any] | None = None) -> Path:
+         learning_rate: dict[str, Any] | None = None, buckets: Sequence[Bucket] = ()) -> Path:
     """Write the checkpoint of ``step`` under ``root`` whole or not at all (a collective
     call on every rank); return its directory ``root/step-NNNNNN``.
 
     ``tp_group`` is this rank's tensor-parallel group when its parameters are shards;
     ``scaler`` the fp16 loss scaler whose state a resume continues from. ``config`` (the
     run's TrainConfig as a dict), ``run_id`` and ``learning_rate`` (the schedule's anchor) are
-    recorded in ``meta.json``; of the
-    checkpoints of ``run_id`` the ``keep`` newest stay, other runs' are never deleted.
+    recorded in ``meta.json``; of the checkpoints of ``run_id`` the ``keep`` newest stay,
+    other runs' are never deleted. ``buckets`` are the run's gradient buckets: the optimizer
+    states of sharded ones (``--zero 1/2``) are gathered and saved whole, under the same
+    full-model names as unsharded ones, so a checkpoint resumes at any zero level.
     ``after_write`` runs on every rank once its part is written, before the checkpoint is
     published (fault injection: a save that dies there leaves only a partial directory).
     """
@@ -289,7 +281,8 @@ def save(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimiz
     if is_main:
         root.mkdir(parents=True, exist_ok=True)
         remove_partial(root)
-    state = _state_dict(parameters, optimizer, step, tp_group, for_loading=False)
+    state = _state_dict(parameters, OptimizerMoments(optimizer, buckets), step, tp_group,
+                        for_loading=False)
     if scaler is not None:
         state.update(_scaler_entries(scaler))
     dist.barrier()  # the leftovers are gone before any rank writes
@@ -311,7 +304,7 @@ def save(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimiz
 
 def load(directory: Path, parameters: NamedParameters, optimizer: torch.optim.Optimizer,
          tp_group: dist.ProcessGroup | None = None,
-         scaler: DynamicLossScaler | None = None) -> int:
+         scaler: DynamicLossScaler | None = None, *, buckets: Sequence[Bucket] = ()) -> int:
     """Fill parameters and optimizer state in place from the checkpoint in ``directory``
     (pick it with ``newest``); return its step.
 
@@ -322,14 +315,16 @@ def load(directory: Path, parameters: NamedParameters, optimizer: torch.optim.Op
     if not (directory / DCP_METADATA).is_file():
         raise FileNotFoundError(f"{directory} is not a complete checkpoint (no {DCP_METADATA}): "
                                 "resume from one that checkpoint.newest() lists")
-    state = _state_dict(parameters, optimizer, -1, tp_group, for_loading=True)
+    moments = OptimizerMoments(optimizer, buckets, for_loading=True)
+    state = _state_dict(parameters, moments, -1, tp_group, for_loading=True)
     saved_keys = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     scaler_entries = _scaler_entries(scaler) if scaler is not None else {}
     has_scaler = bool(scaler_entries) and all(key in saved_keys for key in scaler_entries)
     if has_scaler:
         state.update(scaler_entries)
     dcp.load(state, checkpoint_id=str(directory))
-    _keep_own_slices(state, parameters, optimizer, tp_group)
+    _keep_own_slices(state, parameters, moments, tp_group)
+    moments.loaded()
     if has_scaler:
         saved = {key.removeprefix(_SCALER_PREFIX): state[key].item() for key in scaler_entries}
         scaler.load_state_dict(saved)
@@ -375,7 +370,7 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer, tp_group: dist.ProcessGroup | None,
                  scaler: DynamicLossScaler | None, *, config: dict[str, Any], run_id: str,
                  keep: int, patience: float, after_write: Callable[[], None] | None = None,
-                 learning_rate: dict[str, Any] | None = None):
+                 learning_rate: dict[str, Any] | None = None, buckets: Sequence[Bucket] = ()):
         self.root = Path(root)
         self.parameters = parameters
         self.optimizer = optimizer
@@ -387,11 +382,13 @@ class Checkpointer:
         self.patience = patience
         self.after_write = after_write
         self.learning_rate = learning_rate
+        self.buckets = buckets
         self.saved_step = -1
 
     def load(self, directory: Path, start_step: int) -> None:
         with activity.doing("loading the checkpoint", limit=self.patience):
-            load(directory, self.parameters, self.optimizer, self.tp_group, self.scaler)
+            load(directory, self.parameters, self.optimizer, self.tp_group, self.scaler,
+                 buckets=self.buckets)
         self.saved_step = start_step - 1
 
     def save(self, step: int) -> None:
@@ -400,5 +397,6 @@ class Checkpointer:
                             action="checkpoint save"):
             save(self.root, self.parameters, self.optimizer, step, self.tp_group, self.scaler,
                  config=self.config, run_id=self.run_id, keep=self.keep,
-                 after_write=self.after_write, learning_rate=self.learning_rate)
+                 after_write=self.after_write, learning_rate=self.learning_rate,
+                 buckets=self.buckets)
         self.saved_step = step

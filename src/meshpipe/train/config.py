@@ -19,6 +19,7 @@ from meshpipe.schedules import SCHEDULES
 from meshpipe.schedules.builders import schedule_spec
 from meshpipe.schedules.costs import RECOMPUTE_MODES
 from meshpipe.schedules.placement import PLACEMENTS
+from meshpipe.schedules.ranking import ZERO_LEVELS
 from meshpipe.topology import ParallelLayout
 from meshpipe.train.devices import BACKENDS, DEVICES
 
@@ -75,6 +76,7 @@ class TrainConfig:
     # precision and memory
     dtype: str = "fp32"
     recompute: str = "none"
+    zero: int = 0
     # optimisation
     steps: int = 30
     lr: float = 3e-3
@@ -141,6 +143,10 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{flag_name(name)} must be >= 0 (0 disables where it "
                                  f"applies), got {getattr(self, name)}")
+        if self.zero not in ZERO_LEVELS:
+            raise ValueError(f"--zero {self.zero}: choose 0 (every replica holds the whole "
+                             "optimizer state), 1 (its states sharded over the replicas) or 2 "
+                             "(its gradients too)")
         if not self.hang_timeout > 0:
             raise ValueError(f"--hang-timeout must be > 0 seconds, got {self.hang_timeout}")
         if self.min_lr > self.lr:
@@ -386,6 +392,9 @@ FIELD_HELP = {
     "dtype": "compute precision: fp32, bf16 (autocast, fp32 master weights) or fp16 (autocast "
              "with dynamic loss scaling)",
     "recompute": "activation recompute: none, full (each block) or selective (attention core)",
+    "zero": "shard over the replicas of each weight (dp x cp ranks of a stage; experts: their "
+            "expert-data-parallel ranks): 0 nothing, 1 the optimizer states (AdamW moments), "
+            "2 also the reduced gradients",
     "steps": "optimizer steps",
     "lr": "peak learning rate (AdamW)",
     "min_lr": "final learning rate of the cosine decay",

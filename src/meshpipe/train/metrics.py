@@ -40,6 +40,7 @@ class MetricsLog:
 
     def __init__(self, out_dir: Path, start_step: int, *, tensorboard: bool = False):
         self.path = Path(out_dir) / FILE_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # a Trainer used directly
         kept = [r for r in read(self.path) if r["step"] < start_step] if start_step else []
         temporary = self.path.with_suffix(".tmp")
         temporary.write_text("".join(dumps(r) + "\n" for r in kept))

@@ -70,10 +70,19 @@ def plan_run(config: TrainConfig) -> RunPlan:
     if config.tensorboard:
         tensorboard.check_available()
     notes = list(resume.notes if resume is not None else _earlier_checkpoints_note(out))
-    notice = devices.notice()
-    if notice:
-        notes.append(notice)
+    for notice in (devices.notice(), _zero_notice(config)):
+        if notice:
+            notes.append(notice)
     return _decided(config, schedule, devices, resume, uuid.uuid4().hex[:12], tuple(notes))
+
+
+def _zero_notice(config: TrainConfig) -> str | None:
+    """What --zero does where a weight has no other replica to shard over."""
+    replicas = config.dp * config.layout.cp
+    if config.zero == 0 or replicas > 1:
+        return None
+    return (f"--zero {config.zero}: each weight has one replica (dp x cp = 1), so there is "
+            "nothing to shard; the run is the same as --zero 0")
 
 
 def plan_for_rank(config: TrainConfig, resume: ResumePlan | None = None,

@@ -47,8 +47,8 @@ from meshpipe.comm.vtp import FanoutTransport, VTPTransport
 from meshpipe.context import make_attention
 from meshpipe.models import causal_lm_loss
 from meshpipe.parallel import vocab_parallel_cross_entropy
-from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, Stage, StepResult,
-                              activity)
+from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, Stage, StageHooks,
+                              StepResult, activity)
 from meshpipe.topology import Topology, new_groups
 from meshpipe.train import checkpoint, faults, parity, reporting, sources
 from meshpipe.train.batches import RankBatches
@@ -182,16 +182,23 @@ class Trainer:
                                 for param in stage.module.parameters()}.values())
         self.gradients = Gradients(config, self.topology, self.parameters, tied_groups(
             parts.shared, parts.chunks, self.stages, self.schedule.placement, config,
-            self.rank), self.device)
+            self.rank), self.device, stage_params={
+                index: list(stage.module.parameters()) for index, stage in self.stages.items()})
         self.learning_rate = (plan.resume.learning_rate if plan.resume is not None
                               else LearningRate.of(config))
-        self.optimizer = torch.optim.AdamW([p for _, p in self.parameters], lr=config.lr,
+        self.optimizer = torch.optim.AdamW(self.gradients.update_params, lr=config.lr,
                                            weight_decay=config.weight_decay)
         executor_args = dict(pp_rank=self.topology.pp_rank,
                              pipeline_ranks=self.topology.pipeline_ranks,
                              transport=self._transport(),
                              recv_timeout=plan.process_group_timeout)
-        self.executor = Executor(self.schedule, self.stages, **executor_args)
+        # A stage's gradients start reducing once its last backward of the step is done; its
+        # weights (gathered under --zero 1/2) are awaited before its first forward.
+        self._overlap = True
+        self.executor = Executor(self.schedule, self.stages, **executor_args,
+                                 stage_hooks=StageHooks(
+                                     before_first_forward=self.gradients.weights_of,
+                                     after_last_backward=self._gradients_final))
         self.eval_executor = Executor(plan.eval_schedule, self.stages, **executor_args)
         self.train_data, self.val_data = sources.samplers(config, coords["dp"])
         self.batches = RankBatches(config, coords["cp_ring"], coords["cp_ulysses"],
@@ -201,7 +208,7 @@ class Trainer:
             self.tp_group, self.scaler, config=config.to_dict(), run_id=plan.run_id,
             keep=config.keep_checkpoints, patience=SAVE_PATIENCE * config.hang_timeout,
             after_write=lambda: self._fire_fault("save"),
-            learning_rate=self.learning_rate.anchor)
+            learning_rate=self.learning_rate.anchor, buckets=self.gradients.buckets)
         self._now = StepState(-1, float(config.microbatch_size * config.seq_len))
         self.fault = faults.from_environment(self.rank)
         if self.fault is not None:
@@ -310,13 +317,22 @@ class Trainer:
             ops.all_reduce(value)
         return value[0].item() / self.config.dp, value[1].item() > 0
 
+    def _gradients_final(self, stage: int) -> None:
+        if self._overlap:
+            self.gradients.stage_done(stage)
+
     def gradients_of_step(self, step: int) -> float:
-        """Forward and backward of batch ``step`` with the gradients reduced (and unscaled
-        under fp16), the optimizer not stepped; the step's loss (``--check``'s step)."""
-        result = self._run(self.executor, self.train_data, step)
-        self.gradients.reduce()
+        """Forward and backward of batch ``step`` with the gradients reduced whole (and
+        unscaled under fp16), the optimizer not stepped; the step's loss (``--check``'s
+        step)."""
+        self._overlap = False
+        try:
+            result = self._run(self.executor, self.train_data, step)
+        finally:
+            self._overlap = True
+        self.gradients.reduce(whole=True)
         if self.scaler is not None:
-            self.scaler.unscale_(self.gradients.params)
+            self.scaler.unscale_(self.gradients.held)
         return self._global_loss(result.loss)[0]
 
     def check_first_step(self) -> dict[str, Any] | None:
@@ -324,7 +340,7 @@ class Trainer:
         optimizer is not stepped: the training loop repeats this step."""
         loss = self.gradients_of_step(0)
         report = parity.check_step(self.config, loss, self.parameters, self.topology.tp_rank)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.gradients.zero()
         return report
 
     def train_step(self, step: int) -> StepStats:
@@ -337,7 +353,7 @@ class Trainer:
                           self.scaler is not None or self.gradients.all_finite())
         with self._collective("the gradient reduction"):
             self.gradients.reduce()
-        overflow = self.scaler is not None and self.scaler.unscale_(self.gradients.params)
+        overflow = self.scaler is not None and self.scaler.unscale_(self.gradients.held)
         if self.scaler is not None:
             self.scaler.update(overflow)
         with self._collective("the gradient norm all-reduce"):
@@ -354,7 +370,8 @@ class Trainer:
         if not (overflow or nonfinite):
             self.gradients.clip(grad_norm)
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.gradients.start_gathers()
+        self.gradients.zero()
         return StepStats(loss, grad_norm, time.perf_counter() - start, overflow or nonfinite,
                          moe, nonfinite)
 
@@ -387,6 +404,7 @@ class Trainer:
                        f"row, --skip-nonfinite {allowed})")
 
     def evaluate(self, step: int) -> float:
+        self.gradients.all_weights()
         with activity.doing(f"evaluation after step {step}"):
             result = self._run(self.eval_executor, self.val_data, step)
             return self._global_loss(result.loss)[0]
@@ -430,10 +448,12 @@ class Trainer:
                 if self._stop_requested():
                     metrics["stopped_at_step"] = step
                     if config.checkpoint_on_signal and self.checkpointer.saved_step < step - 1:
+                        self.gradients.all_weights()
                         self.checkpointer.save(step - 1)
                     break
                 self._run_step(step, out, bar, log, metrics)
         bar.close()
+        self.gradients.all_weights()
         if log is not None:
             log.close()
             reporting.write_metrics(out, metrics)
@@ -469,4 +489,5 @@ class Trainer:
                 log.append(metrics["eval"][-1])
         if step == config.steps - 1 or (config.checkpoint_every
                                          and (step + 1) % config.checkpoint_every == 0):
+            self.gradients.all_weights()
             self.checkpointer.save(step)

@@ -87,7 +87,7 @@ def config_for(layout: Layout, config: TrainConfig, **overrides: Any) -> TrainCo
     return replace(config, pp=layout.pp, vpp=layout.vpp, dp=layout.dp, cp_ulysses=layout.cp,
                    cp_ring=1, microbatches=layout.microbatches,
                    microbatch_size=layout.microbatch_size, schedule=layout.schedule,
-                   placement="auto", **overrides)
+                   zero=layout.zero, placement="auto", **overrides)
 
 
 def size_layout(layout: Layout, size: int) -> Layout:

@@ -1,0 +1,135 @@
+"""--zero 0/1/2 at dp 1, 2 and 4: optimizer-state and gradient bytes per rank beside the
+memory model's prediction, peak resident memory, and the step time.
+
+    .venv/bin/python benchmarks/zero.py                  # ~3 min on 2 cores
+    .venv/bin/python benchmarks/zero.py --dim 512 --steps 8
+
+Each case trains the reference transformer on ``dp`` local gloo processes (pp 1, one thread
+each) through ``Trainer`` and measures on rank 0:
+
+- state bytes: the AdamW moments the rank's optimizer holds (every state tensor's bytes),
+  per parameter of the model, beside ``schedules.ranking.state_bytes``'s share for them
+  (8 B whole, 8/dp B sharded);
+- gradient bytes: what the rank holds once a step's gradients are reduced (the whole
+  gradients, or its shard pieces: 4 B or 4/dp B per parameter);
+- peak resident memory (``ru_maxrss``) of the rank after the steps, which also holds the
+  weights, activations, torch and the data;
+- the median step time over the steps after the first; ``zero 0, no overlap`` reduces every
+  bucket after the pipeline step (the order before buckets started in each stage's last
+  backward; with pp 1 there is one stage, so overlap has little to hide behind).
+
+Writes ``<out>/zero.json`` and ``.md`` (default ``benchmarks/results``). Benchmarks print
+and record; they never assert a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import resource
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from harness import join_ranks, load_average, report, spawn_ranks, write_results
+from meshpipe.schedules.ranking import GRADIENT_BYTES, MOMENT_BYTES
+from meshpipe.train.config import TrainConfig
+
+CASES = [(1, 0, True), (2, 0, False), (2, 0, True), (2, 1, True), (2, 2, True), (4, 0, True),
+         (4, 1, True), (4, 2, True)]  # (dp, zero, overlap)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    return parser.parse_args(argv)
+
+
+def _held_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def measure(rank: int, world_size: int, init_file: str, result_file: str, config: TrainConfig,
+            overlap: bool) -> None:
+    torch.set_num_threads(1)
+    join_ranks(rank, world_size, init_file)
+    from meshpipe.train.trainer import Trainer
+
+    trainer = Trainer(config)
+    trainer._overlap = overlap
+    gradients = trainer.gradients
+    parameters = sum(p.numel() for p in gradients.params)
+    seconds = []
+    for step in range(config.steps):
+        seconds.append(trainer.train_step(step).seconds)
+    trainer._run(trainer.executor, trainer.train_data, config.steps)
+    gradients.reduce()
+    gradient_bytes = _held_bytes(p.grad for p in gradients.held)
+    if gradients.sharded:  # zero 1 keeps the whole gradients besides the reduced shards
+        gradient_bytes += _held_bytes(p.grad for p in gradients.params)
+    state_bytes = _held_bytes(state[key] for state in trainer.optimizer.state.values()
+                              for key in ("exp_avg", "exp_avg_sq"))
+    if rank == 0:
+        report(result_file, {
+            "parameters": parameters, "state_bytes": state_bytes,
+            "gradient_bytes": gradient_bytes,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "median_step_ms": 1000 * statistics.median(seconds[1:])})
+
+
+def row(dp: int, zero: int, overlap: bool, measured: dict) -> dict:
+    replicas = dp if zero else 1
+    parameters = measured["parameters"]
+    return {"dp": dp, "zero": zero, "overlap": overlap, **measured,
+            "state_bytes_per_parameter": measured["state_bytes"] / parameters,
+            "predicted_state_bytes_per_parameter": MOMENT_BYTES / replicas,
+            "gradient_bytes_per_parameter": measured["gradient_bytes"] / parameters,
+            "predicted_gradient_bytes_per_parameter": GRADIENT_BYTES * (
+                1 + 1 / replicas if zero == 1 else 1 / replicas)}
+
+
+def markdown(rows: list[dict], args: argparse.Namespace, loads: list) -> str:
+    lines = [f"# --zero 0/1/2: memory and step time ({platform.machine()}, torch "
+             f"{torch.__version__}, CPU, gloo)", "",
+             f"Reference transformer dim {args.dim}, {args.layers} layers, seq-len "
+             f"{args.seq_len}, pp 1; {args.steps} steps, median after the first. Load average "
+             f"before {loads[0]}, after {loads[1]}.", "",
+             "| dp | zero | overlap | state B/param (predicted) | gradient B/param (predicted) "
+             "| peak RSS MiB | step ms |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(
+            f"| {r['dp']} | {r['zero']} | {'yes' if r['overlap'] else 'no'} | "
+            f"{r['state_bytes_per_parameter']:.3f} ({r['predicted_state_bytes_per_parameter']:.3f})"
+            f" | {r['gradient_bytes_per_parameter']:.3f} "
+            f"({r['predicted_gradient_bytes_per_parameter']:.3f}) | {r['peak_rss_mib']:.0f} | "
+            f"{r['median_step_ms']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rows = []
+    loads = [load_average()]
+    for dp, zero, overlap in CASES:
+        config = TrainConfig(pp=1, schedule="none", dp=dp, zero=zero, dim=args.dim,
+                             layers=args.layers, heads=8, seq_len=args.seq_len,
+                             microbatches=4, steps=args.steps, warmup_steps=1, eval_every=0,
+                             timeline_step=0, progress=False, out_dir=tempfile.mkdtemp())
+        measured = spawn_ranks(measure, dp, config, overlap)
+        rows.append(row(dp, zero, overlap, measured))
+        print(rows[-1], flush=True)
+    loads.append(load_average())
+    table = markdown(rows, args, loads)
+    print(table)
+    write_results(args.out, "zero", {"rows": rows, "load_average": loads, "args": {
+        key: str(value) for key, value in vars(args).items()}}, table)
+
+
+if __name__ == "__main__":
+    main()
