@@ -212,7 +212,7 @@ def test_cli_prints_the_table_and_writes_a_config_train_reads(tmp_path, monkeypa
     expected = tune_runs.config_for(result.predictions[0].layout, TrainConfig(
         dim=16, layers=2, heads=2, kv_heads=1, seq_len=16, microbatch_size=1, microbatches=2,
         steps=7))
-    assert best[8].strip() == expected.schedule
+    assert best[9].strip() == expected.schedule and best[6].strip() == str(expected.zero)
     train_args = cli._parser().parse_args(["train", "--config", str(path)])
     assert cli.train_config_from_arguments(train_args) == expected
     assert expected.world_size == 4

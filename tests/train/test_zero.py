@@ -23,13 +23,16 @@ MOE = dict(SMALL, moe_experts=4)
 LAYOUTS = {
     "pp2-dp2": dict(SMALL, pp=2, dp=2),
     "dp2-ring2": dict(SMALL, pp=1, schedule="none", dp=2, cp_ring=2),
-    "pp2-tp2-sp-dp2": dict(SMALL, pp=2, tp=2, sequence_parallel=True, dp=2),
+    "tp2-sp-dp2": dict(SMALL, pp=1, schedule="none", tp=2, sequence_parallel=True, dp=2),
     "dp4-ep2-combined": dict(MOE, pp=1, dp=4, ep=2, schedule="combined-1f1b"),
     "pp2-dp2-zbv": dict(SMALL, pp=2, dp=2, schedule="zb-v"),
     "pp2-dp2-tied": dict(SMALL, pp=2, dp=2, tie_embeddings=True),
-    "pp3-wraparound-tied-dp2": dict(SMALL, pp=3, dp=2, placement="wraparound",
+    "pp2-wraparound-tied-dp2": dict(SMALL, pp=2, dp=2, placement="wraparound",
                                     tie_embeddings=True),
     "pp2-dp2-fp16-skipped-step": dict(SMALL, pp=2, dp=2, dtype="fp16"),
+    "stage-tp-2-1-dp2": dict(SMALL, pp=2, stage_tp="2,1", dp=2),
+    "pp2-vpp2-interleaved-ulysses2": dict(SMALL, pp=2, vpp=2, schedule="interleaved",
+                                          cp_ulysses=2),
 }
 
 
@@ -50,8 +53,8 @@ def _three_steps(rank, world_size, config):
             (moments, weights, buckets))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_sharded_optimizer_trains_the_weights_of_the_unsharded_one(layout):
+def _assert_same_training(layout: dict) -> None:
+    """Three steps at --zero 1 and 2 end where --zero 0 does, skipping the same steps."""
     unsharded = TrainConfig(**layout)
     expected = run_distributed(unsharded.world_size, _three_steps, unsharded)
     for zero in (1, 2):
@@ -65,6 +68,22 @@ def test_sharded_optimizer_trains_the_weights_of_the_unsharded_one(layout):
                                            f"{rank} {name}")
         if layout.get("dtype") == "fp16":
             assert results[0][1] == [True, False, False]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_sharded_optimizer_trains_the_weights_of_the_unsharded_one(layout):
+    _assert_same_training(layout)
+
+
+def test_a_hugging_face_model_trains_the_same_sharded(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_models import save_tiny_model
+
+    directory = save_tiny_model(tmp_path / "model", "llama", tie_word_embeddings=True)
+    model_flags = ("dim", "layers", "heads", "kv_heads")
+    _assert_same_training({**{k: v for k, v in SMALL.items() if k not in model_flags},
+                           "model": str(directory), "pp": 2, "dp": 2,
+                           "out_dir": str(tmp_path / "run")})
 
 
 def test_each_replica_holds_its_share_of_the_moments():
