@@ -1,10 +1,10 @@
-"""--zero 0/1/2 at dp 1, 2 and 4: optimizer-state and gradient bytes per rank beside the
-memory model's prediction, peak resident memory, and the step time.
+"""--zero 0/1/2 at dp 1, 2 and 4 (and pp 2 x dp 2): optimizer-state and gradient bytes per
+rank beside the memory model's prediction, peak resident memory, and the step time.
 
     .venv/bin/python benchmarks/zero.py                  # ~3 min on 2 cores
     .venv/bin/python benchmarks/zero.py --dim 512 --steps 8
 
-Each case trains the reference transformer on ``dp`` local gloo processes (pp 1, one thread
+Each case trains the reference transformer on ``pp x dp`` local gloo processes (one thread
 each) through ``Trainer`` and measures on rank 0:
 
 - state bytes: the AdamW moments the rank's optimizer holds (every state tensor's bytes),
@@ -14,9 +14,10 @@ each) through ``Trainer`` and measures on rank 0:
   gradients, or its shard pieces: 4 B or 4/dp B per parameter);
 - peak resident memory (``ru_maxrss``) of the rank after the steps, which also holds the
   weights, activations, torch and the data;
-- the median step time over the steps after the first; ``zero 0, no overlap`` reduces every
-  bucket after the pipeline step (the order before buckets started in each stage's last
-  backward; with pp 1 there is one stage, so overlap has little to hide behind).
+- the median step time over the steps after the first; ``overlap no`` reduces every bucket
+  after the pipeline step (the order before buckets started in each stage's last backward;
+  with pp 1 there is one stage, so overlap has little to hide behind; at pp 2, 1F1B, the
+  last stage's buckets reduce while the first stage runs its last backwards).
 
 Writes ``<out>/zero.json`` and ``.md`` (default ``benchmarks/results``). Benchmarks print
 and record; they never assert a time.
@@ -37,8 +38,10 @@ from harness import join_ranks, load_average, report, spawn_ranks, write_results
 from meshpipe.schedules.ranking import GRADIENT_BYTES, MOMENT_BYTES
 from meshpipe.train.config import TrainConfig
 
-CASES = [(1, 0, True), (2, 0, False), (2, 0, True), (2, 1, True), (2, 2, True), (4, 0, True),
-         (4, 1, True), (4, 2, True)]  # (dp, zero, overlap)
+# (pp, dp, zero, overlap)
+CASES = [(1, 1, 0, True), (1, 2, 0, False), (1, 2, 0, True), (1, 2, 1, True), (1, 2, 2, True),
+         (1, 4, 0, True), (1, 4, 1, True), (1, 4, 2, True), (2, 2, 0, False), (2, 2, 0, True),
+         (2, 2, 1, True), (2, 2, 2, True)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,10 +86,10 @@ def measure(rank: int, world_size: int, init_file: str, result_file: str, config
             "median_step_ms": 1000 * statistics.median(seconds[1:])})
 
 
-def row(dp: int, zero: int, overlap: bool, measured: dict) -> dict:
+def row(pp: int, dp: int, zero: int, overlap: bool, measured: dict) -> dict:
     replicas = dp if zero else 1
     parameters = measured["parameters"]
-    return {"dp": dp, "zero": zero, "overlap": overlap, **measured,
+    return {"pp": pp, "dp": dp, "zero": zero, "overlap": overlap, **measured,
             "state_bytes_per_parameter": measured["state_bytes"] / parameters,
             "predicted_state_bytes_per_parameter": MOMENT_BYTES / replicas,
             "gradient_bytes_per_parameter": measured["gradient_bytes"] / parameters,
@@ -98,13 +101,14 @@ def markdown(rows: list[dict], args: argparse.Namespace, loads: list) -> str:
     lines = [f"# --zero 0/1/2: memory and step time ({platform.machine()}, torch "
              f"{torch.__version__}, CPU, gloo)", "",
              f"Reference transformer dim {args.dim}, {args.layers} layers, seq-len "
-             f"{args.seq_len}, pp 1; {args.steps} steps, median after the first. Load average "
-             f"before {loads[0]}, after {loads[1]}.", "",
-             "| dp | zero | overlap | state B/param (predicted) | gradient B/param (predicted) "
-             "| peak RSS MiB | step ms |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+             f"{args.seq_len}; {args.steps} steps, median after the first; bytes of rank 0's "
+             f"stage. Load average before {loads[0]}, after {loads[1]}.", "",
+             "| pp | dp | zero | overlap | state B/param (predicted) | gradient B/param "
+             "(predicted) | peak RSS MiB | step ms |",
+             "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(
-            f"| {r['dp']} | {r['zero']} | {'yes' if r['overlap'] else 'no'} | "
+            f"| {r['pp']} | {r['dp']} | {r['zero']} | {'yes' if r['overlap'] else 'no'} | "
             f"{r['state_bytes_per_parameter']:.3f} ({r['predicted_state_bytes_per_parameter']:.3f})"
             f" | {r['gradient_bytes_per_parameter']:.3f} "
             f"({r['predicted_gradient_bytes_per_parameter']:.3f}) | {r['peak_rss_mib']:.0f} | "
@@ -116,13 +120,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rows = []
     loads = [load_average()]
-    for dp, zero, overlap in CASES:
-        config = TrainConfig(pp=1, schedule="none", dp=dp, zero=zero, dim=args.dim,
+    for pp, dp, zero, overlap in CASES:
+        config = TrainConfig(pp=pp, schedule="1f1b" if pp > 1 else "none", dp=dp, zero=zero,
+                             dim=args.dim,
                              layers=args.layers, heads=8, seq_len=args.seq_len,
                              microbatches=4, steps=args.steps, warmup_steps=1, eval_every=0,
                              timeline_step=0, progress=False, out_dir=tempfile.mkdtemp())
-        measured = spawn_ranks(measure, dp, config, overlap)
-        rows.append(row(dp, zero, overlap, measured))
+        measured = spawn_ranks(measure, config.world_size, config, overlap)
+        rows.append(row(pp, dp, zero, overlap, measured))
         print(rows[-1], flush=True)
     loads.append(load_average())
     table = markdown(rows, args, loads)
