@@ -36,6 +36,8 @@ class Case:
     pass_positions: bool = True
     batch: int = 2
     head_dim: int = 8
+    window: int | None = None  # a sliding window: keys fewer than this many positions back
+    scale: float | None = None
 
 
 CASES_2 = [
@@ -48,6 +50,13 @@ CASES_2 = [
     Case("ulysses-heads3-noncausal", "ulysses", "contiguous", (12,), 3, 3, False),
     Case("ulysses-gqa-1kv-causal", "ulysses", "contiguous", (10,), 4, 1, True),
     Case("ulysses-packed3-causal", "ulysses", "contiguous", (5, 9, 4), 4, 2, True),
+    Case("ring-zigzag-window5", "ring", "zigzag", (16,), 4, 2, True, ring=2, window=5),
+    Case("ring-packed3-window4-scaled", "ring", "packed", (5, 9, 4), 4, 2, True, ring=2,
+         window=4, scale=0.3),
+    Case("ulysses-seq13-window4", "ulysses", "contiguous", (13,), 4, 2, True, window=4,
+         pass_positions=False),
+    Case("ulysses-packed3-window3-scaled", "ulysses", "contiguous", (5, 9, 4), 4, 4, True,
+         window=3, scale=0.3),
 ]
 
 CASES_4 = [
@@ -66,6 +75,10 @@ CASES_4 = [
     Case("hybrid2x2-zigzag-noncausal-gqa", "hybrid", "zigzag", (12,), 4, 1, False, ring=2),
     Case("hybrid2x2-packed3-causal", "hybrid", "packed", (6, 11, 5), 4, 4, True, ring=2),
     Case("hybrid2x2-heads3-causal", "hybrid", "zigzag", (20,), 3, 3, True, ring=2),
+    Case("ring4-zigzag-window6-gqa", "ring", "zigzag", (24,), 4, 1, True, ring=4, window=6),
+    Case("hybrid2x2-zigzag-window5", "hybrid", "zigzag", (16,), 4, 2, True, ring=2, window=5),
+    Case("hybrid2x2-packed3-window4-scaled", "hybrid", "packed", (6, 11, 5), 4, 4, True,
+         ring=2, window=4, scale=0.3),
 ]
 
 _TOPOLOGIES: dict[tuple[int, int], Topology] = {}
@@ -107,10 +120,13 @@ def _attention(case: Case, world: int):
     return HybridAttention(ring_group, ulysses_group)
 
 
-def _reference_mask(doc_lens: tuple[int, ...], causal: bool) -> torch.Tensor:
+def _reference_mask(doc_lens: tuple[int, ...], causal: bool,
+                    window: int | None = None) -> torch.Tensor:
     blocks = [torch.ones(n, n, dtype=torch.bool) for n in doc_lens]
     if causal:
         blocks = [block.tril() for block in blocks]
+    if window is not None:  # query i sees key j only if i - j < window
+        blocks = [block.triu(1 - window) for block in blocks]
     return torch.block_diag(*blocks)
 
 
@@ -126,7 +142,8 @@ def _run_case(case: Case, world: int, rank: int) -> list[str]:
     grad_out = full(case.heads_q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(
-        *(t.transpose(1, 2) for t in leaves), attn_mask=_reference_mask(case.doc_lens, case.causal),
+        *(t.transpose(1, 2) for t in leaves),
+        attn_mask=_reference_mask(case.doc_lens, case.causal, case.window), scale=case.scale,
         enable_gqa=case.heads_q != case.heads_kv).transpose(1, 2)
     ref.backward(grad_out)
 
@@ -139,7 +156,8 @@ def _run_case(case: Case, world: int, rank: int) -> list[str]:
     local = [t[:, tokens].clone().requires_grad_() for t in (q, k, v)]
     out = _attention(case, world)(
         *local, positions=positions_in_doc[tokens] if case.pass_positions else None,
-        doc_ids=doc_ids[tokens] if len(case.doc_lens) > 1 else None, causal=case.causal)
+        doc_ids=doc_ids[tokens] if len(case.doc_lens) > 1 else None, causal=case.causal,
+        window=case.window, scale=case.scale)
     out.backward(grad_out[:, tokens])
 
     failures = []

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .interface import check_attention_inputs
-from .masks import attention_mask, is_plain_sequence, token_runs
+from .masks import attention_mask, is_plain_sequence, token_runs, window_applies
 from .ring import split_causal_attention
 from .tiles import CAUSAL_LEAF, runs_on_cpu_kernel
 
@@ -22,7 +22,8 @@ class LocalAttention(nn.Module):
     one large causal call. A
     pack whose documents each lie in one run of consecutive positions runs document by
     document, each in the same fast path, with no mask and no work across documents;
-    anything else builds the mask from ``positions`` and ``doc_ids``. Grouped-query attention
+    anything else builds the mask from ``positions`` and ``doc_ids`` (and a sliding ``window``
+    shorter than the span of the positions). Grouped-query attention
     goes to SDPA as is (``enable_gqa``), without repeating key/value heads.
     """
 
@@ -31,27 +32,31 @@ class LocalAttention(nn.Module):
         self.scale = scale
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
-                doc_ids: Tensor | None = None, causal: bool = True) -> Tensor:
+                doc_ids: Tensor | None = None, causal: bool = True, window: int | None = None,
+                scale: float | None = None) -> Tensor:
         check_attention_inputs(q, k, v, positions, doc_ids, "LocalAttention")
-        plain = is_plain_sequence(positions, doc_ids)
+        scale = self.scale if scale is None else scale
+        windowed = window_applies(window, positions, q.shape[1])
+        plain = is_plain_sequence(positions, doc_ids) and not windowed
         if plain and causal and runs_on_cpu_kernel(q) and q.shape[1] > CAUSAL_LEAF:
-            return split_causal_attention(q, k, v, self.scale)
+            return split_causal_attention(q, k, v, scale)
         gqa = q.shape[2] != k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if plain:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale,
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                                  enable_gqa=gqa)
             return out.transpose(1, 2)
         if positions is None:
             positions = torch.arange(q.shape[2], device=q.device)
-        documents = _documents(positions, doc_ids)
+        documents = None if windowed else _documents(positions, doc_ids)
         if documents is not None:
             out = torch.cat([F.scaled_dot_product_attention(
                 q[:, :, rows], k[:, :, rows], v[:, :, rows], is_causal=causal,
-                scale=self.scale, enable_gqa=gqa) for rows in documents], dim=2)
+                scale=scale, enable_gqa=gqa) for rows in documents], dim=2)
         else:
-            mask = attention_mask(positions, positions, doc_ids, doc_ids, causal)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+            mask = attention_mask(positions, positions, doc_ids, doc_ids, causal,
+                                  window if windowed else None)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                  enable_gqa=gqa)
         return out.transpose(1, 2)
 

@@ -1,7 +1,8 @@
 """Attention masks from token positions and document ids, and block plans for blockwise attention.
 
 A query may attend a key of the same document and, when causal, only a key whose position
-is not after its own. Masks are boolean ``[seq_q, seq_k]`` (True = may attend), shared by
+is not after its own; with a sliding ``window``, only a key fewer than ``window`` positions
+before its own. Masks are boolean ``[seq_q, seq_k]`` (True = may attend), shared by
 every batch row and head, so they are cheap next to the attention itself.
 """
 
@@ -14,15 +15,29 @@ from torch import Tensor
 
 
 def attention_mask(q_positions: Tensor, k_positions: Tensor, q_doc_ids: Tensor | None = None,
-                   k_doc_ids: Tensor | None = None, causal: bool = True) -> Tensor | None:
+                   k_doc_ids: Tensor | None = None, causal: bool = True,
+                   window: int | None = None) -> Tensor | None:
     """Boolean ``[seq_q, seq_k]`` mask, or None when every query may attend every key."""
     mask = None
     if causal:
         mask = k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+    if window is not None:
+        near = q_positions.unsqueeze(1) - k_positions.unsqueeze(0) < window
+        mask = near if mask is None else mask & near
     if q_doc_ids is not None and k_doc_ids is not None:
         same_document = q_doc_ids.unsqueeze(1) == k_doc_ids.unsqueeze(0)
         mask = same_document if mask is None else mask & same_document
     return mask
+
+
+def window_applies(window: int | None, positions: Tensor | None, length: int) -> bool:
+    """Whether a sliding ``window`` excludes any key: some position is ``window`` or more
+    after another (``positions`` None: the plain sequence ``0..length-1``)."""
+    if window is None:
+        return False
+    span = length if positions is None or positions.numel() == 0 else int(
+        positions.max() - positions.min()) + 1
+    return span > window
 
 
 def is_plain_sequence(positions: Tensor | None, doc_ids: Tensor | None) -> bool:
@@ -53,9 +68,10 @@ class BlockPlan:
 
 
 def plan_block(q_positions: Tensor, q_doc_ids: Tensor | None, k_positions: Tensor,
-               k_doc_ids: Tensor | None, causal: bool) -> BlockPlan | None:
+               k_doc_ids: Tensor | None, causal: bool,
+               window: int | None = None) -> BlockPlan | None:
     """Plan the tile of these queries against these keys; None when it is fully masked."""
-    mask = attention_mask(q_positions, k_positions, q_doc_ids, k_doc_ids, causal)
+    mask = attention_mask(q_positions, k_positions, q_doc_ids, k_doc_ids, causal, window)
     if mask is None:
         return BlockPlan(rows=None, cols=None, mask=None)
     live_rows = mask.any(dim=1)

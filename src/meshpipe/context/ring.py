@@ -40,7 +40,8 @@ from torch import Tensor, nn
 from ..comm.collectives import COMM_LABEL, PendingTransfers, post_transfers
 from .blockwise import heads_first, kernel_for
 from .layout import GroupLayout, attention_layout
-from .masks import Piece, TokenRun, plan_block, plan_pieces, split_causal, token_runs
+from .masks import (Piece, TokenRun, plan_block, plan_pieces, split_causal, token_runs,
+                    window_applies)
 from .tiles import (CAUSAL_LEAF, SEQ, Tile, TileGradients, accumulate, attend, causal_square,
                     empty_output)
 
@@ -138,13 +139,17 @@ class RingAttention(nn.Module):
         self.scale = scale
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
-                doc_ids: Tensor | None = None, causal: bool = True) -> Tensor:
+                doc_ids: Tensor | None = None, causal: bool = True, window: int | None = None,
+                scale: float | None = None) -> Tensor:
         layout, _ = attention_layout("RingAttention", q, k, v, positions, doc_ids, causal,
                                      self.group)
         ring = _Ring(group=self.group, rank=dist.get_rank(self.group),
                      size=dist.get_world_size(self.group), block_sizes=layout.sizes)
-        plans = _plan_ring(ring, layout, causal)
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        everywhere = layout.gathered_positions()
+        plans = _plan_ring(ring, layout, causal,
+                           window if window_applies(window, everywhere, layout.total) else None)
+        scale = next(s for s in (scale, self.scale, 1.0 / math.sqrt(q.shape[-1]))
+                     if s is not None)
         return _RingAttentionFunction.apply(q, k, v, ring, plans, scale)
 
 
@@ -160,8 +165,12 @@ def split_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None)
     return _RingAttentionFunction.apply(q, k, v, ring, plans, scale)
 
 
-def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool) -> list[list[Tile]]:
+def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool,
+               window: int | None = None) -> list[list[Tile]]:
     """This rank's tiles for each ring step.
+
+    With a sliding ``window`` every block is planned from its mask (``plan_block``): a block
+    wholly outside the window is skipped, not computed masked.
 
     A block whose positions run in increasing order within one document is, against itself,
     one causal square. Otherwise blocks made of runs of consecutive positions (zigzag halves,
@@ -177,16 +186,17 @@ def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool) -> list[list[Tile
     for step in range(ring.size):
         source = ring.source(step)
         count = ring.block_sizes[mine]
-        if source == mine and _one_increasing_document(runs[mine], layout.positions[mine]):
+        if window is None and source == mine and _one_increasing_document(
+                runs[mine], layout.positions[mine]):
             pieces = [Piece(None, None, causal)]
-        elif runs[mine] is not None and runs[source] is not None:
+        elif window is None and runs[mine] is not None and runs[source] is not None:
             pieces = plan_pieces(runs[mine], runs[source], causal, count,
                                  ring.block_sizes[source])
         else:
             plans.append(Tile.of_plan(plan_block(
                 layout.positions[mine], None if doc_ids is None else doc_ids[mine],
                 layout.positions[source], None if doc_ids is None else doc_ids[source],
-                causal)))
+                causal, window)))
             continue
         plans.append([Tile.of_piece(part) for piece in pieces
                       for part in split_causal(piece, count, CAUSAL_LEAF)])

@@ -30,7 +30,7 @@ from .interface import Attention, AttentionError
 from .blockwise import BlockKernel, heads_first, kernel_for
 from .layout import GroupLayout, attention_layout
 from .local import LocalAttention
-from .masks import Piece, is_plain_sequence, split_causal
+from .masks import Piece, is_plain_sequence, split_causal, window_applies
 from .tiles import (CAUSAL_LEAF, SEQ, Tile, TileGradients, accumulate, attend, empty_output,
                     runs_on_cpu_kernel)
 
@@ -67,7 +67,8 @@ class UlyssesAttention(nn.Module):
         self.group = group
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
-                doc_ids: Tensor | None = None, causal: bool = True) -> Tensor:
+                doc_ids: Tensor | None = None, causal: bool = True, window: int | None = None,
+                scale: float | None = None) -> Tensor:
         layout, where = attention_layout("UlyssesAttention", q, k, v, positions, doc_ids,
                                          causal, self.group)
         heads_q = q.shape[_HEAD_DIM]
@@ -81,8 +82,10 @@ class UlyssesAttention(nn.Module):
         plan = plan_heads(heads_q, k.shape[2], ranks, where)
         query_order = plan.query_order()
         fused = _can_fuse(q, k, v, plan, ranks)
-        if fused and self._pipelines(q, layout, positions, doc_ids):
-            scale = self.inner.scale if self.inner.scale is not None else q.shape[-1] ** -0.5
+        windowed = window_applies(window, layout.gathered_positions(), layout.total)
+        if fused and not windowed and self._pipelines(q, layout, positions, doc_ids):
+            scale = next(s for s in (scale, self.inner.scale, q.shape[-1] ** -0.5)
+                         if s is not None)
             return _PipelinedUlysses.apply(q, k, v, self.group, layout.total, causal, scale)
         if fused:
             q_heads, k_heads, v_heads = self._exchange_qkv(q, k, v, ranks, layout.total)
@@ -94,7 +97,7 @@ class UlyssesAttention(nn.Module):
         out_heads = self.inner(
             q_heads, k_heads, v_heads,
             positions=None if positions is None else layout.gathered_positions(),
-            doc_ids=layout.gathered_doc_ids(), causal=causal)
+            doc_ids=layout.gathered_doc_ids(), causal=causal, window=window, scale=scale)
         out = all_to_all(out_heads, self.group, scatter_dim=_SEQ_DIM, gather_dim=_HEAD_DIM,
                          gather_size=heads_q)
         return _take_heads(out, _inverse(query_order), _HEAD_DIM)
