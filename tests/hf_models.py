@@ -5,7 +5,11 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+# Gemma 3 as it is, shrunk: local (sliding-window) and global layers alternating, its own
+# attention scale (query_pre_attn_scalar), scaled embedding and a final logit soft-cap.
+GEMMA3 = dict(sliding_window=6, query_pre_attn_scalar=16, final_logit_softcapping=30.0,
+              layer_types=["sliding_attention", "full_attention"] * 2)
 
 
 def tiny_config(arch: str, **overrides):
@@ -13,11 +17,14 @@ def tiny_config(arch: str, **overrides):
 
     sizes = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    if arch == "mistral":
-        sizes["sliding_window"] = None
+    extra = {"mistral": dict(sliding_window=None), "qwen3": dict(head_dim=8),
+             "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+             "gemma3_text": dict(head_dim=8, pad_token_id=0, **GEMMA3)}.get(arch, {})
     config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                    "qwen2": transformers.Qwen2Config}[arch]
-    return config_class(**{**sizes, **overrides})
+                    "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+                    "phi3": transformers.Phi3Config,
+                    "gemma3_text": transformers.Gemma3TextConfig}[arch]
+    return config_class(**{**sizes, **extra, **overrides})
 
 
 def save_tiny_model(directory: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_models import save_tiny_model
+from hf_models import save_tiny_model, write_documents
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
 from trainer_cases import SMALL, check_first_step, train
@@ -28,12 +28,19 @@ LAYOUTS = {
                            dict(pp=2, schedule="zb-v", dp=2)),
     "qwen2-interleaved-recompute": ("qwen2", {}, dict(pp=2, vpp=2, schedule="interleaved",
                                                       recompute="full")),
+    "qwen3-pp2-ring2-packed": ("qwen3", {}, dict(pp=2, cp_ring=2, pack=True)),
+    "gemma3-window6-pp2-ulysses2": ("gemma3_text", {}, dict(pp=2, cp_ulysses=2)),
+    "gemma3-window6-ring2-packed": ("gemma3_text", {}, dict(pp=1, schedule="none", cp_ring=2,
+                                                            pack=True)),
+    "phi3-pp2-ulysses2": ("phi3", {}, dict(pp=2, cp_ulysses=2)),
 }
 
 
 @pytest.mark.parametrize("arch,model,layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_training_step_matches_upstream_transformers(tmp_path, arch, model, layout):
     directory = save_tiny_model(tmp_path / "model", arch, **model)
+    if layout.get("pack"):  # documents of 1 to 40 words, several to a packed sequence
+        layout = dict(layout, data=str(write_documents(tmp_path / "docs.txt")))
     config = TrainConfig(**{**HF, **layout}, model=str(directory), out_dir=str(tmp_path))
     report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == []

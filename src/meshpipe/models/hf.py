@@ -1,4 +1,5 @@
-"""Hugging Face decoders (Llama, Mistral, Qwen2) as meshpipe pipeline stages.
+"""Hugging Face decoders (Llama 2/3.x, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) as meshpipe
+pipeline stages.
 
 The modeling code is transformers' own: the model is built from its ``config.json`` on the
 meta device (no memory, no initialisation), cut into chunks of consecutive decoder layers
@@ -10,7 +11,14 @@ Attention goes through transformers' attention-function registry: the name ``"me
 maps to an adapter that hands the rotated q, k, v to a meshpipe attention (local, Ulysses,
 ring, hybrid) with the token positions and document ids of meshpipe's shard layout, which
 travel to it as keyword arguments of the decoder layers. RoPE is computed by the model's own
-rotary embedding from those positions, so a zigzag or packed shard rotates correctly.
+rotary embedding from those positions (per layer type where the model has several, as
+Gemma 3's local and global layers), so a zigzag or packed shard rotates correctly. A layer's
+sliding window and the model's attention scale reach the meshpipe attention with each call;
+a final logit soft-cap (Gemma) is applied after the head as the model does.
+
+Which model types are supported is data (``SUPPORTED_MODEL_TYPES``), and so are the
+configuration features meshpipe cannot run (``UNSUPPORTED_FEATURES``): each is a one-line
+refusal before any process starts.
 
 Parameter names are the model's own (``model.layers.3.self_attn.q_proj.weight``), which is
 what checkpoints record and what ``export_model`` writes back as safetensors.
@@ -18,8 +26,8 @@ what checkpoints record and what ``export_model`` writes back as safetensors.
 
 from __future__ import annotations
 
+import inspect
 import json
-import math
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,7 +41,17 @@ from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
 from meshpipe.models.transformer import _maybe_checkpoint, default_positions
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+# (what it is, whether a config has it): features of transformers decoders meshpipe does not
+# run. Gemma 2 sets attention soft-capping, so it is refused for that, not for its type.
+UNSUPPORTED_FEATURES = (
+    ("attention logit soft-capping (attn_logit_softcapping)",
+     lambda config: getattr(config, "attn_logit_softcapping", None) is not None),
+    ("bidirectional attention (use_bidirectional_attention)",
+     lambda config: bool(getattr(config, "use_bidirectional_attention", False))),
+    ("mixture-of-experts layers", lambda config: bool(
+        getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0))),
+)
 ATTENTION_NAME = "meshpipe"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Files of a model directory that describe it beside its weights and config; export copies
@@ -64,7 +82,6 @@ class HFModelInfo:
     max_positions: int
     tie_embeddings: bool
     weight_files: tuple[Path, ...]
-    sliding_window: int | None  # None: every layer attends to the whole sequence
 
 
 def inspect_model(directory: str | Path) -> HFModelInfo:
@@ -87,6 +104,10 @@ def inspect_model(directory: str | Path) -> HFModelInfo:
         raise ValueError(f"--model {path} is a {model_type!r} model; meshpipe trains these "
                          f"decoder architectures: {', '.join(SUPPORTED_MODEL_TYPES)}")
     config = load_config(path)
+    for feature, present in UNSUPPORTED_FEATURES:
+        if present(config):
+            raise ValueError(f"--model {path} ({model_type}) uses {feature}, which meshpipe "
+                             "does not run yet")
     if getattr(config, "attention_dropout", 0.0):
         raise ValueError(f"--model {path} has attention_dropout {config.attention_dropout}; "
                          "meshpipe's attention has no dropout: set it to 0.0 in config.json")
@@ -94,16 +115,7 @@ def inspect_model(directory: str | Path) -> HFModelInfo:
                        num_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
                        max_positions=config.max_position_embeddings,
                        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                       weight_files=weight_files(path),
-                       sliding_window=_sliding_window(config, model_type))
-
-
-def _sliding_window(config, model_type: str) -> int | None:
-    """The window of the model's sliding-window layers, if it has any."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ()
-    slides = model_type == "mistral" or "sliding_attention" in layer_types
-    return window if slides else None
+                       weight_files=weight_files(path))
 
 
 def load_config(directory: str | Path):
@@ -133,21 +145,17 @@ def weight_files(directory: Path) -> tuple[Path, ...]:
 
 
 def check_sequence_length(info: HFModelInfo, seq_len: int) -> None:
-    """A sequence longer than the model's positions, or than a sliding window meshpipe's
-    attention does not apply, is refused before training."""
+    """A sequence longer than the model's positions is refused before training."""
     if seq_len > info.max_positions:
         raise ValueError(f"--seq-len {seq_len} is above the model's max_position_embeddings "
                          f"{info.max_positions}: use --seq-len {info.max_positions} or less")
-    window = info.sliding_window
-    if window is not None and window < seq_len:
-        raise ValueError(f"--seq-len {seq_len} is longer than the model's sliding window "
-                         f"{window}, which meshpipe's attention does not apply: use --seq-len "
-                         f"{window} or less")
 
 
 def _attention_adapter(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                        attention_mask: Tensor | None, dropout: float = 0.0,
-                       scaling: float | None = None, meshpipe_attention: Attention | None = None,
+                       scaling: float | None = None, sliding_window: int | None = None,
+                       softcap: float | None = None,
+                       meshpipe_attention: Attention | None = None,
                        meshpipe_positions: Tensor | None = None,
                        meshpipe_doc_ids: Tensor | None = None,
                        **_: Any) -> tuple[Tensor, None]:
@@ -155,20 +163,20 @@ def _attention_adapter(module: nn.Module, query: Tensor, key: Tensor, value: Ten
 
     transformers hands q ``[batch, heads, seq, head_dim]`` and k, v with the key/value heads;
     meshpipe's attentions take ``[batch, seq, heads, head_dim]`` and do grouped-query
-    attention themselves. The mask is meshpipe's (positions and document ids), never a
-    materialised one.
+    attention themselves. The mask is meshpipe's (positions and document ids, and the
+    layer's sliding window), never a materialised one; the layer's scale goes with the call.
     """
     if meshpipe_attention is None:
         raise RuntimeError("the 'meshpipe' attention runs only inside meshpipe's HFChunk, which "
                            "passes the attention and the token positions to every layer")
-    head_dim = query.shape[-1]
-    if scaling is not None and not math.isclose(scaling, head_dim ** -0.5, rel_tol=1e-6):
-        raise ValueError(f"{type(module).__name__} scales attention by {scaling}, not "
-                         f"1/sqrt(head_dim); meshpipe's attention supports the standard scale")
     if dropout:
         raise ValueError("meshpipe's attention has no dropout: set attention_dropout to 0.0")
+    if softcap is not None:
+        raise ValueError(f"{type(module).__name__} soft-caps its attention logits, which "
+                         "meshpipe's attention does not do")
     out = meshpipe_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                             positions=meshpipe_positions, doc_ids=meshpipe_doc_ids, causal=True)
+                             positions=meshpipe_positions, doc_ids=meshpipe_doc_ids, causal=True,
+                             window=sliding_window, scale=scaling)
     return out, None
 
 
@@ -212,19 +220,34 @@ class HFChunk(nn.Module):
             self.norm = base.norm
             self.lm_head = model.lm_head
         self.rotary_emb = base.rotary_emb
+        # Gemma 3's rotary tables differ by layer type (local, global); others share one.
+        self.layer_types = (getattr(model.config, "layer_types", None)
+                            if "layer_type" in inspect.signature(
+                                type(base.rotary_emb).forward).parameters else None)
+        self.logit_softcap = getattr(model.config, "final_logit_softcapping", None)
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None) -> Any:
         hidden = self.embed_tokens(x) if self.is_first else x
         layer_positions = default_positions(x, positions, check_values=self.is_first)
         position_ids = layer_positions.unsqueeze(0).expand(hidden.shape[0], -1)
-        rotary = self.rotary_emb(hidden, position_ids)
-        for layer in self.layers.values():
-            hidden = _maybe_checkpoint(self.recompute, self._layer, layer, hidden, rotary,
+        tables: dict[str | None, tuple[Tensor, Tensor]] = {}
+        for index, layer in self.layers.items():
+            kind = self.layer_types[int(index)] if self.layer_types else None
+            if kind not in tables:
+                tables[kind] = (self.rotary_emb(hidden, position_ids, kind) if kind
+                                else self.rotary_emb(hidden, position_ids))
+            hidden = _maybe_checkpoint(self.recompute, self._layer, layer, hidden, tables[kind],
                                        position_ids, layer_positions, doc_ids)
         if self.is_last:
-            return self.lm_head(self.norm(hidden))
+            return self._soft_capped(self.lm_head(self.norm(hidden)))
         return hidden, positions, doc_ids
+
+    def _soft_capped(self, logits: Tensor) -> Tensor:
+        """The logits through the model's final soft-cap (Gemma), as its own forward does."""
+        if self.logit_softcap is None:
+            return logits
+        return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
 
     def _layer(self, layer: nn.Module, hidden: Tensor, rotary: tuple[Tensor, Tensor],
                position_ids: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
@@ -296,7 +319,24 @@ def materialize(model: nn.Module, modules: Iterable[nn.Module], directory: str |
                     real[id(param)] = _read_parameter(reader, names_of[id(param)], param, device)
                 if id(param) in real:
                     setattr(owner, attribute, real[id(param)])
+            _rebuild_buffers(owner, device)
     return real
+
+
+def _rebuild_buffers(owner: nn.Module, device: torch.device | str) -> None:
+    """Give ``owner``'s buffers left on the meta device their values. Such buffers are not in
+    the weight files (non-persistent); the one transformers decoders have outside the rotary
+    embedding is a scale kept beside its float (Gemma 3's ``embed_scale`` and
+    ``scalar_embed_scale``)."""
+    for name, buffer in list(owner.named_buffers(recurse=False)):
+        if not buffer.is_meta:
+            continue
+        value = getattr(owner, f"scalar_{name}", None)
+        if value is None:
+            raise ValueError(f"{type(owner).__name__}.{name} is a buffer that is not in the "
+                             "weight files and that meshpipe cannot compute")
+        owner.register_buffer(name, torch.tensor(value, dtype=torch.float32, device=device),
+                              persistent=False)
 
 
 def _read_parameter(reader: _WeightReader, names: list[str], param: nn.Parameter,
