@@ -156,3 +156,22 @@ def test_the_reference_transformer_exports_as_the_llama_it_is(tmp_path, tied):
     exported = hf.export_reference(state, config, tmp_path)
     tokens = torch.randint(0, 256, (2, 32))
     torch.testing.assert_close(_upstream(exported)(tokens).logits, model(tokens))
+
+
+@pytest.mark.parametrize("arch,tp,message", [
+    ("phi3", 2, r"--tp 2 with --model .* \(phi3\): its fused projection self_attn.qkv_proj is "
+                r"not split over tensor-parallel ranks yet; use --tp 1"),
+    ("llama", 8, r"--tp 8 must divide the attention heads \(num_attention_heads\) of --model "
+                 r".*, 4; use a tp that divides 4"),
+    ("qwen3", 4, r"--tp 4 must divide the key/value heads \(num_key_value_heads\) of --model "
+                 r".*, 2; use a tp that divides 2")])
+def test_a_tensor_parallel_size_the_model_cannot_take_is_one_line(tmp_path, arch, tp, message):
+    from meshpipe.train.config import TrainConfig
+    from meshpipe.train.plan import plan_run
+
+    directory = save_tiny_model(tmp_path / "model", arch)
+    config = TrainConfig(model=str(directory), pp=1, schedule="none", tp=tp, seq_len=16,
+                         out_dir=str(tmp_path / "run"), device="cpu")
+    with pytest.raises(ValueError, match=message) as caught:
+        plan_run(config)
+    assert "\n" not in str(caught.value)

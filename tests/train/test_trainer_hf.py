@@ -33,6 +33,10 @@ LAYOUTS = {
     "gemma3-window6-ring2-packed": ("gemma3_text", {}, dict(pp=1, schedule="none", cp_ring=2,
                                                             pack=True)),
     "phi3-pp2-ulysses2": ("phi3", {}, dict(pp=2, cp_ulysses=2)),
+    "llama-pp2-tp2-sequence-parallel": ("llama", {}, dict(pp=2, tp=2, sequence_parallel=True)),
+    "llama-stage-tp-2-1": ("llama", {}, dict(pp=2, stage_tp="2,1")),
+    "qwen3-tp2-ulysses2": ("qwen3", {}, dict(pp=1, schedule="none", tp=2, cp_ulysses=2)),
+    "gemma3-tied-pp2-tp2": ("gemma3_text", {}, dict(pp=2, tp=2)),
 }
 
 
@@ -119,3 +123,41 @@ def test_meshpipe_export_writes_a_reference_run_as_a_llama(tmp_path):
         torch.testing.assert_close(loaded(tokens).logits, trained(tokens))
     assert main(["export", "--checkpoint", str(tmp_path / "nothing"), "--out",
                  str(tmp_path / "F")]) == 2
+
+
+def _bytes_read_for_stage_and_shard(rank, world_size, directory):
+    """This tp rank's bytes read from the files for the first of two stages, and the bytes
+    of the parameters it holds."""
+    import torch.distributed as dist
+
+    from meshpipe.models import hf, hf_tp
+    from meshpipe.parallel import TensorParallelRegion
+
+    counted = []
+    original = hf._WeightReader.get
+
+    def counting(reader, name, rows=None):
+        tensor = original(reader, name, rows)
+        counted.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    hf._WeightReader.get = counting
+    try:
+        skeleton = hf.build_skeleton(directory)
+        hf_tp.shard_skeleton(skeleton, TensorParallelRegion(dist.group.WORLD))
+        real = hf.materialize(skeleton, [hf.split_model(skeleton, [2, 2])[0]], directory)
+    finally:
+        hf._WeightReader.get = original
+    return sum(counted), sum(p.numel() * p.element_size() for p in real.values())
+
+
+def test_each_tensor_parallel_rank_reads_only_its_shards(tmp_path):
+    import transformers
+
+    directory = save_tiny_model(tmp_path / "model", "llama")
+    stage = ("model.embed_tokens.", "model.layers.0.", "model.layers.1.")
+    whole = sum(p.numel() * 4 for name, p in transformers.AutoModelForCausalLM.from_pretrained(
+        str(directory)).named_parameters() if name.startswith(stage))
+    for read, held in run_distributed(2, _bytes_read_for_stage_and_shard, str(directory)):
+        assert read == held  # the bytes of its own shards (and replicated norms), no more
+        assert read < 0.55 * whole

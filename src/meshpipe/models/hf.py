@@ -39,7 +39,10 @@ from torch import Tensor, nn
 
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
+from meshpipe.models.hf_tp import ROWS_ATTR
 from meshpipe.models.transformer import _maybe_checkpoint, default_positions
+from meshpipe.parallel import is_sequence_parallel_param, mark_sequence_parallel, shard_dim
+from meshpipe.parallel.tensor import _SHARD_ATTR
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 # (what it is, whether a config has it): features of transformers decoders meshpipe does not
@@ -205,8 +208,9 @@ class HFChunk(nn.Module):
     doc_ids)`` between stages, logits out of the last)."""
 
     def __init__(self, model: nn.Module, start: int, stop: int, *, first: bool, last: bool,
-                 attention: Attention, recompute: bool = False):
+                 attention: Attention, recompute: bool = False, sequence_shards: int = 1):
         super().__init__()
+        self.sequence_shards = sequence_shards  # > 1: hidden states are sequence-parallel
         base = model.model
         self.is_first = first
         self.is_last = last
@@ -229,7 +233,9 @@ class HFChunk(nn.Module):
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None) -> Any:
         hidden = self.embed_tokens(x) if self.is_first else x
-        layer_positions = default_positions(x, positions, check_values=self.is_first)
+        layer_positions = default_positions(
+            x, positions, check_values=self.is_first,
+            sequence_shards=1 if self.is_first else self.sequence_shards)
         position_ids = layer_positions.unsqueeze(0).expand(hidden.shape[0], -1)
         tables: dict[str | None, tuple[Tensor, Tensor]] = {}
         for index, layer in self.layers.items():
@@ -262,9 +268,10 @@ class HFChunk(nn.Module):
 
 
 def split_model(model: nn.Module, layers_per_stage: list[int], attention: Attention | None = None,
-                *, recompute: bool = False) -> list[HFChunk]:
+                *, recompute: bool = False, sequence_shards: int = 1) -> list[HFChunk]:
     """Chunks of consecutive decoder layers, ``layers_per_stage[s]`` on stage ``s`` (zeros
-    allowed), the embedding on the first and the head on the last."""
+    allowed), the embedding on the first and the head on the last; ``sequence_shards``: the
+    tensor-parallel ranks the hidden states are split over (sequence parallelism)."""
     n_layers = len(model.model.layers)
     if sum(layers_per_stage) != n_layers or min(layers_per_stage) < 0:
         raise ValueError(f"layers_per_stage {layers_per_stage} must be non-negative and sum to "
@@ -274,7 +281,7 @@ def split_model(model: nn.Module, layers_per_stage: list[int], attention: Attent
     for stage, count in enumerate(layers_per_stage):
         chunks.append(HFChunk(model, start, start + count, first=stage == 0,
                               last=stage == len(layers_per_stage) - 1, attention=attention,
-                              recompute=recompute))
+                              recompute=recompute, sequence_shards=sequence_shards))
         start += count
     return chunks
 
@@ -288,13 +295,25 @@ class _WeightReader:
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where = {name: handle for handle in self._handles for name in handle.keys()}
         self.read: list[str] = []
+        self.bytes_read = 0
 
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str) -> Tensor:
+    def get(self, name: str, rows: tuple[int, int, int] | None = None) -> Tensor:
+        """Tensor ``name``, or only its ``rows`` = (dim, start, stop) slice (a tensor-parallel
+        shard): safetensors reads just those bytes."""
         self.read.append(name)
-        return self._where[name].get_tensor(name)
+        if rows is None:
+            tensor = self._where[name].get_tensor(name)
+        else:
+            dim, start, stop = rows
+            whole = self._where[name].get_slice(name)
+            index = [slice(None)] * len(whole.get_shape())
+            index[dim] = slice(start, stop)
+            tensor = whole[tuple(index)]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
 
 def materialize(model: nn.Module, modules: Iterable[nn.Module], directory: str | Path,
@@ -345,12 +364,17 @@ def _read_parameter(reader: _WeightReader, names: list[str], param: nn.Parameter
     if name is None:
         raise ValueError(f"the model's weights have no tensor {names[0]}: the safetensors "
                          "files do not match config.json")
-    tensor = reader.get(name)
+    tensor = reader.get(name, getattr(param, ROWS_ATTR, None))
     if tuple(tensor.shape) != tuple(param.shape):
         raise ValueError(f"weight {name} has shape {tuple(tensor.shape)} where config.json "
                          f"implies {tuple(param.shape)}")
-    return nn.Parameter(tensor.to(device=device, dtype=torch.float32),
+    real = nn.Parameter(tensor.to(device=device, dtype=torch.float32).contiguous(),
                         requires_grad=param.requires_grad)
+    if shard_dim(param) is not None:
+        setattr(real, _SHARD_ATTR, shard_dim(param))
+    if is_sequence_parallel_param(param):
+        mark_sequence_parallel(real)
+    return real
 
 
 def full_names(model: nn.Module) -> dict[int, str]:

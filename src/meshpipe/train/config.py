@@ -179,10 +179,6 @@ class TrainConfig:
                 raise ValueError(f"{', '.join(given)} {verb} the reference transformer; with "
                                  f"--model {self.model} the sizes come from its config.json: "
                                  "drop them")
-            if self.tp > 1 or self.stage_tp:
-                raise ValueError("--model does not run with tensor parallelism yet: use --tp 1 "
-                                 "and no --stage-tp (scale with --pp, --dp and context "
-                                 "parallelism)")
             if self.recompute == "selective":
                 raise ValueError("--recompute selective recomputes the reference model's "
                                  "attention core; with --model use --recompute full or none")

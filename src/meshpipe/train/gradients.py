@@ -3,9 +3,10 @@ measured (the global norm), clipped, and checked for inf/NaN before any reductio
 
 Which group a gradient is summed over follows from the layout: expert weights over the
 ranks holding the same experts (averaged over data parallelism), the other weights over
-data x context parallelism (averaged over data parallelism), sequence-parallel weights over
-their tensor-parallel group, and a weight tied across pipeline stages (the embedding and the
-head) over the ranks holding a copy. The global norm counts every weight once: a shard on
+data x context parallelism (averaged over data parallelism), weights whose gradients are
+partial over their tensor-parallel group (sequence-parallel norms, per-head norms) over it,
+and a weight tied across pipeline stages (the embedding and the head) over the ranks
+holding a copy. The global norm counts every weight once: a shard on
 every rank, a replicated weight on tp rank 0, a tied weight on its first holder, experts
 summed over the expert-parallel ranks.
 """
@@ -84,8 +85,7 @@ class Gradients:
     def _needs_first(self, param: torch.nn.Parameter) -> bool:
         """Whether ``param``'s gradient is summed over another group before its replicas'."""
         return id(param) in self._tied_group or (
-            self.tp_group is not None and self.config.sequence_parallel
-            and is_sequence_parallel_param(param))
+            self.tp_group is not None and is_sequence_parallel_param(param))
 
     def _buckets(self, stage_params: dict[int, list[torch.nn.Parameter]]) -> list[Bucket]:
         """Buckets per stage, replica group and whether they wait for ``reduce``."""
@@ -113,8 +113,9 @@ class Gradients:
 
     def _sum_first(self, params: list[torch.nn.Parameter]) -> None:
         """The sums a deferred bucket's gradients take before their replicas': over the tp
-        ranks (sequence-parallel norms) and over the holders of a tied weight."""
-        if self.tp_group is not None and self.config.sequence_parallel:
+        ranks (weights whose gradients are partial there: sequence-parallel norms, per-head
+        norms) and over the holders of a tied weight."""
+        if self.tp_group is not None:
             all_reduce_gradients([p for p in params if is_sequence_parallel_param(p)],
                                  self.tp_group)
         for param in params:

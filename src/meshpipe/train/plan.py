@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from meshpipe.models.transformer import check_tensor_parallel_sizes
 from meshpipe.schedules import Schedule, build
 from meshpipe.schedules.placement import stage_layers, wraparound_placement
 from meshpipe.train import checkpoint, sources, tensorboard
@@ -137,7 +136,7 @@ def check_model_layout(config: TrainConfig, schedule: Schedule) -> None:
     layout = config.layout
     for tp in sorted({layout.tp_of(p) for p in range(config.pp)}):
         if tp > 1:
-            check_tensor_parallel_sizes(sources.model_config(config), tp)
+            sources.check_tensor_parallel(config, tp)
     if config.tie_embeddings and config.stage_tp:
         first, last = schedule.placement[0], schedule.placement[-1]
         if layout.tp_of(first) != layout.tp_of(last):

@@ -22,6 +22,8 @@ from torch import nn
 from meshpipe.context.shards import document_ids, positions_in_document
 from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, causal_lm_loss,
                              shared_parameters, split)
+from meshpipe.models.transformer import check_tensor_parallel_sizes
+from meshpipe.parallel import TensorParallelRegion
 from meshpipe.runtime import DynamicLossScaler, autocast
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, encode, load_corpus
@@ -100,6 +102,17 @@ def check_sources(config: TrainConfig) -> None:
     dataset(config, progress=config.progress)
 
 
+def check_tensor_parallel(config: TrainConfig, tp: int) -> None:
+    """A one-line ValueError when the run's model cannot be split over ``tp`` ranks."""
+    if not config.model:
+        check_tensor_parallel_sizes(model_config(config), tp)
+        return
+    from meshpipe.models import hf, hf_tp
+
+    hf_tp.check_sizes(hf.load_config(config.model), tp, model_info(config.model).model_type,
+                      f"--model {config.model}")
+
+
 def model_config(config: TrainConfig) -> TransformerConfig:
     """The reference transformer of the run's flags."""
     return TransformerConfig(vocab_size=vocab_size(config), dim=config.dim,
@@ -164,7 +177,7 @@ def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
     (tp_group, ep_group, token_group); a ``--model`` is built on the meta device and only
     the chunks in ``my_stages`` read their weights."""
     if config.model:
-        return _hf_parts(config, layers, attention, my_stages)
+        return _hf_parts(config, layers, attention, my_stages, groups.get("tp_group"))
     model = Transformer(model_config(config), attention=attention,
                         sequence_parallel=config.sequence_parallel, recompute=config.recompute,
                         **groups)
@@ -176,11 +189,16 @@ def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
                       moe_index={id(layer.mlp): i for i, layer in enumerate(moe)})
 
 
-def _hf_parts(config: TrainConfig, layers: list[int], attention, my_stages) -> ModelParts:
-    from meshpipe.models import hf
+def _hf_parts(config: TrainConfig, layers: list[int], attention, my_stages,
+              tp_group) -> ModelParts:
+    from meshpipe.models import hf, hf_tp
 
     skeleton = hf.build_skeleton(config.model)
-    chunks = hf.split_model(skeleton, layers, attention, recompute=config.recompute == "full")
+    region = TensorParallelRegion(tp_group, config.sequence_parallel)
+    if region.size > 1:
+        hf_tp.shard_skeleton(skeleton, region)
+    chunks = hf.split_model(skeleton, layers, attention, recompute=config.recompute == "full",
+                            sequence_shards=region.sequence_shards)
     shared = shared_parameters(chunks)
     meta_names = hf.full_names(skeleton)
     real = hf.materialize(skeleton, [chunks[s] for s in my_stages], config.model)

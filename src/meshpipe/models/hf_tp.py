@@ -1,0 +1,195 @@
+"""Tensor parallelism for Hugging Face decoders, as for the reference transformer: heads, MLP
+width and vocabulary split over the tp ranks (Megatron's column/row split), optionally with
+sequence parallelism.
+
+The split is a plan by module name (``SPLITS``, data): a *column* projection keeps this
+rank's rows of its weight (output features: its heads, its part of the MLP width; a bias is
+split with them), a *row* projection this rank's columns (input features) and ends the
+tensor-parallel region (the partial outputs summed, or reduce-scattered to sequence
+shards). The region starts where its input enters the attention or the MLP module
+(``REGIONS``: a forward pre-hook; backward: the ranks' input gradients summed; with
+sequence parallelism: the sequence shards gathered first, so the module sees its whole
+sequence). The embedding is vocabulary-parallel and the head a column projection over the
+vocabulary (the loss is then ``vocab_parallel_cross_entropy``). transformers' own attention
+and MLP code runs unchanged on the local heads: each attention module gets a copy of the
+config with its local head counts.
+
+``shard_skeleton`` replaces the modules on the meta device, before any weight is read; each
+new parameter records the slice of the checkpoint tensor it holds (``ROWS_ATTR``), so
+materialising reads only that slice from the safetensors files. Weights applied to the
+local heads only (Qwen3's and Gemma 3's q/k norms) and, with sequence parallelism, the
+norms are tagged so their partial gradients are summed over the tp ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
+                               mark_sequence_parallel)
+from meshpipe.parallel.tensor import _SHARD_ATTR
+
+COLUMN, ROW = "column", "row"
+# Each split projection of a decoder layer, by the end of its module name.
+SPLITS = {"self_attn.q_proj": COLUMN, "self_attn.k_proj": COLUMN, "self_attn.v_proj": COLUMN,
+          "self_attn.o_proj": ROW, "mlp.gate_proj": COLUMN, "mlp.up_proj": COLUMN,
+          "mlp.down_proj": ROW}
+# Model types with fused projections (rows made of parts, each to be split on its own): not
+# run with --tp yet.
+FUSED = {"phi3": ("self_attn.qkv_proj", "mlp.gate_up_proj")}
+# The modules whose input starts a tensor-parallel region.
+REGIONS = ("self_attn", "mlp")
+# Weights applied per head: on a rank's own heads, their gradients are partial sums.
+PER_HEAD = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+# Where a parameter's rows come from: (dim, start, stop) of the checkpoint tensor.
+ROWS_ATTR = "_meshpipe_checkpoint_slice"
+
+
+def check_sizes(config: Any, tp: int, model_type: str, where: str) -> None:
+    """One-line ValueErrors, before any process starts, for a ``tp`` the model cannot split."""
+    for module in FUSED.get(model_type, ()):
+        raise ValueError(f"--tp {tp} with {where} ({model_type}): its fused projection "
+                         f"{module} is not split over tensor-parallel ranks yet; use --tp 1")
+    sizes = {"attention heads (num_attention_heads)": config.num_attention_heads,
+             "key/value heads (num_key_value_heads)": _kv_heads(config),
+             "MLP width (intermediate_size)": config.intermediate_size,
+             "vocabulary (vocab_size)": config.vocab_size}
+    for what, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"--tp {tp} must divide the {what} of {where}, {size}; use a tp "
+                             f"that divides {size}")
+
+
+def _kv_heads(config: Any) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+class ColumnParallel(nn.Module):
+    """This rank's output rows of a projection, inside a tensor-parallel region (``enters``:
+    starting one itself, as the head does)."""
+
+    def __init__(self, linear: nn.Linear, region: TensorParallelRegion, *,
+                 enters: bool = False):
+        super().__init__()
+        self.region = region
+        self.enters = enters
+        self.weight = _slice_of(linear.weight, 0, region)
+        self.bias = None if linear.bias is None else _slice_of(linear.bias, 0, region)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(self.region.enter(x) if self.enters else x, self.weight, self.bias)
+
+
+class RowParallel(nn.Module):
+    """This rank's input columns of a projection, ending a tensor-parallel region; a bias
+    is added once, after the ranks' partial outputs are summed."""
+
+    def __init__(self, linear: nn.Linear, region: TensorParallelRegion):
+        super().__init__()
+        self.region = region
+        self.weight = _slice_of(linear.weight, 1, region)
+        self.bias = linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.region.leave(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """Gemma 3's embedding (rows times ``sqrt(hidden_size)``), vocabulary-parallel."""
+
+    def __init__(self, *args: Any, scale: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.scale = scale
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return super().forward(tokens) * torch.tensor(self.scale, dtype=self.weight.dtype)
+
+
+def _slice_of(param: nn.Parameter, dim: int, region: TensorParallelRegion) -> nn.Parameter:
+    """A meta parameter for this rank's ``dim`` slice of ``param``, tagged with where its
+    values come from and along which dim it is split."""
+    size = param.shape[dim] // region.size
+    shape = list(param.shape)
+    shape[dim] = size
+    local = nn.Parameter(torch.empty(shape, device="meta", dtype=param.dtype),
+                         requires_grad=param.requires_grad)
+    setattr(local, ROWS_ATTR, (dim, region.rank * size, (region.rank + 1) * size))
+    setattr(local, _SHARD_ATTR, dim)
+    return local
+
+
+def shard_skeleton(model: nn.Module, region: TensorParallelRegion) -> None:
+    """Split ``model`` (on the meta device) for this rank's tp ``region`` (module docstring)."""
+    config = model.config
+    check_sizes(config, region.size, config.model_type, "the model")
+    local_config = copy.copy(config)
+    local_config.num_attention_heads = config.num_attention_heads // region.size
+    local_config.num_key_value_heads = _kv_heads(config) // region.size
+    for name, module in list(model.named_modules()):
+        split = next((how for end, how in SPLITS.items() if name.endswith(end)), None)
+        if split is not None:
+            owner, attribute = _owner(model, name)
+            setattr(owner, attribute, (ColumnParallel if split == COLUMN else RowParallel)(
+                module, region))
+        if name.endswith("self_attn"):
+            module.config = local_config
+        if name.endswith(REGIONS):
+            module.register_forward_pre_hook(_entering(region), with_kwargs=True)
+    base = model.model
+    tied = model.lm_head.weight is base.embed_tokens.weight
+    base.embed_tokens = _vocab_parallel(base.embed_tokens, region)
+    if tied:
+        model.lm_head = _TiedHead(base.embed_tokens.weight, region)
+    else:
+        model.lm_head = ColumnParallel(model.lm_head, region, enters=True)
+    for name, param in model.named_parameters():
+        if name.endswith(PER_HEAD) or (region.sequence_parallel and name.endswith("norm.weight")):
+            mark_sequence_parallel(param)
+
+
+def _entering(region: TensorParallelRegion):
+    """A forward pre-hook that starts ``region`` on a module's hidden states (the first
+    positional argument, or ``hidden_states``)."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (region.enter(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": region.enter(kwargs["hidden_states"])}
+    return hook
+
+
+class _TiedHead(nn.Module):
+    """The head over this rank's vocabulary rows, sharing the embedding's shard."""
+
+    def __init__(self, weight: nn.Parameter, region: TensorParallelRegion):
+        super().__init__()
+        self.region = region
+        self.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(self.region.enter(x), self.weight)
+
+
+def _vocab_parallel(embedding: nn.Embedding, region: TensorParallelRegion) -> nn.Module:
+    scale = getattr(embedding, "scalar_embed_scale", None)
+    options = dict(sequence_parallel=region.sequence_parallel,
+                   padding_idx=embedding.padding_idx, device="meta",
+                   dtype=embedding.weight.dtype)
+    layer = (VocabParallelEmbedding(embedding.num_embeddings, embedding.embedding_dim,
+                                    region.group, **options) if scale is None
+             else ScaledVocabParallelEmbedding(embedding.num_embeddings,
+                                               embedding.embedding_dim, region.group,
+                                               scale=scale, **options))
+    rows = layer.weight.shape[0]
+    setattr(layer.weight, ROWS_ATTR, (0, region.rank * rows, (region.rank + 1) * rows))
+    return layer
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, attribute = name.rpartition(".")
+    return model.get_submodule(parent), attribute
