@@ -5,9 +5,10 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
-# Gemma 3 as it is, shrunk: local (sliding-window) and global layers alternating, its own
-# attention scale (query_pre_attn_scalar), scaled embedding and a final logit soft-cap.
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+# Gemma 2 and 3 as they are, shrunk: local (sliding-window) and global layers alternating,
+# their own attention scale (query_pre_attn_scalar), scaled embedding and a final logit
+# soft-cap; Gemma 2 also soft-caps its attention scores.
 GEMMA3 = dict(sliding_window=6, query_pre_attn_scalar=16, final_logit_softcapping=30.0,
               layer_types=["sliding_attention", "full_attention"] * 2)
 
@@ -19,10 +20,11 @@ def tiny_config(arch: str, **overrides):
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     extra = {"mistral": dict(sliding_window=None), "qwen3": dict(head_dim=8),
              "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+             "gemma2": dict(head_dim=8, pad_token_id=0, attn_logit_softcapping=50.0, **GEMMA3),
              "gemma3_text": dict(head_dim=8, pad_token_id=0, **GEMMA3)}.get(arch, {})
     config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                     "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-                    "phi3": transformers.Phi3Config,
+                    "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
                     "gemma3_text": transformers.Gemma3TextConfig}[arch]
     return config_class(**{**sizes, **extra, **overrides})
 

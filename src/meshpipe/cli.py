@@ -203,7 +203,7 @@ def _parser() -> _Parser:
         "train", help="train the reference transformer or a Hugging Face decoder (--model) on "
         "the shipped corpus or your text (--data)",
         description="Train the reference transformer, or a Hugging Face Llama, Mistral, "
-        "Qwen2/3, Phi-3 or Gemma 3 directory (--model), with any pipeline schedule and "
+        "Qwen2/3, Phi-3 or Gemma 2/3 directory (--model), with any pipeline schedule and "
         "context-parallel layout, on the shipped corpus or your own text (--data): one local process per rank (on the "
         "GPUs where there are, else on the CPU: --device, --backend), or the processes "
         "torchrun started. Every flag is a field of meshpipe.train.TrainConfig; "

@@ -46,3 +46,19 @@ def test_a_window_applies_only_where_a_key_is_that_far_back():
     assert not window_applies(None, None, 100)
     assert not window_applies(100, None, 100) and window_applies(99, None, 100)
     assert not window_applies(8, torch.tensor([0, 1, 2, 0, 1]), 5)
+
+
+def test_soft_capped_scores_match_the_written_out_attention():
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 24, 4, 8, generator=generator) * 4
+    k, v = (torch.randn(2, 24, 2, 8, generator=generator) * 4 for _ in range(2))
+    cap, scale, window = 5.0, 0.3, 6
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, dim=2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    allowed = torch.ones(24, 24, dtype=torch.bool).tril().triu(1 - window)
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    expected = torch.einsum("bhqk,bkhd->bqhd", weights, v.repeat_interleave(2, dim=2))
+    out = LocalAttention()(q, k, v, window=window, scale=scale, softcap=cap)
+    torch.testing.assert_close(out, expected)
+    uncapped = LocalAttention()(q, k, v, window=window, scale=scale)
+    assert not torch.allclose(out, uncapped)  # the cap changes these large scores

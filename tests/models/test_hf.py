@@ -76,9 +76,9 @@ def test_a_rank_reads_only_its_stage_tensors(tmp_path):
     read = []
     original = hf._WeightReader.get
 
-    def spy(reader, name):
+    def spy(reader, name, rows=None):
         read.append(name)
-        return original(reader, name)
+        return original(reader, name, rows)
 
     hf._WeightReader.get = spy
     try:
@@ -110,7 +110,7 @@ def test_model_directories_meshpipe_cannot_train_fail_in_one_line(tmp_path):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="'gpt2' model; meshpipe trains .*llama, mistral, qwen2, "
-                       "qwen3, phi3, gemma3_text"):
+                       "qwen3, phi3, gemma2, gemma3_text"):
         hf.inspect_model(gpt2)
 
 
@@ -122,7 +122,6 @@ def test_sequences_the_model_cannot_take_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("feature,overrides", [
-    ("attention logit soft-capping", dict(attn_logit_softcapping=50.0)),
     ("bidirectional attention", dict(use_bidirectional_attention=True))])
 def test_features_meshpipe_cannot_run_are_refused_by_name(tmp_path, feature, overrides):
     directory = save_tiny_model(tmp_path, "gemma3_text", **overrides)
@@ -131,7 +130,7 @@ def test_features_meshpipe_cannot_run_are_refused_by_name(tmp_path, feature, ove
         hf.inspect_model(directory)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"])
 def test_an_export_loads_in_transformers_with_the_trained_weights(tmp_path, arch):
     directory = save_tiny_model(tmp_path / "model", arch)
     chunks, state = _chunks(directory, [2, 2])
@@ -175,3 +174,15 @@ def test_a_tensor_parallel_size_the_model_cannot_take_is_one_line(tmp_path, arch
     with pytest.raises(ValueError, match=message) as caught:
         plan_run(config)
     assert "\n" not in str(caught.value)
+
+
+def test_a_soft_capping_model_refuses_ring_attention_before_any_process(tmp_path):
+    from meshpipe.train.config import TrainConfig
+    from meshpipe.train.plan import plan_run
+
+    directory = save_tiny_model(tmp_path / "model", "gemma2")
+    config = TrainConfig(model=str(directory), pp=1, schedule="none", cp_ring=2, seq_len=16,
+                         out_dir=str(tmp_path / "run"), device="cpu")
+    with pytest.raises(ValueError, match=r"\(gemma2\) soft-caps its attention scores, which "
+                                         r"ring attention cannot do: drop --cp-ring 2"):
+        plan_run(config)

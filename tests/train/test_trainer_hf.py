@@ -37,6 +37,7 @@ LAYOUTS = {
     "llama-stage-tp-2-1": ("llama", {}, dict(pp=2, stage_tp="2,1")),
     "qwen3-tp2-ulysses2": ("qwen3", {}, dict(pp=1, schedule="none", tp=2, cp_ulysses=2)),
     "gemma3-tied-pp2-tp2": ("gemma3_text", {}, dict(pp=2, tp=2)),
+    "gemma2-softcap-window6-pp2-ulysses2": ("gemma2", {}, dict(pp=2, cp_ulysses=2)),
 }
 
 

@@ -1,7 +1,7 @@
 """The attention contract every meshpipe attention honours, and its input checks.
 
 An attention is a callable ``attn(q, k, v, *, positions=None, doc_ids=None, causal=True,
-window=None, scale=None)``
+window=None, scale=None, softcap=None)``
 with q ``[batch, seq_local, heads_q, head_dim]``, k and v ``[batch, seq_local, heads_kv,
 head_dim]`` (``heads_q`` a multiple of ``heads_kv``: grouped-query attention) returning
 ``[batch, seq_local, heads_q, head_dim]``. ``positions`` (int64 ``[seq_local]``) is each local
@@ -9,7 +9,9 @@ token's position inside its document and ``doc_ids`` (int64 ``[seq_local]``) its
 a query may attend a key of the same document, and with ``causal`` only one whose position
 is not after its own; with a sliding ``window`` of ``w`` tokens also only one fewer than ``w``
 positions before its own (Mistral's and Gemma's sliding-window layers: ``q_pos - k_pos < w``).
-``scale`` multiplies the scores (default: the attention's own, else ``1/sqrt(head_dim)``).
+``scale`` multiplies the scores (default: the attention's own, else ``1/sqrt(head_dim)``);
+``softcap`` caps them at ``c * tanh(score / c)`` before the softmax (Gemma 2; local and
+Ulysses attention only: ring tiles merge by log-sum-exp on kernels that cannot cap).
 Every context-parallel layout (contiguous, zigzag, packed, hybrid) is
 expressed through these two tensors, so no attention needs to know how the loader sharded.
 """
@@ -29,7 +31,7 @@ class AttentionError(ValueError):
 class Attention(Protocol):
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
                  doc_ids: Tensor | None = None, causal: bool = True, window: int | None = None,
-                 scale: float | None = None) -> Tensor: ...
+                 scale: float | None = None, softcap: float | None = None) -> Tensor: ...
 
 
 def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None,

@@ -33,9 +33,12 @@ class LocalAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None, causal: bool = True, window: int | None = None,
-                scale: float | None = None) -> Tensor:
+                scale: float | None = None, softcap: float | None = None) -> Tensor:
         check_attention_inputs(q, k, v, positions, doc_ids, "LocalAttention")
         scale = self.scale if scale is None else scale
+        if softcap is not None:
+            return soft_capped_attention(q, k, v, positions, doc_ids, causal, window, scale,
+                                         softcap)
         windowed = window_applies(window, positions, q.shape[1])
         plain = is_plain_sequence(positions, doc_ids) and not windowed
         if plain and causal and runs_on_cpu_kernel(q) and q.shape[1] > CAUSAL_LEAF:
@@ -62,6 +65,26 @@ class LocalAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return "" if self.scale is None else f"scale={self.scale}"
+
+
+def soft_capped_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None,
+                          doc_ids: Tensor | None, causal: bool, window: int | None,
+                          scale: float | None, softcap: float) -> Tensor:
+    """Attention whose scores are capped at ``softcap * tanh(score / softcap)`` before the
+    mask and the softmax (Gemma 2), written out: no fused kernel caps scores."""
+    seq = q.shape[1]
+    if positions is None:
+        positions = torch.arange(seq, device=q.device)
+    groups = q.shape[2] // k.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    mask = attention_mask(positions, positions, doc_ids, doc_ids, causal, window)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(weights, v).transpose(1, 2)
 
 
 def _documents(positions: Tensor, doc_ids: Tensor | None) -> list[slice] | None:

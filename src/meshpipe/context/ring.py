@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from ..comm.collectives import COMM_LABEL, PendingTransfers, post_transfers
 from .blockwise import heads_first, kernel_for
+from .interface import AttentionError
 from .layout import GroupLayout, attention_layout
 from .masks import (Piece, TokenRun, plan_block, plan_pieces, split_causal, token_runs,
                     window_applies)
@@ -140,7 +141,11 @@ class RingAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None, causal: bool = True, window: int | None = None,
-                scale: float | None = None) -> Tensor:
+                scale: float | None = None, softcap: float | None = None) -> Tensor:
+        if softcap is not None:
+            raise AttentionError("ring attention cannot soft-cap attention scores (its tiles "
+                                 "merge by log-sum-exp on kernels that do not cap): use "
+                                 "Ulysses context parallelism for this model")
         layout, _ = attention_layout("RingAttention", q, k, v, positions, doc_ids, causal,
                                      self.group)
         ring = _Ring(group=self.group, rank=dist.get_rank(self.group),

@@ -68,7 +68,7 @@ class UlyssesAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None, causal: bool = True, window: int | None = None,
-                scale: float | None = None) -> Tensor:
+                scale: float | None = None, softcap: float | None = None) -> Tensor:
         layout, where = attention_layout("UlyssesAttention", q, k, v, positions, doc_ids,
                                          causal, self.group)
         heads_q = q.shape[_HEAD_DIM]
@@ -83,7 +83,8 @@ class UlyssesAttention(nn.Module):
         query_order = plan.query_order()
         fused = _can_fuse(q, k, v, plan, ranks)
         windowed = window_applies(window, layout.gathered_positions(), layout.total)
-        if fused and not windowed and self._pipelines(q, layout, positions, doc_ids):
+        if (fused and not windowed and softcap is None
+                and self._pipelines(q, layout, positions, doc_ids)):
             scale = next(s for s in (scale, self.inner.scale, q.shape[-1] ** -0.5)
                          if s is not None)
             return _PipelinedUlysses.apply(q, k, v, self.group, layout.total, causal, scale)
@@ -97,7 +98,8 @@ class UlyssesAttention(nn.Module):
         out_heads = self.inner(
             q_heads, k_heads, v_heads,
             positions=None if positions is None else layout.gathered_positions(),
-            doc_ids=layout.gathered_doc_ids(), causal=causal, window=window, scale=scale)
+            doc_ids=layout.gathered_doc_ids(), causal=causal, window=window, scale=scale,
+            softcap=softcap)
         out = all_to_all(out_heads, self.group, scatter_dim=_SEQ_DIM, gather_dim=_HEAD_DIM,
                          gather_size=heads_q)
         return _take_heads(out, _inverse(query_order), _HEAD_DIM)

@@ -1,5 +1,5 @@
-"""Hugging Face decoders (Llama 2/3.x, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) as meshpipe
-pipeline stages.
+"""Hugging Face decoders (Llama 2/3.x, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3) as
+meshpipe pipeline stages.
 
 The modeling code is transformers' own: the model is built from its ``config.json`` on the
 meta device (no memory, no initialisation), cut into chunks of consecutive decoder layers
@@ -13,8 +13,9 @@ ring, hybrid) with the token positions and document ids of meshpipe's shard layo
 travel to it as keyword arguments of the decoder layers. RoPE is computed by the model's own
 rotary embedding from those positions (per layer type where the model has several, as
 Gemma 3's local and global layers), so a zigzag or packed shard rotates correctly. A layer's
-sliding window and the model's attention scale reach the meshpipe attention with each call;
-a final logit soft-cap (Gemma) is applied after the head as the model does.
+sliding window, the model's attention scale and its attention soft-cap (Gemma 2) reach the
+meshpipe attention with each call; a final logit soft-cap (Gemma) is applied after the head
+as the model does.
 
 Which model types are supported is data (``SUPPORTED_MODEL_TYPES``), and so are the
 configuration features meshpipe cannot run (``UNSUPPORTED_FEATURES``): each is a one-line
@@ -44,12 +45,10 @@ from meshpipe.models.transformer import _maybe_checkpoint, default_positions
 from meshpipe.parallel import is_sequence_parallel_param, mark_sequence_parallel, shard_dim
 from meshpipe.parallel.tensor import _SHARD_ATTR
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 # (what it is, whether a config has it): features of transformers decoders meshpipe does not
-# run. Gemma 2 sets attention soft-capping, so it is refused for that, not for its type.
+# run.
 UNSUPPORTED_FEATURES = (
-    ("attention logit soft-capping (attn_logit_softcapping)",
-     lambda config: getattr(config, "attn_logit_softcapping", None) is not None),
     ("bidirectional attention (use_bidirectional_attention)",
      lambda config: bool(getattr(config, "use_bidirectional_attention", False))),
     ("mixture-of-experts layers", lambda config: bool(
@@ -85,6 +84,7 @@ class HFModelInfo:
     max_positions: int
     tie_embeddings: bool
     weight_files: tuple[Path, ...]
+    attention_softcap: float | None = None  # Gemma 2 caps its attention scores
 
 
 def inspect_model(directory: str | Path) -> HFModelInfo:
@@ -118,7 +118,8 @@ def inspect_model(directory: str | Path) -> HFModelInfo:
                        num_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
                        max_positions=config.max_position_embeddings,
                        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                       weight_files=weight_files(path))
+                       weight_files=weight_files(path),
+                       attention_softcap=getattr(config, "attn_logit_softcapping", None))
 
 
 def load_config(directory: str | Path):
@@ -147,6 +148,14 @@ def weight_files(directory: Path) -> tuple[Path, ...]:
     return files
 
 
+def check_context_parallelism(info: HFModelInfo, cp_ring: int) -> None:
+    """A model whose attention scores are soft-capped cannot run ring attention."""
+    if info.attention_softcap is not None and cp_ring > 1:
+        raise ValueError(f"--model {info.directory} ({info.model_type}) soft-caps its attention "
+                         f"scores, which ring attention cannot do: drop --cp-ring {cp_ring} and "
+                         "use --cp-ulysses for context parallelism")
+
+
 def check_sequence_length(info: HFModelInfo, seq_len: int) -> None:
     """A sequence longer than the model's positions is refused before training."""
     if seq_len > info.max_positions:
@@ -167,19 +176,17 @@ def _attention_adapter(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     transformers hands q ``[batch, heads, seq, head_dim]`` and k, v with the key/value heads;
     meshpipe's attentions take ``[batch, seq, heads, head_dim]`` and do grouped-query
     attention themselves. The mask is meshpipe's (positions and document ids, and the
-    layer's sliding window), never a materialised one; the layer's scale goes with the call.
+    layer's sliding window), never a materialised one; the layer's scale and soft-cap go
+    with the call.
     """
     if meshpipe_attention is None:
         raise RuntimeError("the 'meshpipe' attention runs only inside meshpipe's HFChunk, which "
                            "passes the attention and the token positions to every layer")
     if dropout:
         raise ValueError("meshpipe's attention has no dropout: set attention_dropout to 0.0")
-    if softcap is not None:
-        raise ValueError(f"{type(module).__name__} soft-caps its attention logits, which "
-                         "meshpipe's attention does not do")
     out = meshpipe_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                              positions=meshpipe_positions, doc_ids=meshpipe_doc_ids, causal=True,
-                             window=sliding_window, scale=scaling)
+                             window=sliding_window, scale=scaling, softcap=softcap)
     return out, None
 
 

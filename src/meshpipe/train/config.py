@@ -361,7 +361,7 @@ FIELD_HELP = {
     "microbatch_size": "sequences per microbatch",
     "seq_len": "tokens per sequence",
     "model": "a Hugging Face model directory (config.json + safetensors) of a Llama, Mistral, "
-             "Qwen2, Qwen3, Phi-3 or Gemma 3 decoder to train (empty: the reference transformer)",
+             "Qwen2, Qwen3, Phi-3 or Gemma 2/3 decoder to train (empty: the reference transformer)",
     "data": "training text: a .txt file (documents separated by blank lines), a .jsonl file "
             "with a text field, or a folder of them (empty: the shipped corpus)",
     "tokenizer": "tokenizer directory for --data (transformers AutoTokenizer, offline); "

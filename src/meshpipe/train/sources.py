@@ -88,6 +88,7 @@ def check_sources(config: TrainConfig) -> None:
         from meshpipe.models import hf
 
         hf.check_sequence_length(model_info(config.model), config.seq_len)
+        hf.check_context_parallelism(model_info(config.model), config.cp_ring)
     if not config.data:
         if config.model and vocab_size(config) < VOCAB_SIZE:
             raise ValueError(f"the shipped corpus is byte-level (256 token ids) but the model's "
@@ -230,8 +231,11 @@ def _reference_model(config: TrainConfig) -> nn.Module:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    # SDPA cannot soft-cap scores: such models (Gemma 2) run transformers' eager attention.
+    capped = model_info(config.model).attention_softcap is not None
     return transformers.AutoModelForCausalLM.from_pretrained(
-        config.model, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True)
+        config.model, dtype=torch.float32, attn_implementation="eager" if capped else "sdpa",
+        local_files_only=True)
 
 
 def counted_targets(targets: torch.Tensor) -> int:
