@@ -158,8 +158,6 @@ def test_the_reference_transformer_exports_as_the_llama_it_is(tmp_path, tied):
 
 
 @pytest.mark.parametrize("arch,tp,message", [
-    ("phi3", 2, r"--tp 2 with --model .* \(phi3\): its fused projection self_attn.qkv_proj is "
-                r"not split over tensor-parallel ranks yet; use --tp 1"),
     ("llama", 8, r"--tp 8 must divide the attention heads \(num_attention_heads\) of --model "
                  r".*, 4; use a tp that divides 4"),
     ("qwen3", 4, r"--tp 4 must divide the key/value heads \(num_key_value_heads\) of --model "

@@ -38,6 +38,7 @@ LAYOUTS = {
     "qwen3-tp2-ulysses2": ("qwen3", {}, dict(pp=1, schedule="none", tp=2, cp_ulysses=2)),
     "gemma3-tied-pp2-tp2": ("gemma3_text", {}, dict(pp=2, tp=2)),
     "gemma2-softcap-window6-pp2-ulysses2": ("gemma2", {}, dict(pp=2, cp_ulysses=2)),
+    "phi3-fused-pp2-tp2": ("phi3", {}, dict(pp=2, tp=2)),
 }
 
 
@@ -60,6 +61,18 @@ def test_resume_continues_exactly_in_another_layout(tmp_path):
     straight = run_distributed(2, train, TrainConfig(**base, pp=2))[0]
     other_layout = TrainConfig(**base, pp=1, schedule="none", cp_ulysses=2, resume=True)
     resumed = run_distributed(2, train, other_layout, rewind_to="step-000001")[0]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
+
+
+def test_fused_tensor_parallel_shards_resume_without_tensor_parallelism(tmp_path):
+    """Phi-3's fused q/k/v and gate/up shards are saved whole (each part gathered) and load
+    back into a run without tensor parallelism, which continues exactly."""
+    directory = save_tiny_model(tmp_path / "model", "phi3")
+    base = dict(HF, model=str(directory), out_dir=str(tmp_path / "run"), checkpoint_every=2,
+                pp=2)
+    straight = run_distributed(4, train, TrainConfig(**base, tp=2))[0]
+    resumed = run_distributed(2, train, TrainConfig(**base, resume=True),
+                              rewind_to="step-000001")[0]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
 
 

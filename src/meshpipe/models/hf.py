@@ -42,7 +42,8 @@ from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
 from meshpipe.models.hf_tp import ROWS_ATTR
 from meshpipe.models.transformer import _maybe_checkpoint, default_positions
-from meshpipe.parallel import is_sequence_parallel_param, mark_sequence_parallel, shard_dim
+from meshpipe.parallel import (is_sequence_parallel_param, mark_fused, mark_sequence_parallel,
+                               shard_dim, shard_parts)
 from meshpipe.parallel.tensor import _SHARD_ATTR
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -307,18 +308,20 @@ class _WeightReader:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str, rows: tuple[int, int, int] | None = None) -> Tensor:
-        """Tensor ``name``, or only its ``rows`` = (dim, start, stop) slice (a tensor-parallel
-        shard): safetensors reads just those bytes."""
+    def get(self, name: str, rows: list[tuple[int, int, int]] | None = None) -> Tensor:
+        """Tensor ``name``, or only its ``rows``: (dim, start, stop) slices concatenated (a
+        tensor-parallel shard): safetensors reads just those bytes."""
         self.read.append(name)
         if rows is None:
             tensor = self._where[name].get_tensor(name)
         else:
-            dim, start, stop = rows
             whole = self._where[name].get_slice(name)
-            index = [slice(None)] * len(whole.get_shape())
-            index[dim] = slice(start, stop)
-            tensor = whole[tuple(index)]
+            pieces = []
+            for dim, start, stop in rows:
+                index = [slice(None)] * len(whole.get_shape())
+                index[dim] = slice(start, stop)
+                pieces.append(whole[tuple(index)])
+            tensor = torch.cat(pieces, rows[0][0])
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -379,6 +382,8 @@ def _read_parameter(reader: _WeightReader, names: list[str], param: nn.Parameter
                         requires_grad=param.requires_grad)
     if shard_dim(param) is not None:
         setattr(real, _SHARD_ATTR, shard_dim(param))
+    if shard_parts(param) is not None:
+        mark_fused(real, shard_parts(param))
     if is_sequence_parallel_param(param):
         mark_sequence_parallel(real)
     return real

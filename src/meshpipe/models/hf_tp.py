@@ -10,7 +10,9 @@ shards). The region starts where its input enters the attention or the MLP modul
 (``REGIONS``: a forward pre-hook; backward: the ranks' input gradients summed; with
 sequence parallelism: the sequence shards gathered first, so the module sees its whole
 sequence). The embedding is vocabulary-parallel and the head a column projection over the
-vocabulary (the loss is then ``vocab_parallel_cross_entropy``). transformers' own attention
+vocabulary (the loss is then ``vocab_parallel_cross_entropy``). A fused projection (``FUSED``:
+Phi-3's q/k/v and gate/up) is split part by part and tagged (``parallel.mark_fused``), so
+checkpoints and ``--check`` put each part back together. transformers' own attention
 and MLP code runs unchanged on the local heads: each attention module gets a copy of the
 config with its local head counts.
 
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
+from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding, mark_fused,
                                mark_sequence_parallel)
 from meshpipe.parallel.tensor import _SHARD_ATTR
 
@@ -38,23 +40,25 @@ COLUMN, ROW = "column", "row"
 # Each split projection of a decoder layer, by the end of its module name.
 SPLITS = {"self_attn.q_proj": COLUMN, "self_attn.k_proj": COLUMN, "self_attn.v_proj": COLUMN,
           "self_attn.o_proj": ROW, "mlp.gate_proj": COLUMN, "mlp.up_proj": COLUMN,
-          "mlp.down_proj": ROW}
-# Model types with fused projections (rows made of parts, each to be split on its own): not
-# run with --tp yet.
-FUSED = {"phi3": ("self_attn.qkv_proj", "mlp.gate_up_proj")}
+          "mlp.down_proj": ROW, "self_attn.qkv_proj": COLUMN, "mlp.gate_up_proj": COLUMN}
+# Fused projections (Phi-3): their rows are parts, each split on its own, so a rank holds
+# its q, k and v heads (its gate and up width) side by side: the parts' sizes by config.
+FUSED = {"self_attn.qkv_proj": lambda c: (c.num_attention_heads * _head_dim(c),
+                                          _kv_heads(c) * _head_dim(c), _kv_heads(c) * _head_dim(c)),
+         "mlp.gate_up_proj": lambda c: (c.intermediate_size, c.intermediate_size)}
+# Head counts an attention module may keep as attributes.
+HEAD_COUNTS = ("num_heads", "num_key_value_heads")
 # The modules whose input starts a tensor-parallel region.
 REGIONS = ("self_attn", "mlp")
 # Weights applied per head: on a rank's own heads, their gradients are partial sums.
 PER_HEAD = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
-# Where a parameter's rows come from: (dim, start, stop) of the checkpoint tensor.
+# Where a parameter's rows come from: [(dim, start, stop)] slices of the checkpoint tensor,
+# concatenated.
 ROWS_ATTR = "_meshpipe_checkpoint_slice"
 
 
-def check_sizes(config: Any, tp: int, model_type: str, where: str) -> None:
+def check_sizes(config: Any, tp: int, where: str) -> None:
     """One-line ValueErrors, before any process starts, for a ``tp`` the model cannot split."""
-    for module in FUSED.get(model_type, ()):
-        raise ValueError(f"--tp {tp} with {where} ({model_type}): its fused projection "
-                         f"{module} is not split over tensor-parallel ranks yet; use --tp 1")
     sizes = {"attention heads (num_attention_heads)": config.num_attention_heads,
              "key/value heads (num_key_value_heads)": _kv_heads(config),
              "MLP width (intermediate_size)": config.intermediate_size,
@@ -69,17 +73,21 @@ def _kv_heads(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class ColumnParallel(nn.Module):
     """This rank's output rows of a projection, inside a tensor-parallel region (``enters``:
     starting one itself, as the head does)."""
 
     def __init__(self, linear: nn.Linear, region: TensorParallelRegion, *,
-                 enters: bool = False):
+                 enters: bool = False, parts: tuple[int, ...] | None = None):
         super().__init__()
         self.region = region
         self.enters = enters
-        self.weight = _slice_of(linear.weight, 0, region)
-        self.bias = None if linear.bias is None else _slice_of(linear.bias, 0, region)
+        self.weight = _slice_of(linear.weight, 0, region, parts)
+        self.bias = None if linear.bias is None else _slice_of(linear.bias, 0, region, parts)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(self.region.enter(x) if self.enters else x, self.weight, self.bias)
@@ -111,34 +119,44 @@ class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
         return super().forward(tokens) * torch.tensor(self.scale, dtype=self.weight.dtype)
 
 
-def _slice_of(param: nn.Parameter, dim: int, region: TensorParallelRegion) -> nn.Parameter:
-    """A meta parameter for this rank's ``dim`` slice of ``param``, tagged with where its
-    values come from and along which dim it is split."""
-    size = param.shape[dim] // region.size
+def _slice_of(param: nn.Parameter, dim: int, region: TensorParallelRegion,
+              parts: tuple[int, ...] | None = None) -> nn.Parameter:
+    """A meta parameter for this rank's ``dim`` shard of ``param`` (of each of its ``parts``
+    for a fused weight), tagged with the slices of the checkpoint tensor it holds and along
+    which dim it is split."""
+    slices, start = [], 0
+    for part in parts or (param.shape[dim],):
+        size = part // region.size
+        slices.append((dim, start + region.rank * size, start + (region.rank + 1) * size))
+        start += part
     shape = list(param.shape)
-    shape[dim] = size
+    shape[dim] = sum(stop - first for _, first, stop in slices)
     local = nn.Parameter(torch.empty(shape, device="meta", dtype=param.dtype),
                          requires_grad=param.requires_grad)
-    setattr(local, ROWS_ATTR, (dim, region.rank * size, (region.rank + 1) * size))
+    setattr(local, ROWS_ATTR, slices)
     setattr(local, _SHARD_ATTR, dim)
+    if parts is not None:
+        mark_fused(local, parts)
     return local
 
 
 def shard_skeleton(model: nn.Module, region: TensorParallelRegion) -> None:
     """Split ``model`` (on the meta device) for this rank's tp ``region`` (module docstring)."""
     config = model.config
-    check_sizes(config, region.size, config.model_type, "the model")
+    check_sizes(config, region.size, "the model")
     local_config = copy.copy(config)
     local_config.num_attention_heads = config.num_attention_heads // region.size
     local_config.num_key_value_heads = _kv_heads(config) // region.size
     for name, module in list(model.named_modules()):
-        split = next((how for end, how in SPLITS.items() if name.endswith(end)), None)
-        if split is not None:
+        end = next((end for end in SPLITS if name.endswith(end)), None)
+        if end is not None:
             owner, attribute = _owner(model, name)
-            setattr(owner, attribute, (ColumnParallel if split == COLUMN else RowParallel)(
-                module, region))
+            fused = FUSED.get(end)
+            setattr(owner, attribute, ColumnParallel(
+                module, region, parts=fused(config) if fused else None)
+                if SPLITS[end] == COLUMN else RowParallel(module, region))
         if name.endswith("self_attn"):
-            module.config = local_config
+            _local_heads(module, local_config, region.size)
         if name.endswith(REGIONS):
             module.register_forward_pre_hook(_entering(region), with_kwargs=True)
     base = model.model
@@ -151,6 +169,15 @@ def shard_skeleton(model: nn.Module, region: TensorParallelRegion) -> None:
     for name, param in model.named_parameters():
         if name.endswith(PER_HEAD) or (region.sequence_parallel and name.endswith("norm.weight")):
             mark_sequence_parallel(param)
+
+
+def _local_heads(attention: nn.Module, local_config: Any, size: int) -> None:
+    """Give an attention module its rank's head counts: the config it reads them from, and
+    the counts some modules keep (Phi-3 slices its fused q/k/v with them)."""
+    attention.config = local_config
+    for count in HEAD_COUNTS:
+        if isinstance(getattr(attention, count, None), int):
+            setattr(attention, count, getattr(attention, count) // size)
 
 
 def _entering(region: TensorParallelRegion):
@@ -186,7 +213,7 @@ def _vocab_parallel(embedding: nn.Embedding, region: TensorParallelRegion) -> nn
                                                embedding.embedding_dim, region.group,
                                                scale=scale, **options))
     rows = layer.weight.shape[0]
-    setattr(layer.weight, ROWS_ATTR, (0, region.rank * rows, (region.rank + 1) * rows))
+    setattr(layer.weight, ROWS_ATTR, [(0, region.rank * rows, (region.rank + 1) * rows)])
     return layer
 
 

@@ -7,14 +7,16 @@ gradients. ``group=None`` or a one-rank group means no TP: everything is the pla
 """
 
 from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                     is_sequence_parallel_param, mark_sequence_parallel, shard, shard_dim,
-                     shard_linear, unshard, vocab_parallel_cross_entropy)
+                     is_sequence_parallel_param, mark_fused, mark_sequence_parallel, own_shard,
+                     shard, shard_dim, shard_linear, shard_parts, unshard,
+                     vocab_parallel_cross_entropy)
 from .tp_comm import (TensorParallelRegion, copy_to_tp, gather_from_sequence, reduce_from_tp,
                       reduce_scatter_to_sequence, scatter_to_sequence, tp_rank_and_size)
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "TensorParallelRegion", "VocabParallelEmbedding", "copy_to_tp",
-    "gather_from_sequence", "is_sequence_parallel_param", "mark_sequence_parallel",
-    "reduce_from_tp", "reduce_scatter_to_sequence", "scatter_to_sequence", "shard",
-    "shard_dim", "shard_linear", "tp_rank_and_size", "unshard", "vocab_parallel_cross_entropy",
+    "gather_from_sequence", "is_sequence_parallel_param", "mark_fused",
+    "mark_sequence_parallel", "own_shard", "reduce_from_tp", "reduce_scatter_to_sequence",
+    "scatter_to_sequence", "shard", "shard_dim", "shard_linear", "shard_parts",
+    "tp_rank_and_size", "unshard", "vocab_parallel_cross_entropy",
 ]

@@ -32,6 +32,7 @@ __all__ = [
 Group = dist.ProcessGroup | None
 _SHARD_ATTR = "tp_shard_dim"
 _SP_ATTR = "tp_sequence_parallel"
+_PARTS_ATTR = "tp_shard_parts"
 
 
 # ----------------------------------------------------------------------- parameter tags
@@ -41,6 +42,18 @@ def shard_dim(param: Tensor) -> int | None:
     """The dim along which ``param`` is split over the TP group (0: column-parallel weight,
     vocab embedding; 1: row-parallel weight), or ``None`` if every TP rank holds all of it."""
     return getattr(param, _SHARD_ATTR, None)
+
+
+def shard_parts(param: Tensor) -> tuple[int, ...] | None:
+    """The whole sizes of the parts of a fused weight (Phi-3's ``qkv_proj``: q, k and v rows)
+    whose shard is each part's own shard, concatenated; None for a plain split."""
+    return getattr(param, _PARTS_ATTR, None)
+
+
+def mark_fused(param: Tensor, parts: tuple[int, ...]) -> Tensor:
+    """Tag ``param`` as the shard of a fused weight made of ``parts`` (``shard_parts``)."""
+    setattr(param, _PARTS_ATTR, tuple(parts))
+    return param
 
 
 def mark_sequence_parallel(param: Tensor) -> Tensor:
@@ -72,9 +85,25 @@ def shard(tensor: Tensor, dim: int, group: Group) -> Tensor:
     return tensor.chunk(size, dim)[rank].clone()
 
 
-def unshard(chunks: list[Tensor], dim: int) -> Tensor:
-    """The full tensor from every rank's chunk, in rank order (local, no communication)."""
-    return torch.cat(list(chunks), dim)
+def unshard(chunks: list[Tensor], dim: int, parts: tuple[int, ...] | None = None) -> Tensor:
+    """The full tensor from every rank's chunk, in rank order (local, no communication); for a
+    fused weight of ``parts``, each part from the ranks' shards of it."""
+    chunks = list(chunks)
+    if parts is None:
+        return torch.cat(chunks, dim)
+    local = [part // len(chunks) for part in parts]
+    split = [chunk.split(local, dim) for chunk in chunks]
+    return torch.cat([piece for index in range(len(parts))
+                      for piece in (pieces[index] for pieces in split)], dim)
+
+
+def own_shard(whole: Tensor, dim: int, rank: int, size: int,
+              parts: tuple[int, ...] | None = None) -> Tensor:
+    """Rank ``rank``'s shard of ``whole`` (``unshard``'s inverse)."""
+    if parts is None:
+        return whole.chunk(size, dim)[rank]
+    return torch.cat([part.chunk(size, dim)[rank] for part in whole.split(list(parts), dim)],
+                     dim)
 
 
 def _local_size(total: int, size: int, what: str, fix: str) -> int:

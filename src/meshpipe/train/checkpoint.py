@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from meshpipe.comm import ops
-from meshpipe.parallel import shard_dim, tp_rank_and_size
+from meshpipe.parallel import own_shard, shard_dim, shard_parts, tp_rank_and_size, unshard
 from meshpipe.parallel.zero import ADAM_MOMENTS, Bucket, OptimizerMoments
 from meshpipe.runtime import activity
 from meshpipe.runtime.precision import DynamicLossScaler
@@ -51,11 +51,12 @@ NamedParameters = Sequence[tuple[str, torch.nn.Parameter]]
 _ADAM_STATE = ADAM_MOMENTS
 
 
-def _gathered(shard: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """The whole tensor of which every rank of ``group`` holds the ``dim`` slice."""
+def _gathered(shard: torch.Tensor, dim: int, group: dist.ProcessGroup,
+              parts: tuple[int, ...] | None) -> torch.Tensor:
+    """The whole tensor of which every rank of ``group`` holds the ``dim`` shard."""
     pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
     ops.all_gather(pieces, shard.contiguous(), group=group)
-    return torch.cat(pieces, dim)
+    return unshard(pieces, dim, parts)
 
 
 def _whole_shape(param: torch.nn.Parameter, tp_size: int) -> tuple[int, ...] | None:
@@ -86,7 +87,7 @@ def _state_dict(parameters: NamedParameters, moments: OptimizerMoments, step: in
             elif for_loading:
                 state[key] = torch.empty(whole, dtype=tensor.dtype, device=tensor.device)
             else:
-                state[key] = _gathered(tensor, shard_dim(param), tp_group)
+                state[key] = _gathered(tensor, shard_dim(param), tp_group, shard_parts(param))
     return state
 
 
@@ -102,7 +103,7 @@ def _keep_own_slices(state: dict[str, torch.Tensor], parameters: NamedParameters
         targets = {f"model.{name}": param.data,
                    **{f"optim.{name}.{key}": adam[key] for key in _ADAM_STATE}}
         for key, target in targets.items():
-            target.copy_(state[key].chunk(tp_size, dim)[tp_rank])
+            target.copy_(own_shard(state[key], dim, tp_rank, tp_size, shard_parts(param)))
 
 
 _SCALER_PREFIX = "meta.loss_scaler."

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from meshpipe.parallel import shard_dim, unshard
+from meshpipe.parallel import shard_dim, shard_parts, unshard
 from meshpipe.runtime import low_precision_tolerance
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
@@ -27,7 +27,7 @@ def check_step(config: TrainConfig, loss: float,
                tp_rank: int) -> dict[str, Any] | None:
     """Every rank's gradients of the step just run (reduced, unscaled; ``loss`` its loss over
     the job) to rank 0, compared there with one process: rank 0's report, None elsewhere."""
-    grads = {name: GradientPiece(p.grad.detach().cpu(), shard_dim(p), tp_rank)
+    grads = {name: GradientPiece(p.grad.detach().cpu(), shard_dim(p), tp_rank, shard_parts(p))
              for name, p in parameters if p.grad is not None}
     is_main = dist.get_rank() == 0
     gathered: list[Any] = [None] * dist.get_world_size() if is_main else None
@@ -44,6 +44,7 @@ class GradientPiece:
     grad: torch.Tensor
     shard_dim: int | None
     tp_rank: int
+    parts: tuple[int, ...] | None = None  # a fused weight's parts (``shard_parts``)
 
 
 def whole_gradients(layout, gathered: list[dict[str, GradientPiece]]
@@ -63,8 +64,8 @@ def whole_gradients(layout, gathered: list[dict[str, GradientPiece]]
         for name, shards in by_name.items():
             pieces = [shards[t] for t in sorted(shards)]
             dim = pieces[0].shard_dim
-            grads[name] = pieces[0].grad if dim is None else unshard([p.grad for p in pieces],
-                                                                      dim)
+            grads[name] = pieces[0].grad if dim is None else unshard(
+                [p.grad for p in pieces], dim, pieces[0].parts)
         whole.append(grads)
     return whole
 

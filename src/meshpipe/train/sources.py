@@ -110,8 +110,7 @@ def check_tensor_parallel(config: TrainConfig, tp: int) -> None:
         return
     from meshpipe.models import hf, hf_tp
 
-    hf_tp.check_sizes(hf.load_config(config.model), tp, model_info(config.model).model_type,
-                      f"--model {config.model}")
+    hf_tp.check_sizes(hf.load_config(config.model), tp, f"--model {config.model}")
 
 
 def model_config(config: TrainConfig) -> TransformerConfig:
