@@ -20,19 +20,21 @@ from trainer_cases import SMALL, check_first_step, train
 pytestmark = pytest.mark.distributed
 
 MOE = dict(SMALL, moe_experts=4)
+# Each layout with the levels it runs beside --zero 0: level 2 runs level 1's path (shards,
+# gathers, sharded norm) and also frees the whole gradients, so most layouts run it alone.
 LAYOUTS = {
-    "pp2-dp2": dict(SMALL, pp=2, dp=2),
-    "dp2-ring2": dict(SMALL, pp=1, schedule="none", dp=2, cp_ring=2),
-    "tp2-sp-dp2": dict(SMALL, pp=1, schedule="none", tp=2, sequence_parallel=True, dp=2),
-    "dp4-ep2-combined": dict(MOE, pp=1, dp=4, ep=2, schedule="combined-1f1b"),
-    "pp2-dp2-zbv": dict(SMALL, pp=2, dp=2, schedule="zb-v"),
-    "pp2-dp2-tied": dict(SMALL, pp=2, dp=2, tie_embeddings=True),
-    "pp2-wraparound-tied-dp2": dict(SMALL, pp=2, dp=2, placement="wraparound",
-                                    tie_embeddings=True),
-    "pp2-dp2-fp16-skipped-step": dict(SMALL, pp=2, dp=2, dtype="fp16"),
-    "stage-tp-2-1-dp2": dict(SMALL, pp=2, stage_tp="2,1", dp=2),
-    "pp2-vpp2-interleaved-ulysses2": dict(SMALL, pp=2, vpp=2, schedule="interleaved",
-                                          cp_ulysses=2),
+    "pp2-dp2": (dict(SMALL, pp=2, dp=2), (1, 2)),
+    "dp2-ring2": (dict(SMALL, pp=1, schedule="none", dp=2, cp_ring=2), (2,)),
+    "tp2-sp-dp2": (dict(SMALL, pp=1, schedule="none", tp=2, sequence_parallel=True, dp=2),
+                   (2,)),
+    "dp4-ep2-combined": (dict(MOE, pp=1, dp=4, ep=2, schedule="combined-1f1b"), (1, 2)),
+    "pp2-dp2-zbv": (dict(SMALL, pp=2, dp=2, schedule="zb-v"), (2,)),
+    "pp2-dp2-tied": (dict(SMALL, pp=2, dp=2, tie_embeddings=True), (2,)),
+    "pp2-wraparound-tied-dp2": (dict(SMALL, pp=2, dp=2, placement="wraparound",
+                                     tie_embeddings=True), (1,)),
+    "pp2-dp2-fp16-skipped-step": (dict(SMALL, pp=2, dp=2, dtype="fp16"), (1, 2)),
+    "pp2-vpp2-interleaved-ulysses2": (dict(SMALL, pp=2, vpp=2, schedule="interleaved",
+                                           cp_ulysses=2), (2,)),
 }
 
 
@@ -53,26 +55,33 @@ def _three_steps(rank, world_size, config):
             (moments, weights, buckets))
 
 
-def _assert_same_training(layout: dict) -> None:
-    """Three steps at --zero 1 and 2 end where --zero 0 does, skipping the same steps."""
+def _assert_same_training(layout: dict, levels: tuple[int, ...] = (1, 2)) -> None:
+    """Three steps at each of ``levels`` end where --zero 0 does, skipping the same steps;
+    each rank's AdamW moments cover its share of its stage's weights (all of them at 0; up
+    to the padding of each bucket)."""
     unsharded = TrainConfig(**layout)
     expected = run_distributed(unsharded.world_size, _three_steps, unsharded)
-    for zero in (1, 2):
-        config = TrainConfig(**layout, zero=zero)
-        results = run_distributed(config.world_size, _three_steps, config)
-        for rank, ((weights, skipped, _), (want, want_skipped, _)) in enumerate(
+    replicas = unsharded.dp * unsharded.layout.cp
+    for zero, results in [(0, expected)] + [
+            (zero, run_distributed(unsharded.world_size, _three_steps,
+                                   TrainConfig(**layout, zero=zero))) for zero in levels]:
+        for rank, ((weights, skipped, held), (want, want_skipped, _)) in enumerate(
                 zip(results, expected)):
             assert skipped == want_skipped, (zero, rank)
             for name, tensor in weights.items():
                 torch.testing.assert_close(tensor, want[name], msg=f"zero {zero} rank "
                                            f"{rank} {name}")
+            moments, parameters, buckets = held
+            if not unsharded.moe_experts:  # experts are shared out over their own group
+                share = 1 / replicas if zero else 1
+                assert math.isclose(moments, share * parameters, abs_tol=buckets), (zero, held)
         if layout.get("dtype") == "fp16":
             assert results[0][1] == [True, False, False]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_sharded_optimizer_trains_the_weights_of_the_unsharded_one(layout):
-    _assert_same_training(layout)
+@pytest.mark.parametrize("layout,levels", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_sharded_optimizer_trains_the_weights_of_the_unsharded_one(layout, levels):
+    _assert_same_training(layout, levels)
 
 
 def test_a_hugging_face_model_trains_the_same_sharded(tmp_path):
@@ -84,16 +93,6 @@ def test_a_hugging_face_model_trains_the_same_sharded(tmp_path):
     _assert_same_training({**{k: v for k, v in SMALL.items() if k not in model_flags},
                            "model": str(directory), "pp": 2, "dp": 2,
                            "out_dir": str(tmp_path / "run")})
-
-
-def test_each_replica_holds_its_share_of_the_moments():
-    """pp 2 x dp 2: each rank's AdamW moments cover half of its stage's weights (up to the
-    padding of each bucket to a multiple of 2); unsharded, all of them."""
-    layout = dict(SMALL, pp=2, dp=2)
-    for zero, share in ((0, 1.0), (1, 0.5), (2, 0.5)):
-        config = TrainConfig(**layout, zero=zero)
-        for _, _, (moments, weights, buckets) in run_distributed(4, _three_steps, config):
-            assert math.isclose(moments, share * weights, abs_tol=buckets), (zero, moments)
 
 
 @pytest.mark.parametrize("zero", [1, 2])
