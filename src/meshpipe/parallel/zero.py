@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from meshpipe.comm import ops
+
 # A bucket's gradients in bytes before a new one starts: large enough that a collective
 # is not latency-bound, small enough that reductions start while the backward runs on.
 BUCKET_BYTES = 32 * 2**20
