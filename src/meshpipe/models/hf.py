@@ -302,8 +302,6 @@ class _WeightReader:
 
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where = {name: handle for handle in self._handles for name in handle.keys()}
-        self.read: list[str] = []
-        self.bytes_read = 0
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -311,19 +309,15 @@ class _WeightReader:
     def get(self, name: str, rows: list[tuple[int, int, int]] | None = None) -> Tensor:
         """Tensor ``name``, or only its ``rows``: (dim, start, stop) slices concatenated (a
         tensor-parallel shard): safetensors reads just those bytes."""
-        self.read.append(name)
         if rows is None:
-            tensor = self._where[name].get_tensor(name)
-        else:
-            whole = self._where[name].get_slice(name)
-            pieces = []
-            for dim, start, stop in rows:
-                index = [slice(None)] * len(whole.get_shape())
-                index[dim] = slice(start, stop)
-                pieces.append(whole[tuple(index)])
-            tensor = torch.cat(pieces, rows[0][0])
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
+            return self._where[name].get_tensor(name)
+        whole = self._where[name].get_slice(name)
+        pieces = []
+        for dim, start, stop in rows:
+            index = [slice(None)] * len(whole.get_shape())
+            index[dim] = slice(start, stop)
+            pieces.append(whole[tuple(index)])
+        return torch.cat(pieces, rows[0][0])
 
 
 def materialize(model: nn.Module, modules: Iterable[nn.Module], directory: str | Path,

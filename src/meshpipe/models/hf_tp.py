@@ -95,13 +95,16 @@ class ColumnParallel(nn.Module):
 
 class RowParallel(nn.Module):
     """This rank's input columns of a projection, ending a tensor-parallel region; a bias
-    is added once, after the ranks' partial outputs are summed."""
+    is added once, after the ranks' partial outputs are summed (on a sequence shard under
+    sequence parallelism, so its gradient is then partial)."""
 
     def __init__(self, linear: nn.Linear, region: TensorParallelRegion):
         super().__init__()
         self.region = region
         self.weight = _slice_of(linear.weight, 1, region)
         self.bias = linear.bias
+        if self.bias is not None and region.sequence_parallel:
+            mark_sequence_parallel(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.region.leave(F.linear(x, self.weight))
