@@ -6,9 +6,9 @@ ranks holding the same experts (averaged over data parallelism), the other weigh
 data x context parallelism (averaged over data parallelism), weights whose gradients are
 partial over their tensor-parallel group (sequence-parallel norms, per-head norms) over it,
 and a weight tied across pipeline stages (the embedding and the head) over the ranks
-holding a copy. The global norm counts every weight once: a shard on
-every rank, a replicated weight on tp rank 0, a tied weight on its first holder, experts
-summed over the expert-parallel ranks.
+holding a copy. The global norm counts every weight once: a shard on every rank, a
+replicated weight on tp rank 0, a tied weight on its first holder, experts summed over the
+expert-parallel ranks.
 """
 
 from __future__ import annotations
