@@ -3,6 +3,7 @@ model, a rank reads only its stage's tensors, bad model directories fail in one 
 exports load back in transformers with the same logits."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -184,3 +185,13 @@ def test_a_soft_capping_model_refuses_ring_attention_before_any_process(tmp_path
     with pytest.raises(ValueError, match=r"\(gemma2\) soft-caps its attention scores, which "
                                          r"ring attention cannot do: drop --cp-ring 2"):
         plan_run(config)
+
+
+def test_gemma_needs_the_transformers_it_was_built_on(tmp_path, monkeypatch):
+    directory = save_tiny_model(tmp_path, "gemma3_text")
+    # The module transformers' lazy loader leaves in sys.modules once it has loaded.
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
+    with pytest.raises(ValueError, match=r"\(gemma3_text\) needs transformers >= 5.0 here, "
+                                         r"found 4.57.1"):
+        hf.inspect_model(directory)
+    hf.inspect_model(save_tiny_model(tmp_path / "llama", "llama"))  # others still load

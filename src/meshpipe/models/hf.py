@@ -47,6 +47,10 @@ from meshpipe.parallel import (is_sequence_parallel_param, mark_fused, mark_sequ
 from meshpipe.parallel.tensor import _SHARD_ATTR
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+# The transformers major version a model type needs here: Gemma's rotary tables by layer
+# type and scaled embedding module are those of transformers 5 (4.x computed them in the
+# model's own forward).
+TRANSFORMERS_MAJOR = {"gemma2": 5, "gemma3_text": 5}
 # (what it is, whether a config has it): features of transformers decoders meshpipe does not
 # run.
 UNSUPPORTED_FEATURES = (
@@ -107,6 +111,7 @@ def inspect_model(directory: str | Path) -> HFModelInfo:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"--model {path} is a {model_type!r} model; meshpipe trains these "
                          f"decoder architectures: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    _check_transformers_version(path, model_type)
     config = load_config(path)
     for feature, present in UNSUPPORTED_FEATURES:
         if present(config):
@@ -147,6 +152,14 @@ def weight_files(directory: Path) -> tuple[Path, ...]:
         raise ValueError(f"--model {directory}: {SAFETENSORS_INDEX} names missing weight files "
                          f"{', '.join(missing)}")
     return files
+
+
+def _check_transformers_version(path: Path, model_type: str) -> None:
+    needed = TRANSFORMERS_MAJOR.get(model_type)
+    version = _transformers().__version__
+    if needed is not None and int(version.split(".")[0]) < needed:
+        raise ValueError(f"--model {path} ({model_type}) needs transformers >= {needed}.0 "
+                         f"here, found {version}: pip install -U 'transformers>={needed}'")
 
 
 def check_context_parallelism(info: HFModelInfo, cp_ring: int) -> None:
