@@ -122,11 +122,7 @@ class Bucket:
         device = self.params[0].device
         had = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32,
                            device=device)
-        flat = torch.zeros(self.shard_numel * self.size, dtype=self.params[0].dtype,
-                           device=device)
-        for param, offset in zip(self.params, self.offsets):
-            if param.grad is not None:
-                flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        flat = self._flat_gradients()
         counted = ops.all_reduce_started(had, group=self.group)
         if self.sharded and not whole:
             shard = torch.empty(self.shard_numel, dtype=flat.dtype, device=device)
@@ -135,6 +131,17 @@ class Bucket:
         else:
             self._reduction = (ops.all_reduce_started(flat, group=self.group), counted, flat,
                                had, False)
+
+    def _flat_gradients(self) -> torch.Tensor:
+        """The gradients end to end (zeros where a parameter has none, then the padding),
+        written once: one concatenation, not a zeroed buffer filled piece by piece."""
+        dtype, device = self.params[0].dtype, self.params[0].device
+        parts = [p.grad.reshape(-1) if p.grad is not None
+                 else torch.zeros(p.numel(), dtype=dtype, device=device) for p in self.params]
+        padding = self.shard_numel * self.size - self.numel
+        if padding:
+            parts.append(torch.zeros(padding, dtype=dtype, device=device))
+        return torch.cat(parts)
 
     def finish(self) -> None:
         """Wait for the reduction (starting it if nobody did) and hand out the gradients."""
@@ -172,10 +179,9 @@ class Bucket:
         """After the optimizer updated this rank's shard: start all-gathering the shards."""
         if not self.sharded:
             return
-        shard = torch.zeros(self.shard_numel, dtype=self.params[0].dtype,
-                            device=self.params[0].device)
-        for piece, view in zip(self.pieces, self.piece_params):
-            shard.narrow(0, piece.offset, piece.length).copy_(view.detach())
+        held = sum(piece.length for piece in self.pieces)
+        shard = torch.cat([view.detach() for view in self.piece_params]
+                          + [self.params[0].new_zeros(self.shard_numel - held)])
         whole = torch.empty(self.shard_numel * self.size, dtype=shard.dtype, device=shard.device)
         self._gather = (ops.all_gather_started(whole, shard, group=self.group), whole)
 

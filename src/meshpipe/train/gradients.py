@@ -44,7 +44,7 @@ class Gradients:
 
     def __init__(self, config: TrainConfig, topology: Topology, parameters: NamedParameters,
                  tied: list[tuple[torch.nn.Parameter, Any]], device: torch.device,
-                 stage_params: dict[int, list[torch.nn.Parameter]] | None = None):
+                 stage_params: dict[int, list[torch.nn.Parameter]]):
         self.config = config
         self.topology = topology
         self.parameters = list(parameters)
@@ -54,7 +54,7 @@ class Gradients:
         # Tied weights held on several ranks: only the group's first rank counts in the norm.
         self._tied_copies = {id(p) for p, group in tied if dist.get_rank(group) != 0}
         self._tied_group = {id(p): group for p, group in tied}
-        self.buckets = self._buckets(stage_params or {0: self.params})
+        self.buckets = self._buckets(stage_params)
         bucketed = {id(p) for bucket in self.buckets for p in bucket.params}
         self._unbucketed = [p for p in self.params if id(p) not in bucketed]
         self._whole = False
