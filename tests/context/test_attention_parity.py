@@ -38,6 +38,7 @@ class Case:
     head_dim: int = 8
     window: int | None = None  # a sliding window: keys fewer than this many positions back
     scale: float | None = None
+    softcap: float | None = None  # scores capped at c * tanh(score / c) (Gemma 2)
 
 
 CASES_2 = [
@@ -57,6 +58,9 @@ CASES_2 = [
          pass_positions=False),
     Case("ulysses-packed3-window3-scaled", "ulysses", "contiguous", (5, 9, 4), 4, 4, True,
          window=3, scale=0.3),
+    Case("ring-zigzag-softcap", "ring", "zigzag", (16,), 4, 2, True, ring=2, softcap=1.5),
+    Case("ring-packed3-window4-softcap", "ring", "packed", (5, 9, 4), 4, 2, True, ring=2,
+         window=4, scale=0.5, softcap=1.5),
 ]
 
 CASES_4 = [
@@ -79,6 +83,8 @@ CASES_4 = [
     Case("hybrid2x2-zigzag-window5", "hybrid", "zigzag", (16,), 4, 2, True, ring=2, window=5),
     Case("hybrid2x2-packed3-window4-scaled", "hybrid", "packed", (6, 11, 5), 4, 4, True,
          ring=2, window=4, scale=0.3),
+    Case("hybrid2x2-zigzag-softcap", "hybrid", "zigzag", (16,), 4, 2, True, ring=2,
+         softcap=1.5),
 ]
 
 _TOPOLOGIES: dict[tuple[int, int], Topology] = {}
@@ -130,6 +136,21 @@ def _reference_mask(doc_lens: tuple[int, ...], causal: bool,
     return torch.block_diag(*blocks)
 
 
+def _reference_attention(case: Case, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor) -> torch.Tensor:
+    """The whole sequence's attention in one process: SDPA, or written out with the cap."""
+    mask = _reference_mask(case.doc_lens, case.causal, case.window)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if case.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=case.scale,
+                                              enable_gqa=case.heads_q != case.heads_kv
+                                              ).transpose(1, 2)
+    k, v = (t.repeat_interleave(case.heads_q // case.heads_kv, dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * (case.scale or case.head_dim ** -0.5)
+    scores = torch.tanh(scores / case.softcap) * case.softcap
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(1, 2)
+
+
 def _run_case(case: Case, world: int, rank: int) -> list[str]:
     generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     total = sum(case.doc_lens)
@@ -141,10 +162,7 @@ def _run_case(case: Case, world: int, rank: int) -> list[str]:
     q, k, v = full(case.heads_q), full(case.heads_kv), full(case.heads_kv)
     grad_out = full(case.heads_q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(
-        *(t.transpose(1, 2) for t in leaves),
-        attn_mask=_reference_mask(case.doc_lens, case.causal, case.window), scale=case.scale,
-        enable_gqa=case.heads_q != case.heads_kv).transpose(1, 2)
+    ref = _reference_attention(case, *leaves)
     ref.backward(grad_out)
 
     doc_ids = torch.repeat_interleave(torch.arange(len(case.doc_lens)),
@@ -157,7 +175,7 @@ def _run_case(case: Case, world: int, rank: int) -> list[str]:
     out = _attention(case, world)(
         *local, positions=positions_in_doc[tokens] if case.pass_positions else None,
         doc_ids=doc_ids[tokens] if len(case.doc_lens) > 1 else None, causal=case.causal,
-        window=case.window, scale=case.scale)
+        window=case.window, scale=case.scale, softcap=case.softcap)
     out.backward(grad_out[:, tokens])
 
     failures = []

@@ -14,7 +14,9 @@ output and log-sum-exp. Two kernels do this:
   grouped key/value heads are repeated for it and their gradients summed back; its
   log-sum-exp comes padded to a multiple of 32 rows and is cut to the tile's, and goes back
   to its backward padded again (the kernel reads it with a head stride of a multiple of 8).
-- ``MATH``: the same computation in plain tensor operations, for any device.
+- ``MATH``: the same computation in plain tensor operations, for any device; with a
+  soft-cap (``kernel_for(device, softcap)``) the scores are capped before the softmax and
+  the cap's slope enters the score gradients.
 
 Both compute in float32 on layouts ``q``: ``[b, hq, s_q, d]``, ``k``/``v``: ``[b, hkv, s_k,
 d]``, log-sum-exp ``[b, hq, s_q]``; ``mask`` is boolean ``[s_q, s_k]`` (True = may attend),
@@ -29,6 +31,7 @@ ever fully masked.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -89,30 +92,42 @@ def _grouped(x: Tensor, heads_kv: int) -> Tensor:
     return x.view(batch, heads_kv, heads_q // heads_kv, seq, head_dim)
 
 
-def _masked_scores(q: Tensor, k: Tensor, mask: TileMask, scale: float) -> Tensor:
+def _masked_scores(q: Tensor, k: Tensor, mask: TileMask, scale: float,
+                   softcap: float | None = None) -> tuple[Tensor, Tensor | None]:
+    """The tile's scores, soft-capped if ``softcap`` (``c * tanh(score / c)``) and masked,
+    and the cap's slope ``1 - tanh^2`` (None without a cap) for backward."""
     mask = _boolean(mask, q, k)
     scores = torch.matmul(_grouped(q, k.shape[1]), k.unsqueeze(2).transpose(-1, -2)) * scale
+    slope = None
+    if softcap is not None:
+        capped = torch.tanh(scores / softcap)
+        slope = 1 - capped * capped
+        scores = capped * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return scores
+    return scores, slope
 
 
-def _math_forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask,
-                  scale: float) -> tuple[Tensor, Tensor]:
-    scores = _masked_scores(q, k, mask, scale)
+def _math_forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask, scale: float,
+                  softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    scores, _ = _masked_scores(q, k, mask, scale, softcap)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.unsqueeze(2))
     return out.flatten(1, 2), lse.flatten(1, 2)
 
 
 def _math_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   mask: TileMask, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                   mask: TileMask, scale: float,
+                   softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     heads_kv = k.shape[1]
-    probs = torch.exp(_masked_scores(q, k, mask, scale) - _grouped(lse.unsqueeze(-1), heads_kv))
+    scores, slope = _masked_scores(q, k, mask, scale, softcap)
+    probs = torch.exp(scores - _grouped(lse.unsqueeze(-1), heads_kv))
     grad_out_g = _grouped(grad_out, heads_kv)
     delta = _grouped((grad_out * out).sum(dim=-1, keepdim=True), heads_kv)
     grad_v = torch.matmul(probs.transpose(-1, -2), grad_out_g).sum(dim=2)
     grad_scores = probs * (torch.matmul(grad_out_g, v.unsqueeze(2).transpose(-1, -2)) - delta)
+    if slope is not None:
+        grad_scores = grad_scores * slope
     grad_q = torch.matmul(grad_scores, k.unsqueeze(2)) * scale
     grad_k = torch.matmul(grad_scores.transpose(-1, -2), _grouped(q, heads_kv)).sum(dim=2) * scale
     return grad_q.flatten(1, 2), grad_k, grad_v
@@ -214,8 +229,12 @@ def _cuda_efficient_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
 CUDA_EFFICIENT = BlockKernel("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward)
 
 
-def kernel_for(device: torch.device) -> BlockKernel:
-    """The fastest kernel available for tensors on ``device``."""
+def kernel_for(device: torch.device, softcap: float | None = None) -> BlockKernel:
+    """The fastest kernel available for tensors on ``device``; scores soft-capped at
+    ``softcap`` (Gemma 2) run on ``MATH`` with the cap, which no fused kernel applies."""
+    if softcap is not None:
+        return BlockKernel(f"math softcap {softcap}", partial(_math_forward, softcap=softcap),
+                           partial(_math_backward, softcap=softcap))
     if device.type == "cpu":
         return CPU_FLASH
     return CUDA_EFFICIENT if device.type == "cuda" else MATH

@@ -10,8 +10,8 @@ a query may attend a key of the same document, and with ``causal`` only one whos
 is not after its own; with a sliding ``window`` of ``w`` tokens also only one fewer than ``w``
 positions before its own (Mistral's and Gemma's sliding-window layers: ``q_pos - k_pos < w``).
 ``scale`` multiplies the scores (default: the attention's own, else ``1/sqrt(head_dim)``);
-``softcap`` caps them at ``c * tanh(score / c)`` before the softmax (Gemma 2; local and
-Ulysses attention only: ring tiles merge by log-sum-exp on kernels that cannot cap).
+``softcap`` caps them at ``c * tanh(score / c)`` before the softmax (Gemma 2; written out,
+as no fused kernel caps scores: materialised by local attention, tile by tile by ring).
 Every context-parallel layout (contiguous, zigzag, packed, hybrid) is
 expressed through these two tensors, so no attention needs to know how the loader sharded.
 """

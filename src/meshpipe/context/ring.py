@@ -20,7 +20,8 @@ tile with an additive mask. With the zigzag layout (rank ``r`` holds chunks ``r`
 
 Tiles run on ``blockwise.kernel_for`` the device: ``CPU_FLASH`` on CPU (PyTorch's CPU flash
 kernel, which returns the log-sum-exp and takes it back in backward), ``CUDA_EFFICIENT`` on
-CUDA (the memory-efficient kernel, which does the same) and ``MATH`` elsewhere. Rows and
+CUDA (the memory-efficient kernel, which does the same) and ``MATH`` elsewhere, and
+wherever the scores are soft-capped (Gemma 2: no fused kernel caps them). Rows and
 columns of a rectangle are views, not copies; partial results are merged in place, in
 float32 whatever the input dtype. The first tile that covers every row is the running output
 itself, so a step allocates nothing the size of the block beyond what the kernel returns.
@@ -39,7 +40,6 @@ from torch import Tensor, nn
 
 from ..comm.collectives import COMM_LABEL, PendingTransfers, post_transfers
 from .blockwise import heads_first, kernel_for
-from .interface import AttentionError
 from .layout import GroupLayout, attention_layout
 from .masks import (Piece, TokenRun, plan_block, plan_pieces, split_causal, token_runs,
                     window_applies)
@@ -84,8 +84,8 @@ class _Ring:
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring,
-                plans: list[list[Tile]], scale: float) -> Tensor:
-        kernel = kernel_for(q.device)
+                plans: list[list[Tile]], scale: float, softcap: float | None = None) -> Tensor:
+        kernel = kernel_for(q.device, softcap)
         queries = heads_first(q)
         out = lse = None
         kv = (k, v)
@@ -123,7 +123,7 @@ class _RingAttentionFunction(torch.autograd.Function):
                 kv = incoming.wait()
         grad_k, grad_v = grad_kv_transfer.wait()
         grad_q = tile.grad_queries.transpose(1, 2).to(q.dtype)
-        return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
+        return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 
 class RingAttention(nn.Module):
@@ -142,10 +142,6 @@ class RingAttention(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None, causal: bool = True, window: int | None = None,
                 scale: float | None = None, softcap: float | None = None) -> Tensor:
-        if softcap is not None:
-            raise AttentionError("ring attention cannot soft-cap attention scores (its tiles "
-                                 "merge by log-sum-exp on kernels that do not cap): use "
-                                 "Ulysses context parallelism for this model")
         layout, _ = attention_layout("RingAttention", q, k, v, positions, doc_ids, causal,
                                      self.group)
         ring = _Ring(group=self.group, rank=dist.get_rank(self.group),
@@ -155,7 +151,7 @@ class RingAttention(nn.Module):
                            window if window_applies(window, everywhere, layout.total) else None)
         scale = next(s for s in (scale, self.scale, 1.0 / math.sqrt(q.shape[-1]))
                      if s is not None)
-        return _RingAttentionFunction.apply(q, k, v, ring, plans, scale)
+        return _RingAttentionFunction.apply(q, k, v, ring, plans, scale, softcap)
 
 
 def split_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
