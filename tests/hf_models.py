@@ -5,12 +5,17 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
+                 "mixtral", "qwen2_moe", "qwen3_moe")
 # Gemma 2 and 3 as they are, shrunk: local (sliding-window) and global layers alternating,
 # their own attention scale (query_pre_attn_scalar), scaled embedding and a final logit
 # soft-cap; Gemma 2 also soft-caps its attention scores.
 GEMMA3 = dict(sliding_window=6, query_pre_attn_scalar=16, final_logit_softcapping=30.0,
               layer_types=["sliding_attention", "full_attention"] * 2)
+# Mixture-of-experts models shrunk: 4 experts, 2 per token, the load-balancing loss in the
+# training loss; Qwen2-MoE with its shared expert, unnormalised top-k gates and a dense
+# layer among the sparse ones.
+EXPERTS = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
 
 
 def tiny_config(arch: str, **overrides):
@@ -21,11 +26,20 @@ def tiny_config(arch: str, **overrides):
     extra = {"mistral": dict(sliding_window=None), "qwen3": dict(head_dim=8),
              "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
              "gemma2": dict(head_dim=8, pad_token_id=0, attn_logit_softcapping=50.0, **GEMMA3),
-             "gemma3_text": dict(head_dim=8, pad_token_id=0, **GEMMA3)}.get(arch, {})
+             "gemma3_text": dict(head_dim=8, pad_token_id=0, **GEMMA3),
+             "mixtral": dict(num_local_experts=4, intermediate_size=48, **EXPERTS),
+             "qwen2_moe": dict(num_experts=4, moe_intermediate_size=24, norm_topk_prob=False,
+                               shared_expert_intermediate_size=40, mlp_only_layers=[2],
+                               **EXPERTS),
+             "qwen3_moe": dict(num_experts=4, moe_intermediate_size=24, norm_topk_prob=True,
+                               head_dim=8, **EXPERTS)}.get(arch, {})
     config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                     "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
                     "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
-                    "gemma3_text": transformers.Gemma3TextConfig}[arch]
+                    "gemma3_text": transformers.Gemma3TextConfig,
+                    "mixtral": transformers.MixtralConfig,
+                    "qwen2_moe": transformers.Qwen2MoeConfig,
+                    "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
     return config_class(**{**sizes, **extra, **overrides})
 
 

@@ -29,3 +29,23 @@ def train(rank, world_size, config, rewind_to=None):
     """Train; with ``rewind_to``, resume from that checkpoint directory. The step losses."""
     metrics = Trainer(config, resume=resume_plan(config, rewind_to)).fit()
     return [h["loss"] for h in metrics["history"]]
+
+
+def train_then_logits(rank, world_size, config, tokens):
+    """Train, export on rank 0, and return the trained stages' logits of ``tokens`` through
+    a forward-only step on every rank (experts' exchanges need them all): from the rank
+    holding the last stage, None from the others."""
+    import torch.distributed as dist
+
+    from meshpipe.train.trainer import export_newest
+
+    trainer = Trainer(config)
+    trainer.fit()
+    if rank == 0:
+        export_newest(config)
+    dist.barrier()
+    inputs = [(tokens, None, None)] * config.microbatches
+    outputs = trainer.eval_executor.step(inputs, None).outputs
+    if not outputs:
+        return None
+    return outputs[0][0] if isinstance(outputs[0], tuple) else outputs[0]  # (logits, aux)

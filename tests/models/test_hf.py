@@ -32,10 +32,12 @@ def _chunks(directory, layers):
 
 
 def _run(chunks, tokens, positions=None, doc_ids=None):
+    """The chunks' logits (a model with experts also returns its load-balancing loss)."""
     message = (tokens, positions, doc_ids)
     for chunk in chunks[:-1]:
         message = chunk(*message)
-    return chunks[-1](*message)
+    out = chunks[-1](*message)
+    return out[0] if isinstance(out, tuple) else out
 
 
 LLAMA3_ROPE = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -122,16 +124,18 @@ def test_sequences_the_model_cannot_take_are_refused(tmp_path):
         hf.check_sequence_length(info, 65)
 
 
-@pytest.mark.parametrize("feature,overrides", [
-    ("bidirectional attention", dict(use_bidirectional_attention=True))])
-def test_features_meshpipe_cannot_run_are_refused_by_name(tmp_path, feature, overrides):
-    directory = save_tiny_model(tmp_path, "gemma3_text", **overrides)
-    with pytest.raises(ValueError, match=rf"\(gemma3_text\) uses {feature} .*, which "
+@pytest.mark.parametrize("arch,feature,overrides", [
+    ("gemma3_text", "bidirectional attention", dict(use_bidirectional_attention=True)),
+    ("mixtral", "router jitter noise", dict(router_jitter_noise=0.1))])
+def test_features_meshpipe_cannot_run_are_refused_by_name(tmp_path, arch, feature, overrides):
+    directory = save_tiny_model(tmp_path, arch, **overrides)
+    with pytest.raises(ValueError, match=rf"\({arch}\) uses {feature} .*, which "
                                          "meshpipe does not run yet"):
         hf.inspect_model(directory)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral",
+                                  "qwen2_moe", "qwen3_moe"])
 def test_an_export_loads_in_transformers_with_the_trained_weights(tmp_path, arch):
     directory = save_tiny_model(tmp_path / "model", arch)
     chunks, state = _chunks(directory, [2, 2])
@@ -175,18 +179,6 @@ def test_a_tensor_parallel_size_the_model_cannot_take_is_one_line(tmp_path, arch
     assert "\n" not in str(caught.value)
 
 
-def test_a_soft_capping_model_refuses_ring_attention_before_any_process(tmp_path):
-    from meshpipe.train.config import TrainConfig
-    from meshpipe.train.plan import plan_run
-
-    directory = save_tiny_model(tmp_path / "model", "gemma2")
-    config = TrainConfig(model=str(directory), pp=1, schedule="none", cp_ring=2, seq_len=16,
-                         out_dir=str(tmp_path / "run"), device="cpu")
-    with pytest.raises(ValueError, match=r"\(gemma2\) soft-caps its attention scores, which "
-                                         r"ring attention cannot do: drop --cp-ring 2"):
-        plan_run(config)
-
-
 def test_gemma_needs_the_transformers_it_was_built_on(tmp_path, monkeypatch):
     directory = save_tiny_model(tmp_path, "gemma3_text")
     # The module transformers' lazy loader leaves in sys.modules once it has loaded.
@@ -195,3 +187,42 @@ def test_gemma_needs_the_transformers_it_was_built_on(tmp_path, monkeypatch):
                                          r"found 4.57.1"):
         hf.inspect_model(directory)
     hf.inspect_model(save_tiny_model(tmp_path / "llama", "llama"))  # others still load
+
+
+@pytest.mark.parametrize("arch,flags,message", [
+    ("mixtral", dict(dp=3, ep=3), r"\(mixtral\) has 4 experts per layer, which --ep 3 does not "
+                                  r"divide"),
+    ("qwen3_moe", dict(tp=2), r"\(qwen3_moe\) has mixture-of-experts layers, which do not run "
+                              r"with tensor parallelism yet: use --tp 1"),
+    ("llama", dict(dp=2, ep=2, moe_capacity_factor=1.0),
+     r"\(llama\) has no mixture-of-experts layers: drop --ep and --moe-capacity-factor"),
+    ("mixtral", dict(moe_top_k=2), r"--moe-top-k describes the reference transformer"),
+    ("qwen2_moe", dict(moe_aux_coef=0.1), r"--moe-aux-coef describes the reference transformer")])
+def test_expert_flags_the_model_cannot_take_are_one_line(tmp_path, arch, flags, message):
+    from meshpipe.train.config import TrainConfig
+    from meshpipe.train.plan import plan_run
+
+    directory = save_tiny_model(tmp_path / "model", arch)
+    with pytest.raises(ValueError, match=message) as caught:
+        plan_run(TrainConfig(**{**dict(pp=1, schedule="none", seq_len=16, device="cpu"), **flags},
+                             model=str(directory), out_dir=str(tmp_path / "run")))
+    assert "\n" not in str(caught.value)
+
+
+def test_gradients_of_stacked_experts_take_the_files_names():
+    """transformers stacks a layer's experts; its files (and meshpipe) keep one tensor per
+    expert and projection, gate rows before up rows in the stack."""
+    from meshpipe.models import hf_moe
+
+    mixtral = hf_moe.ARCHITECTURES["mixtral"]
+    stacked = torch.arange(2 * 6 * 3.0).view(2, 6, 3)  # 2 experts, 2 x 3 rows, 3 columns
+    pieces = hf_moe.as_file_tensors("model.layers.1.mlp.experts.gate_up_proj", stacked, mixtral)
+    assert sorted(pieces) == [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight"
+                              for e in (0, 1) for w in ("w1", "w3")]
+    torch.testing.assert_close(pieces["model.layers.1.block_sparse_moe.experts.1.w3.weight"],
+                               stacked[1, 3:])
+    assert list(hf_moe.as_file_tensors("model.layers.1.mlp.gate.weight", stacked, mixtral)) == [
+        "model.layers.1.block_sparse_moe.gate.weight"]
+    qwen = hf_moe.ARCHITECTURES["qwen2_moe"]
+    down = hf_moe.as_file_tensors("model.layers.0.mlp.experts.down_proj", stacked, qwen)
+    assert sorted(down) == [f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in (0, 1)]

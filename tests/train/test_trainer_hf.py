@@ -10,7 +10,7 @@ import torch
 from hf_models import save_tiny_model, write_documents
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from trainer_cases import SMALL, check_first_step, train
+from trainer_cases import SMALL, check_first_step, train, train_then_logits
 
 pytestmark = pytest.mark.distributed
 
@@ -36,7 +36,15 @@ LAYOUTS = {
     "llama-stage-tp-2-1": ("llama", {}, dict(pp=2, stage_tp="2,1")),
     "gemma3-tied-pp2-tp2": ("gemma3_text", {}, dict(pp=2, tp=2)),
     "gemma2-softcap-window6-pp2-ulysses2": ("gemma2", {}, dict(pp=2, cp_ulysses=2)),
+    "gemma2-softcap-window6-ring2-packed": ("gemma2", {}, dict(pp=1, schedule="none", cp_ring=2,
+                                                                pack=True)),
     "phi3-fused-pp2-tp2": ("phi3", {}, dict(pp=2, tp=2)),
+    # Experts with the load-balancing loss in the training loss (output_router_logits), so
+    # the routers' gradients check it too.
+    "mixtral-dp2-ep2-combined": ("mixtral", {}, dict(pp=1, dp=2, ep=2,
+                                                     schedule="combined-1f1b")),
+    "qwen3_moe-pp2-dp2-ep2": ("qwen3_moe", {}, dict(pp=2, dp=2, ep=2)),
+    "qwen2_moe-shared-pp2-ring2-packed": ("qwen2_moe", {}, dict(pp=2, cp_ring=2, pack=True)),
 }
 
 
@@ -74,33 +82,20 @@ def test_fused_tensor_parallel_shards_resume_without_tensor_parallelism(tmp_path
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
 
 
-def _train_then_logits(rank, world_size, config, tokens):
-    """Train, export on rank 0, and return the trained stages' logits of ``tokens`` (from
-    the rank holding the last stage) through a forward-only step."""
-    import torch.distributed as dist
-
-    from meshpipe.train.trainer import Trainer, export_newest
-
-    trainer = Trainer(config)
-    trainer.fit()
-    if rank == 0:
-        export_newest(config)
-    dist.barrier()
-    inputs = [(tokens, None, None)] * config.microbatches
-    outputs = trainer.eval_executor.step(inputs, None).outputs
-    return outputs[0] if outputs else None
-
-
-def test_the_export_loads_in_transformers_with_the_trained_logits(tmp_path):
+@pytest.mark.parametrize("arch,layout", [("llama", dict(pp=2)),
+                                         ("mixtral", dict(pp=1, dp=2, ep=2))],
+                         ids=["llama-pp2", "mixtral-dp2-ep2"])
+def test_the_export_loads_in_transformers_with_the_trained_logits(tmp_path, arch, layout):
+    """Mixtral's experts are written one tensor per expert, as save_pretrained does."""
     import transformers
 
-    directory = save_tiny_model(tmp_path / "model", "llama")
+    directory = save_tiny_model(tmp_path / "model", arch)
     export = tmp_path / "export"
     (tmp_path / "run").mkdir()
-    config = TrainConfig(**HF, pp=2, model=str(directory), out_dir=str(tmp_path / "run"),
+    config = TrainConfig(**HF, **layout, model=str(directory), out_dir=str(tmp_path / "run"),
                          export=str(export))
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    trained = [out for out in run_distributed(2, _train_then_logits, config, tokens)
+    trained = [out for out in run_distributed(2, train_then_logits, config, tokens)
                if out is not None][0]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
     untrained = transformers.AutoModelForCausalLM.from_pretrained(str(directory),

@@ -40,13 +40,17 @@ from torch import Tensor, nn
 
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
+from meshpipe.models import hf_moe
 from meshpipe.models.hf_tp import ROWS_ATTR
+from meshpipe.models.moe import is_expert_param, mark_expert_parallel
 from meshpipe.models.transformer import _maybe_checkpoint, default_positions
 from meshpipe.parallel import (is_sequence_parallel_param, mark_fused, mark_sequence_parallel,
                                shard_dim, shard_parts)
 from meshpipe.parallel.tensor import _SHARD_ATTR
+from meshpipe.runtime.substeps import run_steps
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
+                         "mixtral", "qwen2_moe", "qwen3_moe")
 # The transformers major version a model type needs here: Gemma's rotary tables by layer
 # type and scaled embedding module are those of transformers 5 (4.x computed them in the
 # model's own forward).
@@ -56,8 +60,8 @@ TRANSFORMERS_MAJOR = {"gemma2": 5, "gemma3_text": 5}
 UNSUPPORTED_FEATURES = (
     ("bidirectional attention (use_bidirectional_attention)",
      lambda config: bool(getattr(config, "use_bidirectional_attention", False))),
-    ("mixture-of-experts layers", lambda config: bool(
-        getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0))),
+    ("router jitter noise (router_jitter_noise)",
+     lambda config: bool(getattr(config, "router_jitter_noise", 0.0))),
 )
 ATTENTION_NAME = "meshpipe"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -90,6 +94,8 @@ class HFModelInfo:
     tie_embeddings: bool
     weight_files: tuple[Path, ...]
     attention_softcap: float | None = None  # Gemma 2 caps its attention scores
+    experts: int = 0  # experts per mixture-of-experts layer (0: dense)
+    aux_coef: float = 0.0  # the load-balancing loss's weight in the training loss
 
 
 def inspect_model(directory: str | Path) -> HFModelInfo:
@@ -125,7 +131,9 @@ def inspect_model(directory: str | Path) -> HFModelInfo:
                        max_positions=config.max_position_embeddings,
                        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                        weight_files=weight_files(path),
-                       attention_softcap=getattr(config, "attn_logit_softcapping", None))
+                       attention_softcap=getattr(config, "attn_logit_softcapping", None),
+                       experts=hf_moe.num_experts(config),
+                       aux_coef=hf_moe.aux_coefficient(config))
 
 
 def load_config(directory: str | Path):
@@ -162,12 +170,26 @@ def _check_transformers_version(path: Path, model_type: str) -> None:
                          f"here, found {version}: pip install -U 'transformers>={needed}'")
 
 
-def check_context_parallelism(info: HFModelInfo, cp_ring: int) -> None:
-    """A model whose attention scores are soft-capped cannot run ring attention."""
-    if info.attention_softcap is not None and cp_ring > 1:
-        raise ValueError(f"--model {info.directory} ({info.model_type}) soft-caps its attention "
-                         f"scores, which ring attention cannot do: drop --cp-ring {cp_ring} and "
-                         "use --cp-ulysses for context parallelism")
+def check_experts(info: HFModelInfo, *, ep: int, capacity_factor: float,
+                  tensor_parallel: bool) -> None:
+    """Expert flags against the model's experts: --ep must divide them, a dense model takes
+    none, and experts do not run with tensor parallelism."""
+    where = f"--model {info.directory} ({info.model_type})"
+    if not info.experts:
+        given = [flag for flag, value in (("--ep", ep != 1),
+                                          ("--moe-capacity-factor", capacity_factor != 0.0))
+                 if value]
+        if given:
+            raise ValueError(f"{where} has no mixture-of-experts layers: drop "
+                             f"{' and '.join(given)}")
+        return
+    if info.experts % ep:
+        raise ValueError(f"{where} has {info.experts} experts per layer, which --ep {ep} does "
+                         "not divide: each expert-parallel rank holds as many experts")
+    if tensor_parallel:
+        raise ValueError(f"{where} has mixture-of-experts layers, which do not run with tensor "
+                         "parallelism yet: use --tp 1 and no --stage-tp (experts scale with "
+                         "--ep)")
 
 
 def check_sequence_length(info: HFModelInfo, seq_len: int) -> None:
@@ -209,9 +231,11 @@ def register_attention() -> None:
     _transformers().AttentionInterface.register(ATTENTION_NAME, _attention_adapter)
 
 
-def build_skeleton(directory: str | Path) -> nn.Module:
+def build_skeleton(directory: str | Path, capacity_factor: float = 0.0) -> nn.Module:
     """The whole causal LM on the meta device: modules and names, no memory, no weights;
-    only the rotary embedding is real (its small tables are computed, not stored)."""
+    only the rotary embedding is real (its small tables are computed, not stored). Sparse
+    blocks are meshpipe's expert layers (``meshpipe.models.hf_moe``), each expert taking at
+    most ``capacity_factor`` times an even share of a microbatch's picks (0: all)."""
     transformers = _transformers()
     register_attention()
     config = load_config(directory)
@@ -219,6 +243,7 @@ def build_skeleton(directory: str | Path) -> nn.Module:
         model = transformers.AutoModelForCausalLM.from_config(config,
                                                               attn_implementation=ATTENTION_NAME)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    hf_moe.replace_sparse_blocks(model, capacity_factor)
     return model
 
 
@@ -226,7 +251,8 @@ class HFChunk(nn.Module):
     """Decoder layers ``[start, stop)`` of a Hugging Face causal LM, with the embedding if
     first and the final norm and head if last; it speaks the pipeline messages of
     ``meshpipe.models.split`` (``(tokens, positions, doc_ids)`` in, ``(hidden, positions,
-    doc_ids)`` between stages, logits out of the last)."""
+    doc_ids)`` between stages, logits out of the last; with experts, the running
+    load-balancing loss too)."""
 
     def __init__(self, model: nn.Module, start: int, stop: int, *, first: bool, last: bool,
                  attention: Attention, recompute: bool = False, sequence_shards: int = 1):
@@ -250,25 +276,41 @@ class HFChunk(nn.Module):
                             if "layer_type" in inspect.signature(
                                 type(base.rotary_emb).forward).parameters else None)
         self.logit_softcap = getattr(model.config, "final_logit_softcapping", None)
+        # With experts anywhere in the model, every message carries the load-balancing loss.
+        self.is_moe = any(hf_moe.expert_layer(layer) is not None for layer in base.layers)
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
-                doc_ids: Tensor | None = None) -> Any:
+                doc_ids: Tensor | None = None, aux: Tensor | None = None) -> Any:
+        return run_steps(self.forward_steps(x, positions, doc_ids, aux))
+
+    def forward_steps(self, x: Tensor, positions: Tensor | None = None,
+                      doc_ids: Tensor | None = None, aux: Tensor | None = None):
+        """``forward`` cut at the experts' exchanges (``meshpipe.runtime.substeps``)."""
         hidden = self.embed_tokens(x) if self.is_first else x
         layer_positions = default_positions(
             x, positions, check_values=self.is_first,
             sequence_shards=1 if self.is_first else self.sequence_shards)
         position_ids = layer_positions.unsqueeze(0).expand(hidden.shape[0], -1)
+        if self.is_moe and aux is None:
+            aux = torch.zeros((), device=hidden.device)
         tables: dict[str | None, tuple[Tensor, Tensor]] = {}
         for index, layer in self.layers.items():
             kind = self.layer_types[int(index)] if self.layer_types else None
             if kind not in tables:
                 tables[kind] = (self.rotary_emb(hidden, position_ids, kind) if kind
                                 else self.rotary_emb(hidden, position_ids))
-            hidden = _maybe_checkpoint(self.recompute, self._layer, layer, hidden, tables[kind],
-                                       position_ids, layer_positions, doc_ids)
+            inputs = (tables[kind], position_ids, layer_positions, doc_ids)
+            experts = hf_moe.expert_layer(layer)
+            if experts is None:
+                hidden = _maybe_checkpoint(self.recompute, self._layer, layer, hidden, *inputs)
+                continue
+            hidden, aux = yield from hf_moe.moe_layer_steps(
+                layer, experts, lambda h, layer=layer, inputs=inputs: _maybe_checkpoint(
+                    self.recompute, self._attend, layer, h, *inputs), hidden, aux)
         if self.is_last:
-            return self._soft_capped(self.lm_head(self.norm(hidden)))
-        return hidden, positions, doc_ids
+            logits = self._soft_capped(self.lm_head(self.norm(hidden)))
+            return (logits, aux) if self.is_moe else logits
+        return (hidden, positions, doc_ids, aux) if self.is_moe else (hidden, positions, doc_ids)
 
     def _soft_capped(self, logits: Tensor) -> Tensor:
         """The logits through the model's final soft-cap (Gemma), as its own forward does."""
@@ -276,12 +318,25 @@ class HFChunk(nn.Module):
             return logits
         return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
 
+    def _meshpipe_arguments(self, positions: Tensor, doc_ids: Tensor | None) -> dict[str, Any]:
+        """What the ``"meshpipe"`` attention function needs, passed through the layer."""
+        return dict(meshpipe_attention=self.attention, meshpipe_positions=positions,
+                    meshpipe_doc_ids=doc_ids)
+
     def _layer(self, layer: nn.Module, hidden: Tensor, rotary: tuple[Tensor, Tensor],
                position_ids: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
         out = layer(hidden, position_embeddings=rotary, position_ids=position_ids,
-                    meshpipe_attention=self.attention, meshpipe_positions=positions,
-                    meshpipe_doc_ids=doc_ids)
+                    **self._meshpipe_arguments(positions, doc_ids))
         return out[0] if isinstance(out, tuple) else out
+
+    def _attend(self, layer: nn.Module, hidden: Tensor, rotary: tuple[Tensor, Tensor],
+                position_ids: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+        """The attention half of a pre-norm decoder layer, with its residual."""
+        out, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden),
+                                 position_embeddings=rotary, attention_mask=None,
+                                 position_ids=position_ids,
+                                 **self._meshpipe_arguments(positions, doc_ids))
+        return hidden + out
 
     def extra_repr(self) -> str:
         start, stop = self.layer_range
@@ -393,6 +448,8 @@ def _read_parameter(reader: _WeightReader, names: list[str], param: nn.Parameter
         mark_fused(real, shard_parts(param))
     if is_sequence_parallel_param(param):
         mark_sequence_parallel(real)
+    if is_expert_param(param):
+        mark_expert_parallel(real)
     return real
 
 

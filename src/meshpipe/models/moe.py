@@ -1,8 +1,10 @@
 """A mixture-of-experts MLP with expert parallelism, cut at its two all-to-alls.
 
 Each token's router (a linear layer, softmax over the experts in float32) picks its top-k
-experts; their gates are the picked probabilities renormalised to sum to one. The experts
-are SwiGLU MLPs. With an expert-parallel group of P ranks, rank j holds experts
+experts; their gates are the picked probabilities, renormalised to sum to one (or not, as
+some Qwen MoE models). ``ExpertLayer`` is that machinery; ``MoE``, the reference model's
+layer, has SwiGLU experts, and ``meshpipe.models.hf_moe`` gives a Hugging Face sparse block
+its own experts and shared expert. With an expert-parallel group of P ranks, rank j holds experts
 ``[j E/P, (j+1) E/P)``; tokens travel to their experts' ranks and back with the exact-size
 all-to-all of ``meshpipe.comm.collectives`` (only the rows routed there, no padding):
 
@@ -126,11 +128,24 @@ def is_expert_param(param: Tensor) -> bool:
     return getattr(param, "_meshpipe_expert", False)
 
 
-class MoE(nn.Module):
-    """Mixture-of-experts MLP: ``forward(x) -> (y, aux_loss)`` on ``[batch, seq, dim]``."""
+class ExpertLayer(nn.Module):
+    """Routing, expert parallelism, sub-steps and stats of a mixture-of-experts MLP; a
+    subclass registers its parameters (the reference ``MoE``, or a Hugging Face model's
+    sparse block, ``meshpipe.models.hf_moe``) and says how to compute them:
 
-    def __init__(self, dim: int, hidden: int, experts: int, top_k: int = 1,
-                 capacity_factor: float = 0.0):
+    - ``self.experts``: a ``ModuleDict`` of every expert by its index as a string (``shard``
+      keeps this rank's), each mapping rows ``[n, dim]`` to ``[n, dim]``;
+    - ``router_logits(tokens)``: ``[tokens, experts]``;
+    - ``shared_output(tokens)``: what experts every token goes through add (None: none).
+
+    ``normalize``: the top-k gates are renormalised to sum to one (else they stay the
+    router's probabilities, as Qwen MoE models without ``norm_topk_prob``).
+    """
+
+    experts: nn.ModuleDict
+
+    def __init__(self, experts: int, top_k: int = 1, capacity_factor: float = 0.0,
+                 normalize: bool = True):
         super().__init__()
         if not 1 <= top_k <= experts:
             raise ValueError(f"top-k {top_k} must be between 1 and the number of experts "
@@ -138,12 +153,17 @@ class MoE(nn.Module):
         self.num_experts = experts
         self.top_k = top_k
         self.capacity_factor = capacity_factor
-        self.router = linear(dim, experts)
-        self.experts = nn.ModuleDict({str(e): SwiGLU(dim, hidden) for e in range(experts)})
+        self.normalize = normalize
         self.ep_group: dist.ProcessGroup | None = None
         self.token_group: dist.ProcessGroup | None = None
         self.ep_size, self.ep_rank = 1, 0
         self.stats = MoEStats.empty(experts)
+
+    def router_logits(self, tokens: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def shared_output(self, tokens: Tensor) -> Tensor | None:
+        return None
 
     @property
     def local_experts(self) -> range:
@@ -183,27 +203,32 @@ class MoE(nn.Module):
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
         route = self._route(tokens)
+        shared = self.shared_output(tokens)
         dispatch = _Dispatch(route.send_counts, self.ep_group, self.token_group, route.picks)
-        (received, receive_counts, picks), (gates, probability_sums, keep) = yield Exchange(
-            send=tokens[route.token_of_row], keep=(route.gate_of_row, route.probability_sums, keep),
-            communicate=dispatch.forward, communicate_backward=dispatch.backward,
-            name="dispatch")
+        (received, receive_counts, picks), (gates, probability_sums, shared, keep) = yield (
+            Exchange(send=tokens[route.token_of_row],
+                     keep=(route.gate_of_row, route.probability_sums, shared, keep),
+                     communicate=dispatch.forward, communicate_backward=dispatch.backward,
+                     name="dispatch"))
         aux = self._load_balancing_loss(picks, probability_sums, tokens.shape[0])
         outputs = self._run_experts(received, receive_counts)
-        combined, (gates, aux, keep) = yield Exchange(
-            send=outputs, keep=(gates, aux, keep), communicate=dispatch.combine,
+        combined, (gates, aux, shared, keep) = yield Exchange(
+            send=outputs, keep=(gates, aux, shared, keep), communicate=dispatch.combine,
             communicate_backward=dispatch.combine_backward, name="combine")
         weighted = combined * gates.unsqueeze(-1).to(combined.dtype)
         y = torch.zeros(tokens.shape[0], dim, dtype=weighted.dtype, device=x.device)
         y = y.index_add(0, route.token_of_row, weighted)
+        if shared is not None:
+            y = y + shared
         self._count(route, aux)
         return y.view(batch, seq, dim).to(x.dtype), aux, keep
 
     def _route(self, tokens: Tensor) -> _Route:
-        logits = self.router(tokens).float()
+        logits = self.router_logits(tokens).float()
         probabilities = logits.softmax(dim=-1)
         top_probabilities, experts = probabilities.topk(self.top_k, dim=-1)
-        gates = top_probabilities / top_probabilities.sum(dim=-1, keepdim=True)
+        gates = (top_probabilities / top_probabilities.sum(dim=-1, keepdim=True)
+                 if self.normalize else top_probabilities)
         expert_of_pick = experts.reshape(-1)
         picks = torch.bincount(expert_of_pick, minlength=self.num_experts)
         kept = self._within_capacity(expert_of_pick, tokens.shape[0])
@@ -248,6 +273,19 @@ class MoE(nn.Module):
 
     def _count(self, route: _Route, aux: Tensor) -> None:
         self.stats.add(route.local_picks, route.dropped, aux.detach())
+
+class MoE(ExpertLayer):
+    """The reference mixture-of-experts MLP: a linear router and SwiGLU experts;
+    ``forward(x) -> (y, aux_loss)`` on ``[batch, seq, dim]``."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, top_k: int = 1,
+                 capacity_factor: float = 0.0):
+        super().__init__(experts, top_k, capacity_factor)
+        self.router = linear(dim, experts)
+        self.experts = nn.ModuleDict({str(e): SwiGLU(dim, hidden) for e in range(experts)})
+
+    def router_logits(self, tokens: Tensor) -> Tensor:
+        return self.router(tokens)
 
 
 @dataclass

@@ -25,8 +25,10 @@ from meshpipe.train.devices import BACKENDS, DEVICES
 
 STAGE_LINKS = ("root", "fanout")
 # Flags that describe the reference transformer: a --model directory's config.json says them.
-_REFERENCE_MODEL_FLAGS = ("dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts")
-# Flags that only mean something with --moe-experts > 0.
+_REFERENCE_MODEL_FLAGS = ("dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts",
+                          "moe_top_k", "moe_every", "moe_aux_coef")
+# Flags that only mean something with --moe-experts > 0 (or a --model with experts, which
+# the launcher checks once it has read the model's config).
 _EXPERT_FLAGS = ("moe_top_k", "moe_every", "moe_aux_coef", "moe_capacity_factor", "ep")
 # The cosine decay ends at the peak learning rate over this unless --min-lr says.
 MIN_LR_DIVISOR = 10
@@ -194,6 +196,10 @@ class TrainConfig:
                              "give --data PATH or drop --tokenizer")
 
     def _check_experts(self) -> None:
+        if self.model:
+            if self.moe_capacity_factor < 0:
+                raise ValueError("need --moe-capacity-factor >= 0")
+            return
         if self.moe_experts == 0:
             given = [f"--{flag_name(field.name)}" for field in dataclasses.fields(self)
                      if field.name in _EXPERT_FLAGS and getattr(self, field.name) != field.default]

@@ -52,14 +52,15 @@ class ExpertStats:
     """The mixture-of-experts layers' statistics of a step, over the whole job.
 
     ``moe_index`` gives each local expert layer's global layer index (its place in the
-    step's counts)."""
+    step's counts); ``experts`` is the number of experts per layer."""
 
     def __init__(self, config: TrainConfig, stages: dict[int, Any], moe_index: dict[int, int],
-                 device: torch.device):
+                 device: torch.device, experts: int):
         self.config = config
         self.stages = stages
         self.moe_index = moe_index
         self.device = device
+        self.experts = experts
 
     def take(self) -> list[tuple[int, Any]]:
         """Each local expert layer's stats since the last call (global layer index, stats)."""
@@ -73,7 +74,7 @@ class ExpertStats:
         whole job (one all-reduce on every rank); None without experts."""
         if not self.moe_index:
             return None
-        experts = self.config.moe_experts
+        experts = self.experts
         counts = torch.zeros(len(self.moe_index) * experts + 2, dtype=torch.float64,
                              device=self.device)
         for index, stats in self.take():

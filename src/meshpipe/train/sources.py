@@ -88,7 +88,9 @@ def check_sources(config: TrainConfig) -> None:
         from meshpipe.models import hf
 
         hf.check_sequence_length(model_info(config.model), config.seq_len)
-        hf.check_context_parallelism(model_info(config.model), config.cp_ring)
+        hf.check_experts(model_info(config.model), ep=config.ep,
+                         capacity_factor=config.moe_capacity_factor,
+                         tensor_parallel=config.tp > 1 or bool(config.stage_tp))
     if not config.data:
         if config.model and vocab_size(config) < VOCAB_SIZE:
             raise ValueError(f"the shipped corpus is byte-level (256 token ids) but the model's "
@@ -158,6 +160,17 @@ def packed_layout(doc_lens, positions: torch.Tensor) -> tuple[torch.Tensor, torc
     return positions_in_document(doc_lens, positions), document_ids(doc_lens, positions)
 
 
+def num_experts(config: TrainConfig) -> int:
+    """Experts per mixture-of-experts layer of the run's model (0: dense)."""
+    return model_info(config.model).experts if config.model else config.moe_experts
+
+
+def aux_coefficient(config: TrainConfig) -> float:
+    """The weight of the load-balancing loss in the training loss: ``--moe-aux-coef``, or
+    what a ``--model``'s config.json asks transformers to add."""
+    return model_info(config.model).aux_coef if config.model else config.moe_aux_coef
+
+
 @dataclass
 class ModelParts:
     """A rank's view of the model: every stage's chunk (only this rank's hold weights for
@@ -177,7 +190,7 @@ def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
     (tp_group, ep_group, token_group); a ``--model`` is built on the meta device and only
     the chunks in ``my_stages`` read their weights."""
     if config.model:
-        return _hf_parts(config, layers, attention, my_stages, groups.get("tp_group"))
+        return _hf_parts(config, layers, attention, my_stages, **groups)
     model = Transformer(model_config(config), attention=attention,
                         sequence_parallel=config.sequence_parallel, recompute=config.recompute,
                         **groups)
@@ -189,14 +202,20 @@ def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
                       moe_index={id(layer.mlp): i for i, layer in enumerate(moe)})
 
 
-def _hf_parts(config: TrainConfig, layers: list[int], attention, my_stages,
-              tp_group) -> ModelParts:
-    from meshpipe.models import hf, hf_tp
+def _hf_parts(config: TrainConfig, layers: list[int], attention, my_stages, *,
+              tp_group=None, ep_group=None, token_group=None) -> ModelParts:
+    """The ``--model``'s chunks; tensor-parallel shards and this rank's experts are cut on
+    the meta skeleton, so only they are read."""
+    from meshpipe.models import hf, hf_moe, hf_tp
 
-    skeleton = hf.build_skeleton(config.model)
+    skeleton = hf.build_skeleton(config.model, config.moe_capacity_factor)
     region = TensorParallelRegion(tp_group, config.sequence_parallel)
     if region.size > 1:
         hf_tp.shard_skeleton(skeleton, region)
+    expert_layers = [hf_moe.expert_layer(layer) for layer in skeleton.model.layers]
+    expert_layers = [layer for layer in expert_layers if layer is not None]
+    for layer in expert_layers:
+        layer.shard(ep_group, token_group)
     chunks = hf.split_model(skeleton, layers, attention, recompute=config.recompute == "full",
                             sequence_shards=region.sequence_shards)
     shared = shared_parameters(chunks)
@@ -204,7 +223,8 @@ def _hf_parts(config: TrainConfig, layers: list[int], attention, my_stages,
     real = hf.materialize(skeleton, [chunks[s] for s in my_stages], config.model)
     return ModelParts(chunks=chunks,
                       names={id(p): meta_names[meta] for meta, p in real.items()},
-                      shared=shared, moe_index={})
+                      shared=shared,
+                      moe_index={id(layer): i for i, layer in enumerate(expert_layers)})
 
 
 def reference_step(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
@@ -220,8 +240,21 @@ def reference_step(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]
             losses.append(_replica_loss(config, model, batch))
     loss = torch.stack(losses).mean()
     (loss * scale).backward()
-    return loss.item(), {name: p.grad / scale for name, p in model.named_parameters()
-                         if p.grad is not None}
+    grads = {name: p.grad / scale for name, p in model.named_parameters() if p.grad is not None}
+    if config.model and model_info(config.model).experts:
+        grads = _in_file_names(config, grads)
+    return loss.item(), grads
+
+
+def _in_file_names(config: TrainConfig, grads: dict[str, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+    """The unmodified model's gradients under meshpipe's names, those of the weight files
+    (one tensor per expert, where transformers stacks them)."""
+    from meshpipe.models import hf_moe
+
+    architecture = hf_moe.ARCHITECTURES[model_info(config.model).model_type]
+    return {file_name: piece for name, grad in grads.items()
+            for file_name, piece in hf_moe.as_file_tensors(name, grad, architecture).items()}
 
 
 def _reference_model(config: TrainConfig) -> nn.Module:
@@ -255,7 +288,7 @@ def _replica_loss(config: TrainConfig, model: nn.Module, batch) -> torch.Tensor:
     total = torch.zeros(())
     for tokens, targets, doc_lens in microbatches:
         if config.model:
-            total = total + _upstream_loss(model, tokens, targets, doc_lens, count)
+            total = total + _upstream_loss(config, model, tokens, targets, doc_lens, count)
             continue
         positions = doc_ids = None
         if doc_lens is not None:
@@ -269,19 +302,29 @@ def _replica_loss(config: TrainConfig, model: nn.Module, batch) -> torch.Tensor:
     return total
 
 
-def _upstream_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
-                   doc_lens, count: int) -> torch.Tensor:
+def _upstream_loss(config: TrainConfig, model: nn.Module, tokens: torch.Tensor,
+                   targets: torch.Tensor, doc_lens, count: int) -> torch.Tensor:
     """transformers' own loss, summed over the microbatch's documents and divided by the
     replica's counted targets (``num_items_in_batch``): a packed sequence's documents run
-    one by one, which is what the block-diagonal mask means."""
+    one by one, which is what the block-diagonal mask means. A model with experts adds each
+    layer's load-balancing loss over the microbatch's tokens, from its routers' logits."""
+    from meshpipe.models import hf_moe
+
     pieces = [(0, tokens.shape[1])] if doc_lens is None else [
         (start, length) for start, length in zip(accumulate(doc_lens, initial=0), doc_lens)]
+    experts = model_info(config.model).experts > 0
+    # transformers' own load-balancing loss is another formula (over all layers at once).
+    options = dict(output_router_logits=False) if experts else {}
     total = torch.zeros(())
-    for start, length in pieces:
-        piece_targets = targets[:, start:start + length]
-        out = model(input_ids=tokens[:, start:start + length], labels=piece_targets,
-                    shift_labels=piece_targets, num_items_in_batch=count)
-        total = total + out.loss
+    with hf_moe.recorded_router_logits(model) as router_logits:
+        for start, length in pieces:
+            piece_targets = targets[:, start:start + length]
+            out = model(input_ids=tokens[:, start:start + length], labels=piece_targets,
+                        shift_labels=piece_targets, num_items_in_batch=count, **options)
+            total = total + out.loss
+    for layer in router_logits:
+        aux = hf_moe.load_balancing_loss(torch.cat(layer), model.config.num_experts_per_tok)
+        total = total + aux_coefficient(config) * aux / config.microbatches
     return total
 
 

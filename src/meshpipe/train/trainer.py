@@ -174,7 +174,9 @@ class Trainer:
             token_group=self.topology.cp_group if config.layout.cp > 1 else None)
         self.scaler = DynamicLossScaler() if config.dtype == "fp16" else None
         self.stages = self._stages(parts.chunks, my_stages)
-        self.experts = reporting.ExpertStats(config, self.stages, parts.moe_index, self.device)
+        self.experts = reporting.ExpertStats(config, self.stages, parts.moe_index, self.device,
+                                             sources.num_experts(config))
+        self.aux_coef = sources.aux_coefficient(config)
         # This rank's parameters once each, under their full-model names (a tied head is the
         # embedding): the names key checkpoints and --check.
         self.parameters = list({id(param): (parts.names[id(param)], param)
@@ -279,11 +281,11 @@ class Trainer:
         """This rank's share of the microbatch's mean loss (normalised over all its tokens,
         including those other context-parallel ranks hold), so CP shares add up. Under
         tensor parallelism the logits are this rank's vocabulary slice. With experts the
-        output is ``(logits, aux)`` and the loss adds ``--moe-aux-coef`` x aux (this rank's
-        share of the load-balancing loss)."""
+        output is ``(logits, aux)`` and the loss adds the aux coefficient (``--moe-aux-coef``
+        or the model's) x aux (this rank's share of the load-balancing loss)."""
         if isinstance(output, tuple):
             logits, aux = output
-            return self._loss(logits, targets) + self.config.moe_aux_coef * aux
+            return self._loss(logits, targets) + self.aux_coef * aux
         logits = output
         if self.tp_group is not None:
             loss_sum = vocab_parallel_cross_entropy(logits, targets, self.tp_group).sum()
