@@ -226,3 +226,24 @@ def test_gradients_of_stacked_experts_take_the_files_names():
     qwen = hf_moe.ARCHITECTURES["qwen2_moe"]
     down = hf_moe.as_file_tensors("model.layers.0.mlp.experts.down_proj", stacked, qwen)
     assert sorted(down) == [f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in (0, 1)]
+
+
+def test_an_expert_layer_is_cut_at_its_exchanges(tmp_path):
+    """Combined 1F1B needs a chunk's forward as sub-steps: each Qwen2-MoE sparse layer
+    yields its dispatch and combine (layer 2 is dense: mlp_only_layers), and the chunk's
+    messages carry the load-balancing loss."""
+    from meshpipe.runtime.substeps import Exchange
+
+    chunks, _ = _chunks(save_tiny_model(tmp_path, "qwen2_moe"), [3, 1])
+    steps = chunks[0].forward_steps(torch.randint(0, 256, (2, 16)))
+    names = []
+    try:
+        exchange = next(steps)
+        while True:
+            assert isinstance(exchange, Exchange)
+            names.append(exchange.name)
+            exchange = steps.send((exchange.communicate(exchange.send), exchange.keep))
+    except StopIteration as done:
+        hidden, positions, doc_ids, aux = done.value
+    assert names == ["dispatch", "combine"] * 2
+    assert hidden.shape == (2, 16, 32) and aux.item() > 0
