@@ -134,8 +134,7 @@ def test_features_meshpipe_cannot_run_are_refused_by_name(tmp_path, arch, featur
         hf.inspect_model(directory)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral",
-                                  "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_an_export_loads_in_transformers_with_the_trained_weights(tmp_path, arch):
     directory = save_tiny_model(tmp_path / "model", arch)
     chunks, state = _chunks(directory, [2, 2])
