@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
 
 from meshpipe.context import LocalAttention  # noqa: E402
-from meshpipe.models import hf  # noqa: E402
+from meshpipe.models import hf, hf_export  # noqa: E402
 from meshpipe.models.transformer import Transformer, TransformerConfig  # noqa: E402
 
 
@@ -141,12 +141,12 @@ def test_an_export_loads_in_transformers_with_the_trained_weights(tmp_path, arch
     with torch.no_grad():
         for param in state.values():
             param.add_(torch.randn_like(param) * 0.01)  # "trained"
-    exported = hf.export_model(state, directory, tmp_path / "export")
+    exported = hf_export.export_model(state, directory, tmp_path / "export")
     assert json.loads((exported / "config.json").read_text())["model_type"] == arch
     tokens = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(_upstream(exported)(tokens).logits, _run(chunks, tokens))
     with pytest.raises(ValueError, match="lacks 1 of the model's weights"):
-        hf.export_model({k: v for k, v in state.items() if k != "model.norm.weight"}, directory,
+        hf_export.export_model({k: v for k, v in state.items() if k != "model.norm.weight"}, directory,
                         tmp_path / "bad")
 
 
@@ -156,7 +156,7 @@ def test_the_reference_transformer_exports_as_the_llama_it_is(tmp_path, tied):
                                tie_embeddings=tied)
     model = Transformer(config)
     state = {name: param.detach() for name, param in model.named_parameters()}
-    exported = hf.export_reference(state, config, tmp_path)
+    exported = hf_export.export_reference(state, config, tmp_path)
     tokens = torch.randint(0, 256, (2, 32))
     torch.testing.assert_close(_upstream(exported)(tokens).logits, model(tokens))
 

@@ -331,15 +331,15 @@ def _upstream_loss(config: TrainConfig, model: nn.Module, tokens: torch.Tensor,
 def export(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str = "") -> Path:
     """A checkpoint as a directory transformers loads: a ``--model`` run in its own
     architecture and names, a reference-transformer run as the Llama it is."""
-    from meshpipe.models import hf
+    from meshpipe.models import hf_export
     from meshpipe.train.checkpoint import read_info, read_model_weights
 
     weights = read_model_weights(Path(checkpoint_dir))
     if model_dir:
-        return hf.export_model(weights, model_dir, out_dir)
+        return hf_export.export_model(weights, model_dir, out_dir)
     info = read_info(Path(checkpoint_dir))
     config = TrainConfig(**{**info.config, "resume": False, "check": False})
     if config.moe_experts:
         raise ValueError("a mixture-of-experts reference model has no transformers "
                          "architecture to export to; export runs of dense models")
-    return hf.export_reference(weights, model_config(config), out_dir)
+    return hf_export.export_reference(weights, model_config(config), out_dir)
