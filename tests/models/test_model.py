@@ -243,6 +243,44 @@ def test_causal_lm_loss_sums_and_counts_normalise_across_shards():
     torch.testing.assert_close(total / count, whole)
 
 
+def _float32_saved(fn):
+    """``fn()``'s result, and the largest float32 tensor autograd saved for its backward."""
+    largest = [0]
+
+    def pack(tensor):
+        if tensor.dtype == torch.float32:
+            largest[0] = max(largest[0], tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn()
+    return result, largest[0]
+
+
+def test_the_chunked_loss_is_exact_and_keeps_no_float32_copy_of_the_logits():
+    """Over chunks of 8 of 40 positions, bf16 logits of a 64-token vocabulary: the same loss
+    and gradients as one cross-entropy, and autograd keeps one chunk's float32 log-softmax
+    at most (the plain loss keeps all 40 x 64)."""
+    logits = torch.randn(2, 20, 64).to(torch.bfloat16)
+    targets = torch.randint(0, 64, (2, 20))
+    targets[1, 5:9] = -100
+    plain_logits, chunked_logits = (logits.clone().requires_grad_() for _ in range(2))
+    plain, plain_saved = _float32_saved(
+        lambda: F.cross_entropy(plain_logits.float().reshape(40, 64), targets.reshape(40),
+                                reduction="sum"))
+    (chunked, count), chunked_saved = _float32_saved(
+        lambda: causal_lm_loss(chunked_logits, targets, reduction="sum", chunk_tokens=8))
+    torch.testing.assert_close(chunked, plain)
+    assert int(count) == 36
+    plain.backward()
+    chunked.backward()
+    torch.testing.assert_close(chunked_logits.grad, plain_logits.grad)
+    assert plain_saved == 40 * 64 and chunked_saved <= 8 * 64
+    with torch.no_grad():
+        torch.testing.assert_close(causal_lm_loss(logits, targets, chunk_tokens=8),
+                                   plain.detach() / 36)
+
+
 def test_causal_lm_loss_rejects_bad_arguments():
     with pytest.raises(ValueError, match="need targets of shape"):
         causal_lm_loss(torch.randn(2, 6, 10), torch.zeros(2, 5, dtype=torch.int64))
