@@ -235,10 +235,12 @@ class Bucket:
 
 def adam_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
     """``param``'s AdamW state in ``optimizer``, created empty (step 0, zero moments) if the
-    optimizer has not stepped it yet."""
+    optimizer has not stepped it yet; the step is where AdamW keeps it (on the parameter's
+    device for the fused kernel, else on the host)."""
     state = optimizer.state[param]
     if not state:
-        state["step"] = torch.tensor(0.0, device="cpu")  # as AdamW keeps it
+        fused = any(group.get("fused") for group in optimizer.param_groups)
+        state["step"] = torch.tensor(0.0, device=param.device if fused else "cpu")
         for key in ADAM_MOMENTS:
             state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
     return state
