@@ -193,6 +193,7 @@ def check_sequence_length(info: HFModelInfo, seq_len: int) -> None:
                          f"{info.max_positions}: use --seq-len {info.max_positions} or less")
 
 
+@torch.compiler.disable  # a known graph break under --compile (models/compile.py)
 def _attention_adapter(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                        attention_mask: Tensor | None, dropout: float = 0.0,
                        scaling: float | None = None, sliding_window: int | None = None,

@@ -208,6 +208,7 @@ class SelfAttention(nn.Module):
         out = _maybe_checkpoint(self.recompute_core, self._core, q, k, v, positions, doc_ids)
         return self.tp.leave(self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim)))
 
+    @torch.compiler.disable  # a known graph break under --compile (models/compile.py)
     def _core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
               doc_ids: Tensor | None) -> Tensor:
         return self.core_attention(q, k, v, positions=positions, doc_ids=doc_ids, causal=True)

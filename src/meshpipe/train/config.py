@@ -79,6 +79,7 @@ class TrainConfig:
     dtype: str = "fp32"
     recompute: str = "none"
     zero: int = 0
+    compile: bool = False
     # optimisation
     steps: int = 30
     lr: float = 3e-3
@@ -394,6 +395,8 @@ FIELD_HELP = {
     "dtype": "compute precision: fp32, bf16 (autocast, fp32 master weights) or fp16 (autocast "
              "with dynamic loss scaling)",
     "recompute": "activation recompute: none, full (each block) or selective (attention core)",
+    "compile": "compile each decoder block with torch.compile (one compiled code for all "
+               "blocks; attention cores and communication stay eager: docs/parallelism.md)",
     "zero": "shard over the replicas of each weight (dp x cp ranks of a stage; experts: their "
             "expert-data-parallel ranks): 0 nothing, 1 the optimizer states (AdamW moments), "
             "2 also the reduced gradients",

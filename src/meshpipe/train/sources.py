@@ -22,9 +22,11 @@ from torch import nn
 from meshpipe.context.shards import document_ids, positions_in_document
 from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, causal_lm_loss,
                              shared_parameters, split)
+from meshpipe.models.compile import compile_blocks
 from meshpipe.models.transformer import check_tensor_parallel_sizes
 from meshpipe.parallel import TensorParallelRegion
 from meshpipe.runtime import DynamicLossScaler, autocast
+from meshpipe.schedules.builders import SCHEDULE_SPECS
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, encode, load_corpus
 from meshpipe.train import text_data, text_sampling, tokenizers
@@ -188,9 +190,18 @@ def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
     """Cut the model into ``len(layers)`` stages. The reference transformer is built whole
     (its initialisation is a pure function of the seed) and sharded over ``groups``
     (tp_group, ep_group, token_group); a ``--model`` is built on the meta device and only
-    the chunks in ``my_stages`` read their weights."""
-    if config.model:
-        return _hf_parts(config, layers, attention, my_stages, **groups)
+    the chunks in ``my_stages`` read their weights. With ``--compile`` the blocks of
+    ``my_stages`` are compiled (``meshpipe.models.compile``)."""
+    parts = (_hf_parts(config, layers, attention, my_stages, **groups) if config.model
+             else _reference_parts(config, layers, attention, **groups))
+    if config.compile:
+        compile_blocks((parts.chunks[stage] for stage in my_stages),
+                       split_backward=SCHEDULE_SPECS[config.schedule].split_backward)
+    return parts
+
+
+def _reference_parts(config: TrainConfig, layers: list[int], attention,
+                     **groups: Any) -> ModelParts:
     model = Transformer(model_config(config), attention=attention,
                         sequence_parallel=config.sequence_parallel, recompute=config.recompute,
                         **groups)

@@ -1,0 +1,88 @@
+"""``--compile``: regional ``torch.compile`` of the decoder blocks of a stage's chunk.
+
+Each block (the reference ``TransformerBlock``, a Hugging Face decoder layer) is compiled in
+place, and every block of a model runs the same compiled code: parameters are inputs of the
+graph, not constants, so compile time does not grow with depth, and a second step or
+microbatch of the same shapes compiles nothing. A compiled region is one autograd node,
+which every schedule's executor runs as any other. A split backward (ZB-H1, ZB-V,
+DualPipeV) would run such a node's backward again, whole, in its weight half: under those
+schedules only the pieces without a weight matrix are compiled (norms, rotary, the gated
+activation), and the matrix products stay the eager nodes that split.
+
+What is not compiled runs eager at known graph breaks, each a ``torch.compiler.disable``
+at its entry:
+
+- the attention core: meshpipe's attentions (local, Ulysses, ring, hybrid) read the token
+  layout of each microbatch (documents, windows) and communicate, so compiling them would
+  recompile for every pack of documents;
+- tensor-parallel communication (``meshpipe.parallel.tp_comm``);
+- a mixture-of-experts block's experts: its forward is cut at its all-to-alls for combined
+  1F1B (``forward_steps``), so only its attention and norms are compiled.
+
+``MESHPIPE_COMPILE_BACKEND`` names another backend than inductor (``aot_eager`` traces and
+differentiates like inductor without generating code: quick, for checking).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from meshpipe.models import hf_moe
+from meshpipe.models.transformer import TransformerBlock
+
+BACKEND_VARIABLE = "MESHPIPE_COMPILE_BACKEND"
+# transformers' decoders name their norms <Model>RMSNorm.
+HF_NORM_SUFFIX = "RMSNorm"
+
+
+def backend() -> str:
+    return os.environ.get(BACKEND_VARIABLE, "inductor")
+
+
+def regions(block: nn.Module, split_backward: bool = False) -> list[nn.Module]:
+    """The parts of ``block`` that are compiled. The reference block: its norms, attention
+    and MLP, each (its residual adds and activation recompute, which would take the whole
+    block out of the graph, stay around them); a Hugging Face layer whole; either's experts
+    not. Under a split backward only the pieces without a weight matrix (norms, rotary, the
+    gated activation): a compiled region is one autograd node, whose backward the weight
+    half would run again whole."""
+    if split_backward:
+        return _weightless_pieces(block)
+    if isinstance(block, TransformerBlock):
+        return [block.attention_norm, block.attention, block.mlp_norm] + (
+            [] if block.is_moe else [block.mlp])
+    if hf_moe.expert_layer(block) is not None:
+        return [block.input_layernorm, block.self_attn, block.post_attention_layernorm]
+    return [block]
+
+
+def _weightless_pieces(block: nn.Module) -> list[nn.Module]:
+    if isinstance(block, TransformerBlock):
+        pieces = [block.attention_norm, block.attention.rope, block.mlp_norm]
+        return pieces + ([] if block.is_moe else [block.mlp.activation])
+    norms = [module for module in block.modules()
+             if type(module).__name__.endswith(HF_NORM_SUFFIX)]
+    activation = getattr(getattr(block, "mlp", None), "act_fn", None)
+    return norms + ([activation] if isinstance(activation, nn.Module) else [])
+
+
+def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False) -> int:
+    """Compile every block of ``chunks`` (their ``layers``) in place, ``regions`` of each
+    (a module shared by blocks once); how many modules.
+
+    A split backward keeps the autograd graph from its input half to its weight half, which
+    AOTAutograd's donated buffers (backward freeing saved tensors early) forbid: they are
+    turned off, process-wide."""
+    torch._functorch.config.donated_buffer = False
+    compiled: dict[int, nn.Module] = {}
+    for chunk in chunks:
+        for block in chunk.layers.values():
+            for region in regions(block, split_backward):
+                if id(region) not in compiled:
+                    region.compile(backend=backend())
+                    compiled[id(region)] = region
+    return len(compiled)

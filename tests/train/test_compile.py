@@ -1,0 +1,110 @@
+"""``--compile``: the first step equals one process under every kind of schedule and
+parallelism (split backward, combined 1F1B's sub-steps, tensor, context and expert
+parallelism, a Hugging Face model, bf16), what is compiled and what stays eager, and no
+recompilation on a second step or another pack of documents.
+
+The tests compile with the ``aot_eager`` backend: TorchDynamo's capture, the graph breaks
+and AOTAutograd's forward and backward graphs are inductor's, without generating and
+building C++ (20 s a model here); ``benchmarks/compile.py`` runs inductor itself."""
+
+import os
+
+import pytest
+import torch
+
+from hf_models import save_tiny_model, write_documents
+from meshpipe.models.compile import BACKEND_VARIABLE, compile_blocks, regions
+from meshpipe.testing import run_distributed
+from meshpipe.train.config import TrainConfig
+from trainer_cases import SMALL
+
+pytestmark = pytest.mark.distributed
+
+
+def _check_compiled(rank, world_size, config):
+    os.environ[BACKEND_VARIABLE] = "aot_eager"
+    from meshpipe.train.trainer import Trainer
+
+    return Trainer(config).check_first_step()
+
+
+LAYOUTS = {  # two ranks each: the compile time is every rank's
+    "zb-v": dict(pp=2, schedule="zb-v"),
+    "interleaved-bf16": dict(pp=2, vpp=2, schedule="interleaved", dtype="bf16"),
+    "combined-1f1b-moe-ep2": dict(pp=1, dp=2, ep=2, moe_experts=4, schedule="combined-1f1b"),
+    "ring2": dict(pp=1, schedule="none", cp_ring=2),
+    "tp2-sequence-parallel-recompute": dict(pp=1, schedule="none", tp=2,
+                                            sequence_parallel=True, recompute="full"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_compiled_step_matches_one_process(tmp_path, layout):
+    config = TrainConfig(**{**SMALL, **layout}, compile=True, out_dir=str(tmp_path))
+    report = run_distributed(config.world_size, _check_compiled, config)[0]
+    assert report["passed"], report
+
+
+def test_a_compiled_hugging_face_model_on_packed_ulysses_matches_transformers(tmp_path):
+    hf = {key: value for key, value in SMALL.items()
+          if key not in ("dim", "layers", "heads", "kv_heads")}
+    config = TrainConfig(**hf, pp=1, schedule="none", cp_ulysses=2, pack=True, compile=True,
+                         model=str(save_tiny_model(tmp_path / "model", "qwen3")),
+                         data=str(write_documents(tmp_path / "docs.txt")),
+                         out_dir=str(tmp_path / "run"))
+    report = run_distributed(2, _check_compiled, config)[0]
+    assert report["passed"], report
+
+
+def test_blocks_compile_their_compute_and_leave_the_experts_eager():
+    from meshpipe.models import Transformer, TransformerConfig, split
+
+    model = Transformer(TransformerConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=32,
+                                          moe_experts=4, moe_every=2))
+    moe, dense = model.layers
+    assert regions(dense) == [dense.attention_norm, dense.attention, dense.mlp_norm, dense.mlp]
+    assert regions(moe) == [moe.attention_norm, moe.attention, moe.mlp_norm]
+    assert compile_blocks(split(model, 1)) == 7
+    compiled = {module for module in model.modules()
+                if getattr(module, "_compiled_call_impl", None) is not None}
+    assert compiled == set(regions(dense) + regions(moe))
+    # Under a split backward only what has no weight matrix; the blocks share one rotary.
+    assert regions(dense, split_backward=True) == [dense.attention_norm, dense.attention.rope,
+                                                   dense.mlp_norm, dense.mlp.activation]
+    assert compile_blocks(split(model, 1), split_backward=True) == 6
+
+
+def test_a_hugging_face_layer_compiles_whole_or_its_norms_and_activation(tmp_path):
+    from meshpipe.models import hf
+
+    layer = hf.build_skeleton(save_tiny_model(tmp_path, "qwen3")).model.layers[0]
+    assert regions(layer) == [layer]
+    pieces = regions(layer, split_backward=True)
+    assert pieces == [layer.self_attn.q_norm, layer.self_attn.k_norm, layer.input_layernorm,
+                      layer.post_attention_layernorm, layer.mlp.act_fn]
+
+
+def test_a_second_step_and_another_pack_compile_nothing(monkeypatch):
+    """The attention core reads each pack's document layout eagerly, so new layouts of the
+    same shapes reuse the compiled graphs; so does the second block of a chunk."""
+    import torch._dynamo
+
+    from meshpipe.models import Transformer, TransformerConfig, split
+
+    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
+    torch._dynamo.reset()
+    (chunk,) = split(Transformer(TransformerConfig(vocab_size=64, dim=32, n_layers=2,
+                                                   n_heads=4, max_seq_len=32)), 1)
+    compile_blocks([chunk])
+    tokens = torch.randint(0, 64, (1, 24))
+
+    def step(lengths):
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+        chunk(tokens, positions, doc_ids).sum().backward()
+        return dict(torch._dynamo.utils.counters["stats"])
+
+    first = step([10, 14])
+    assert first["unique_graphs"] > 0
+    assert step([10, 14]) == first
+    assert step([3, 9, 12]) == first
