@@ -13,8 +13,11 @@ configuration that runs out of memory is recorded as OOM.
 Part 2 times training steps of the reference transformer (default dim 2048, 16 layers,
 seq 2048, bf16 autocast, 8 microbatches of 1 sequence, AdamW) through meshpipe's trainer on
 one GPU (``Trainer.train_step``: the 1F1B executor with one stage, gradient clipping,
-optimizer), beside the same model stepped by plain PyTorch: step time, tokens/s and peak
-memory. Pipelines across GPUs are timed by ``benchmarks/gpu_check.py`` (small model).
+optimizer), eager and with ``--compile``, beside the same model stepped by plain PyTorch:
+step time, tokens/s, model FLOPs utilisation and peak memory. MFU counts PaLM's model FLOPs,
+6 x parameters + 12 x layers x dim x seq per token (the attention scores as if not
+causal), against the GPU's dense bf16 peak (``PEAK_BF16_TFLOPS``, by name; none on other
+devices). Pipelines across GPUs are timed by ``benchmarks/gpu_check.py`` (small model).
 
 Single process, one GPU. Without a CUDA device it says so and exits 0. Writes
 ``<out>/gpu_bench.json`` and ``.md`` (default ``benchmarks/results``) when run on a GPU; a
@@ -49,6 +52,8 @@ from meshpipe.train.sources import model_config
 from meshpipe.train.trainer import Trainer
 
 RESULTS = Path(__file__).parent / "results"
+# Dense bf16 tensor-core peaks (TFLOP/s, SXM parts) by a name in torch's device name.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -145,12 +150,26 @@ def _attention_line(row: dict) -> str:
             f"{row['tflops']:.1f} TFLOP/s{peak}")
 
 
-def train_config(args, out_dir: str, device: torch.device) -> TrainConfig:
+def train_config(args, out_dir: str, device: torch.device, compiled: bool = False
+                 ) -> TrainConfig:
     return TrainConfig(pp=1, device=device.type, dim=args.dim, layers=args.layers,
                        heads=args.model_heads, kv_heads=args.kv_heads, seq_len=args.seq_len,
                        microbatches=args.microbatches, microbatch_size=args.microbatch_size,
                        dtype="bf16", steps=args.warmup + args.iters, warmup_steps=1,
-                       eval_every=0, timeline_step=0, progress=False, out_dir=out_dir)
+                       eval_every=0, timeline_step=0, progress=False, out_dir=out_dir,
+                       compile=compiled)
+
+
+def model_flops_per_token(parameters: int, config: TrainConfig) -> float:
+    """PaLM's model FLOPs of training one token (forward and backward)."""
+    return 6 * parameters + 12 * config.layers * config.dim * config.seq_len
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
 def _trainer_steps(config: TrainConfig, device: torch.device, args) -> tuple[dict, int]:
@@ -162,11 +181,14 @@ def _trainer_steps(config: TrainConfig, device: torch.device, args) -> tuple[dic
 
 
 def train_rows(args, device: torch.device) -> list[dict]:
-    with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-bench-") as out_dir:
-        config = train_config(args, out_dir, device)  # train_step writes nothing there
-        measured, parameters = _trainer_steps(config, device, args)
-    gc.collect()  # the trainer's memory, before the plain model's
-    rows = [{"part": "train step", "runner": "meshpipe Trainer (1F1B, 1 stage)", **measured}]
+    rows = []
+    for compiled in (False, True):
+        with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-bench-") as out_dir:
+            config = train_config(args, out_dir, device, compiled)  # writes nothing there
+            measured, parameters = _trainer_steps(config, device, args)
+        gc.collect()  # the trainer's memory, before the next runner's
+        runner = "meshpipe Trainer (1F1B, 1 stage)" + (", --compile" if compiled else "")
+        rows.append({"part": "train step", "runner": runner, **measured})
 
     model = Transformer(model_config(config)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
@@ -187,9 +209,12 @@ def train_rows(args, device: torch.device) -> list[dict]:
     rows.append({"part": "train step", "runner": "plain PyTorch (same model and batch)",
                  **_measure(plain_step, device, args)})
     tokens = config.tokens_per_step
+    peak = peak_tflops(device)
     for row in rows:
-        row.update(parameters=parameters, tokens_per_step=tokens,
-                   tokens_per_s=tokens / row["seconds"] if row["seconds"] else None)
+        tokens_per_s = tokens / row["seconds"] if row["seconds"] else None
+        row.update(parameters=parameters, tokens_per_step=tokens, tokens_per_s=tokens_per_s,
+                   mfu=(tokens_per_s * model_flops_per_token(parameters, config) / 1e12 / peak
+                        if tokens_per_s and peak else None))
         print(_train_line(row), flush=True)
     return rows
 
@@ -198,8 +223,9 @@ def _train_line(row: dict) -> str:
     if row["status"] != "ok":
         return f"{row['runner']:<40}: {row['status']}"
     peak = f", peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else ""
+    mfu = f", MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else ""
     return (f"{row['runner']:<40}: {row['seconds'] * 1e3:9.1f} ms/step, "
-            f"{row['tokens_per_s']:,.0f} tokens/s{peak}")
+            f"{row['tokens_per_s']:,.0f} tokens/s{mfu}{peak}")
 
 
 def _one_rank_world(device: torch.device) -> None:
@@ -235,12 +261,14 @@ def to_markdown(result: dict) -> str:
     if train:
         lines += ["", f"Training step: {train[0]['parameters'] / 1e6:.0f}M parameters, "
                       f"{train[0]['tokens_per_step']} tokens per step, bf16 autocast, AdamW:",
-                  "", "| runner | ms/step | tokens/s | peak GiB |", "|---|---:|---:|---:|"]
+                  "", "| runner | ms/step | tokens/s | MFU % | peak GiB |",
+                  "|---|---:|---:|---:|---:|"]
         for row in train:
             ms = figure(row["seconds"] and row["seconds"] * 1e3, ".1f") \
                 if row["status"] == "ok" else row["status"]
+            mfu = figure(row.get("mfu") and 100 * row["mfu"], ".1f")
             lines.append(f"| {row['runner']} | {ms} | {figure(row['tokens_per_s'], ',.0f')} | "
-                         f"{figure(row['peak_gib'], '.1f')} |")
+                         f"{mfu} | {figure(row['peak_gib'], '.1f')} |")
     return "\n".join(lines) + "\n"
 
 
