@@ -10,7 +10,6 @@ building C++ (20 s a model here); ``benchmarks/compile.py`` runs inductor itself
 import os
 
 import pytest
-import torch
 
 from hf_models import save_tiny_model, write_documents
 from meshpipe.models.compile import BACKEND_VARIABLE, compile_blocks, regions
@@ -108,3 +107,16 @@ def test_a_second_step_and_another_pack_compile_nothing(monkeypatch):
     assert first["unique_graphs"] > 0
     assert step([10, 14]) == first
     assert step([3, 9, 12]) == first
+
+
+def test_a_run_without_compile_never_imports_dynamo():
+    """The graph-break marks cost nothing until --compile: importing TorchDynamo would add
+    1.5 s to every rank's start."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, meshpipe.train.trainer, meshpipe.models.hf; "
+             "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "False"

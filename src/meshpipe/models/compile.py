@@ -9,8 +9,8 @@ DualPipeV) would run such a node's backward again, whole, in its weight half: un
 schedules only the pieces without a weight matrix are compiled (norms, rotary, the gated
 activation), and the matrix products stay the eager nodes that split.
 
-What is not compiled runs eager at known graph breaks, each a ``torch.compiler.disable``
-at its entry:
+What is not compiled runs eager at known graph breaks, each marked ``@graph_break``
+(``meshpipe.graph_breaks``, made ``torch.compiler.disable`` here before compiling):
 
 - the attention core: meshpipe's attentions (local, Ulysses, ring, hybrid) read the token
   layout of each microbatch (documents, windows) and communicate, so compiling them would
@@ -28,9 +28,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 
+from meshpipe import graph_breaks
 from meshpipe.models import hf_moe
 from meshpipe.models.transformer import TransformerBlock
 
@@ -77,7 +77,10 @@ def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False) ->
     A split backward keeps the autograd graph from its input half to its weight half, which
     AOTAutograd's donated buffers (backward freeing saved tensors early) forbid: they are
     turned off, process-wide."""
-    torch._functorch.config.donated_buffer = False
+    from torch._functorch import config as functorch_config
+
+    functorch_config.donated_buffer = False
+    graph_breaks.install()
     compiled: dict[int, nn.Module] = {}
     for chunk in chunks:
         for block in chunk.layers.values():

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
+from meshpipe.graph_breaks import graph_break
 from meshpipe.models import hf_moe
 from meshpipe.models.hf_tp import ROWS_ATTR
 from meshpipe.models.moe import is_expert_param, mark_expert_parallel
@@ -193,7 +194,7 @@ def check_sequence_length(info: HFModelInfo, seq_len: int) -> None:
                          f"{info.max_positions}: use --seq-len {info.max_positions} or less")
 
 
-@torch.compiler.disable  # a known graph break under --compile (models/compile.py)
+@graph_break
 def _attention_adapter(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                        attention_mask: Tensor | None, dropout: float = 0.0,
                        scaling: float | None = None, sliding_window: int | None = None,

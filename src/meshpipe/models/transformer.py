@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
+from meshpipe.graph_breaks import graph_break
 from meshpipe.models.mlp import SwiGLU, linear
 from meshpipe.models.moe import MoE
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
@@ -208,7 +209,7 @@ class SelfAttention(nn.Module):
         out = _maybe_checkpoint(self.recompute_core, self._core, q, k, v, positions, doc_ids)
         return self.tp.leave(self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim)))
 
-    @torch.compiler.disable  # a known graph break under --compile (models/compile.py)
+    @graph_break
     def _core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
               doc_ids: Tensor | None) -> Tensor:
         return self.core_attention(q, k, v, positions=positions, doc_ids=doc_ids, causal=True)

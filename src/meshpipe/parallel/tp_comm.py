@@ -24,6 +24,7 @@ from torch.autograd.function import FunctionCtx
 from meshpipe.comm import ops
 from meshpipe.comm.checks import CHECK_ENV  # noqa: F401 - the variable's name, as before
 from meshpipe.comm.checks import checks_enabled, exchange_shapes
+from meshpipe.graph_breaks import graph_break
 
 __all__ = [
     "copy_to_tp", "gather_from_sequence", "reduce_from_tp", "reduce_scatter_to_sequence",
@@ -160,7 +161,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _gather_seq(grad, ctx.group), None
 
 
-@torch.compiler.disable  # a known graph break under --compile
+@graph_break
 def copy_to_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Identity forward, all-reduce (sum) of the gradient backward: the entry of a
     column-parallel region, where every rank's slice contributes to the input gradient."""
@@ -169,7 +170,7 @@ def copy_to_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     return _CopyToTP.apply(x, group)
 
 
-@torch.compiler.disable  # a known graph break under --compile
+@graph_break
 def reduce_from_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """All-reduce (sum) forward, identity backward: the exit of a row-parallel region,
     whose partial outputs add up to the full one."""
@@ -178,7 +179,7 @@ def reduce_from_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
-@torch.compiler.disable  # a known graph break under --compile
+@graph_break
 def scatter_to_sequence(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Keep this rank's contiguous chunk of dim 1 forward, all-gather along dim 1 backward:
     enters a sequence-parallel region from replicated activations."""
@@ -189,7 +190,7 @@ def scatter_to_sequence(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     return _ScatterToSequence.apply(x, group)
 
 
-@torch.compiler.disable  # a known graph break under --compile
+@graph_break
 def gather_from_sequence(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """All-gather along dim 1 forward, reduce-scatter (sum) along dim 1 backward: the
     sequence-parallel rule, since every rank's use of the full sequence adds to its grad."""
@@ -200,7 +201,7 @@ def gather_from_sequence(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     return _GatherFromSequence.apply(x, group)
 
 
-@torch.compiler.disable  # a known graph break under --compile
+@graph_break
 def reduce_scatter_to_sequence(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Reduce-scatter (sum) along dim 1 forward, all-gather along dim 1 backward: the exit
     of a row-parallel region into a sequence-parallel one."""
