@@ -1,12 +1,15 @@
 """Mixed precision pieces: autocast contexts, the dynamic loss scaler, parity tolerances."""
 
+import contextlib
 import math
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshpipe.runtime import DynamicLossScaler, Stage, autocast, low_precision_tolerance
+from meshpipe.runtime import (DynamicLossScaler, Stage, autocast, low_precision_tolerance,
+                              weights_cast_once)
 from meshpipe.testing import run_distributed
 
 
@@ -27,6 +30,46 @@ def test_autocast_runs_matmuls_in_the_named_precision_on_cpu(name, dtype):
 def test_autocast_rejects_an_unknown_precision():
     with pytest.raises(ValueError, match="unknown precision 'fp8': choose from fp32, bf16, fp16"):
         autocast("fp8", "cpu")
+
+
+class _ParameterCasts(TorchDispatchMode):
+    """Counts the casts (``aten._to_copy``) whose input is one of ``parameters``."""
+
+    def __init__(self, parameters):
+        super().__init__()
+        self.pointers = {p.data_ptr() for p in parameters}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.pointers:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _microbatch_steps(model, microbatches, context):
+    """Forward each microbatch in its own bf16 autocast and backward it, inside
+    ``context``; the parameters' casts and gradients."""
+    model.zero_grad()
+    with _ParameterCasts(list(model.parameters())) as casts, context:
+        for x in microbatches:
+            with autocast("bf16", "cpu"):
+                out = model(x)
+            out.float().square().sum().backward()
+    return casts.count, [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_step_casts_each_weight_once_with_the_same_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    microbatches = [torch.randn(3, 8) for _ in range(4)]
+    per_microbatch, plain = _microbatch_steps(model, microbatches, contextlib.nullcontext())
+    once, cached = _microbatch_steps(model, microbatches, weights_cast_once("bf16", "cpu"))
+    assert (per_microbatch, once) == (4 * 4, 4)  # 2 weights, 2 biases
+    for a, b in zip(cached, plain):
+        assert torch.equal(a, b)
+    assert not torch.is_autocast_enabled("cpu")
+    with weights_cast_once("fp32", "cpu"):
+        assert not torch.is_autocast_enabled("cpu")
 
 
 # ------------------------------------------------------------------ loss scaler

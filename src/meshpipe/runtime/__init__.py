@@ -4,7 +4,7 @@ from meshpipe.runtime.executor import (Executor, ExecutorError, OverlapHooks, Pe
                                        StageHooks, StepResult)
 from meshpipe.runtime.grad_sync import all_reduce_gradients
 from meshpipe.runtime.precision import (AutocastChunk, DynamicLossScaler, autocast,
-                                        low_precision_tolerance)
+                                        low_precision_tolerance, weights_cast_once)
 from meshpipe.runtime.split_backward import SplitBackward
 from meshpipe.runtime.stage import Stage, StageError
 from meshpipe.runtime.substeps import Exchange, run_steps
@@ -12,4 +12,5 @@ from meshpipe.runtime.substeps import Exchange, run_steps
 __all__ = ["AutocastChunk", "DynamicLossScaler", "Exchange", "Executor", "ExecutorError",
            "OverlapHooks", "PeerFailedError", "SplitBackward", "Stage", "StageError", "StageHooks",
            "StepResult",
-           "all_reduce_gradients", "autocast", "low_precision_tolerance", "run_steps"]
+           "all_reduce_gradients", "autocast", "low_precision_tolerance", "run_steps",
+           "weights_cast_once"]

@@ -62,6 +62,21 @@ def autocast(dtype_name: str, device_type: str) -> ContextManager[Any]:
     return torch.autocast(device_type, dtype=dtype)
 
 
+def weights_cast_once(dtype_name: str, device_type: str) -> ContextManager[Any]:
+    """Around a pipeline step at bf16/fp16: each float32 weight is cast to the compute dtype
+    once for the whole step, not once per microbatch's forward.
+
+    Autocast keeps the low-precision copies of the weights it casts (leaf tensors that
+    require grad) until the outermost autocast context exits; each forward enters its own,
+    so without this the copies are dropped and made again microbatch after microbatch. This
+    is an outer autocast context that is itself disabled: backward and everything between
+    the forwards run as they did, and the copies live until the step ends (before the
+    optimizer changes the weights). The casts are the same, so results are bit for bit."""
+    if _dtype(dtype_name) is torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
 # Per compute dtype: (rtol, atol as a fraction of the reference's largest magnitude).
 _TOLERANCES: dict[str, tuple[float, float]] = {"bf16": (1.6e-2, 3e-2), "fp16": (1e-3, 5e-3)}
 # torch.testing.assert_close's defaults for float32.

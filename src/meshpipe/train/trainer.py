@@ -48,7 +48,7 @@ from meshpipe.context import make_attention
 from meshpipe.models import causal_lm_loss
 from meshpipe.parallel import vocab_parallel_cross_entropy
 from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, Stage, StageHooks,
-                              StepResult, activity)
+                              StepResult, activity, weights_cast_once)
 from meshpipe.topology import Topology, new_groups
 from meshpipe.train import checkpoint, faults, parity, reporting, sources
 from meshpipe.train.batches import RankBatches
@@ -304,7 +304,8 @@ class Trainer:
 
     def _run(self, executor: Executor, sampler: Any, step: int) -> StepResult:
         inputs, targets = self.microbatches(sampler, step)
-        self._now.result = executor.step(inputs, targets)
+        with weights_cast_once(self.config.dtype, self.device.type):
+            self._now.result = executor.step(inputs, targets)
         return self._now.result
 
     def _collective(self, what: str):
