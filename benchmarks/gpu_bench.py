@@ -13,7 +13,8 @@ configuration that runs out of memory is recorded as OOM.
 Part 2 times training steps of the reference transformer (default dim 2048, 16 layers,
 seq 2048, bf16 autocast, 8 microbatches of 1 sequence, AdamW) through meshpipe's trainer on
 one GPU (``Trainer.train_step``: the 1F1B executor with one stage, gradient clipping,
-optimizer), eager and with ``--compile``, beside the same model stepped by plain PyTorch:
+optimizer), eager and with ``--compile``, also as a Hugging Face Llama of the same sizes
+through ``--model`` (``--no-hf`` skips it), beside the same model stepped by plain PyTorch:
 step time, tokens/s, model FLOPs utilisation and peak memory. MFU counts PaLM's model FLOPs,
 6 x parameters + 12 x layers x dim x seq per token (the attention scores as if not
 causal), against the GPU's dense bf16 peak (``PEAK_BF16_TFLOPS``, by name; none on other
@@ -74,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None,
                         help=f"where gpu_bench.json/.md go (default {RESULTS} on a GPU)")
+    parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the same model as a Hugging Face Llama (--model)")
     parser.add_argument("--cpu-rehearsal", action="store_true",
                         help="run on the CPU to try the script (use tiny sizes); not a result")
     return parser.parse_args(argv)
@@ -150,14 +153,28 @@ def _attention_line(row: dict) -> str:
             f"{row['tflops']:.1f} TFLOP/s{peak}")
 
 
-def train_config(args, out_dir: str, device: torch.device, compiled: bool = False
-                 ) -> TrainConfig:
-    return TrainConfig(pp=1, device=device.type, dim=args.dim, layers=args.layers,
-                       heads=args.model_heads, kv_heads=args.kv_heads, seq_len=args.seq_len,
+def train_config(args, out_dir: str, device: torch.device, compiled: bool = False,
+                 model: str = "") -> TrainConfig:
+    """The benchmark's run: the reference transformer of the arguments' sizes, or the
+    Hugging Face directory ``model`` (which has those sizes: ``llama_of``)."""
+    sizes = {} if model else dict(dim=args.dim, layers=args.layers, heads=args.model_heads,
+                                  kv_heads=args.kv_heads)
+    return TrainConfig(pp=1, device=device.type, **sizes, model=model, seq_len=args.seq_len,
                        microbatches=args.microbatches, microbatch_size=args.microbatch_size,
                        dtype="bf16", steps=args.warmup + args.iters, warmup_steps=1,
                        eval_every=0, timeline_step=0, progress=False, out_dir=out_dir,
                        compile=compiled)
+
+
+def llama_of(config: TrainConfig, directory: str) -> str:
+    """The reference transformer of ``config`` (randomly initialised) written as the
+    LlamaForCausalLM it is, for the same step through ``--model``."""
+    from meshpipe.models.hf_export import export_reference
+
+    model = Transformer(model_config(config))
+    export_reference({name: p.detach() for name, p in model.named_parameters()},
+                     model.config, directory)
+    return directory
 
 
 def model_flops_per_token(parameters: int, config: TrainConfig) -> float:
@@ -182,13 +199,17 @@ def _trainer_steps(config: TrainConfig, device: torch.device, args) -> tuple[dic
 
 def train_rows(args, device: torch.device) -> list[dict]:
     rows = []
-    for compiled in (False, True):
-        with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-bench-") as out_dir:
-            config = train_config(args, out_dir, device, compiled)  # writes nothing there
-            measured, parameters = _trainer_steps(config, device, args)
-        gc.collect()  # the trainer's memory, before the next runner's
-        runner = "meshpipe Trainer (1F1B, 1 stage)" + (", --compile" if compiled else "")
-        rows.append({"part": "train step", "runner": runner, **measured})
+    with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-bench-") as scratch:
+        config = train_config(args, scratch, device)  # train_step writes nothing there
+        models = [("", "")] + ([(llama_of(config, f"{scratch}/llama"), " --model Llama")]
+                               if args.hf else [])
+        for model, what in models:
+            for compiled in (False, True):
+                measured, parameters = _trainer_steps(
+                    train_config(args, scratch, device, compiled, model), device, args)
+                gc.collect()  # the trainer's memory, before the next runner's
+                rows.append({"part": "train step", "runner": "meshpipe Trainer (1F1B, 1 stage)"
+                             + what + (", --compile" if compiled else ""), **measured})
 
     model = Transformer(model_config(config)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
@@ -221,10 +242,10 @@ def train_rows(args, device: torch.device) -> list[dict]:
 
 def _train_line(row: dict) -> str:
     if row["status"] != "ok":
-        return f"{row['runner']:<40}: {row['status']}"
+        return f"{row['runner']:<56}: {row['status']}"
     peak = f", peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else ""
     mfu = f", MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else ""
-    return (f"{row['runner']:<40}: {row['seconds'] * 1e3:9.1f} ms/step, "
+    return (f"{row['runner']:<56}: {row['seconds'] * 1e3:9.1f} ms/step, "
             f"{row['tokens_per_s']:,.0f} tokens/s{mfu}{peak}")
 
 
