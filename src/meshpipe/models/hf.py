@@ -1,5 +1,6 @@
-"""Hugging Face decoders (Llama 2/3.x, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3) as
-meshpipe pipeline stages.
+"""Hugging Face decoders (Llama 2/3.x, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3; with
+experts Mixtral, Qwen2-MoE and Qwen3-MoE, ``meshpipe.models.hf_moe``) as meshpipe pipeline
+stages.
 
 The modeling code is transformers' own: the model is built from its ``config.json`` on the
 meta device (no memory, no initialisation), cut into chunks of consecutive decoder layers
