@@ -24,7 +24,7 @@ import torch.multiprocessing as torch_mp
 from meshpipe.comm.p2p import P2PTransport
 from meshpipe.context import LocalAttention, RingAttention
 from meshpipe.models import Transformer, TransformerConfig, causal_lm_loss, split
-from meshpipe.runtime import Stage
+from meshpipe.runtime import Stage, low_precision_tolerance
 from meshpipe.runtime.substeps import CommWorker
 
 pytestmark = [
@@ -190,11 +190,43 @@ def test_ring_attention_on_its_cuda_tiles_equals_the_math_kernel(one_rank_group,
 
     assert kernel_for(q.device).name == "cuda_efficient"
     efficient = run()
-    monkeypatch.setattr(ring, "kernel_for", lambda device: MATH)
+    monkeypatch.setattr(ring, "kernel_for", lambda device, softcap=None: MATH)
     math_kernel = run()
     for name, got, want in zip(["out", "dq", "dk", "dv"], efficient, math_kernel):
         assert got.dtype == dtype and got.isfinite().all()
         torch.testing.assert_close(got, want, **TOLERANCE[dtype], msg=name)
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE, ids=["fp32", "bf16", "fp16"])
+def test_a_pack_on_cuda_is_one_masked_call_equal_to_its_documents(monkeypatch, dtype):
+    """On CUDA a pack runs as one SDPA call with its mask (context.local._per_document); it
+    equals the document-by-document path, output and q/k/v gradients."""
+    from meshpipe.context import local
+
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    lengths = torch.tensor([300, 17, 700, 1031], device="cuda")
+    seq = int(lengths.sum())
+    doc_ids = torch.repeat_interleave(torch.arange(4, device="cuda"), lengths)
+    positions = torch.arange(seq, device="cuda") - (torch.cumsum(lengths, 0) - lengths)[doc_ids]
+    q, grad = (torch.randn(1, seq, 8, 64, device="cuda", generator=generator).to(dtype)
+               for _ in range(2))
+    k, v = (torch.randn(1, seq, 2, 64, device="cuda", generator=generator).to(dtype)
+            for _ in range(2))
+
+    def run():
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = LocalAttention()(*inputs, positions=positions, doc_ids=doc_ids)
+        out.backward(grad)
+        return [out, *(t.grad for t in inputs)]
+
+    assert not local._per_document(q.transpose(1, 2))
+    one_call = run()
+    monkeypatch.setattr(local, "_per_document", lambda q: True)
+    name_of = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    for name, got, want in zip(["out", "dq", "dk", "dv"], one_call, run()):
+        # Gradients summed over 2048 queries in half precision: --check's tolerance.
+        torch.testing.assert_close(got.float(), want.float(), msg=name,
+                                   **low_precision_tolerance(name_of[dtype], want.float()))
 
 
 def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():

@@ -167,6 +167,34 @@ def test_local_attention_runs_a_pack_document_by_document_without_a_mask(monkeyp
     assert calls == [(6, False, True)]
 
 
+def test_a_pack_off_the_cpu_is_one_call_with_its_mask(monkeypatch):
+    """Any device but the CPU (CUDA's SDPA would plan anew for every document length) runs
+    a pack as one SDPA call with its mask, which equals the per-document calls; longer
+    packs still run per document."""
+    from meshpipe.context import local
+
+    assert not local._per_document(torch.empty(1, 4, 24, 8, device="meta"))
+    assert local._per_document(torch.empty(1, 4, local.MASKED_PACK_TOKENS + 1, 8,
+                                           device="meta"))
+    assert local._per_document(torch.empty(1, 4, 24, 8))
+    q, k, v = (torch.randn(1, 24, heads, 8) for heads in (4, 2, 2))
+    positions = torch.cat([torch.arange(10), torch.arange(14)])
+    doc_ids = torch.tensor([0] * 10 + [1] * 14)
+    per_document = LocalAttention()(q, k, v, positions=positions, doc_ids=doc_ids)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        calls.append((q.shape[2], kwargs.get("attn_mask") is not None))
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(local, "_per_document", lambda q: False)
+    one_call = LocalAttention()(q, k, v, positions=positions, doc_ids=doc_ids)
+    assert calls == [(24, True)]
+    torch.testing.assert_close(one_call, per_document)
+
+
 def test_local_attention_on_a_pack_equals_attention_per_document():
     generator = torch.Generator().manual_seed(3)
     lengths = [3, 5, 2]
