@@ -110,6 +110,12 @@ LAYOUTS = [
            "packed documents: explicit tile masks"),
     Layout("packed-hybrid2x2-fp16", ("--pp", "1", "--cp-ring", "2", "--cp-ulysses", "2",
                                      "--dtype", "fp16", *PACKED)),
+    Layout("packed-pp1-bf16", ("--pp", "1", "--dtype", "bf16", *PACKED),
+           "a pack as one masked SDPA call per layer"),
+    # torch.compile (inductor) of each block; under ZB-V only the weightless pieces.
+    Layout("pp1-bf16-compile", ("--pp", "1", "--dtype", "bf16", "--compile")),
+    Layout("pp2-vpp2-zb-v-compile", ("--pp", "2", "--vpp", "2", "--schedule", "zb-v",
+                                     "--compile")),
 ]
 
 
