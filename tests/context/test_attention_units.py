@@ -195,6 +195,23 @@ def test_a_pack_off_the_cpu_is_one_call_with_its_mask(monkeypatch):
     torch.testing.assert_close(one_call, per_document)
 
 
+def test_a_masked_call_off_the_cpu_repeats_the_key_value_heads(monkeypatch):
+    """SDPA's fused CUDA kernels take no grouped key/value heads beside a mask (it falls
+    back to the math kernel); off the CPU the heads are repeated instead. Meta tensors
+    stand for CUDA ones here."""
+    from meshpipe.context import local
+
+    calls = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kwargs: calls.append(
+                            (k.shape[1], kwargs["enable_gqa"])) or q)
+    mask = torch.ones(24, 24, dtype=torch.bool)
+    for device in ("meta", "cpu"):
+        q, k, v = (torch.empty(1, heads, 24, 8, device=device) for heads in (4, 2, 2))
+        local._masked_sdpa(q, k, v, mask, None, gqa=True)
+    assert calls == [(4, False), (2, True)]
+
+
 def test_local_attention_on_a_pack_equals_attention_per_document():
     generator = torch.Generator().manual_seed(3)
     lengths = [3, 5, 2]

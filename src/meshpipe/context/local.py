@@ -65,8 +65,7 @@ class LocalAttention(nn.Module):
         else:
             mask = attention_mask(positions, positions, doc_ids, doc_ids, causal,
                                   window if windowed else None)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                                 enable_gqa=gqa)
+            out = _masked_sdpa(q, k, v, mask, scale, gqa)
         return out.transpose(1, 2)
 
     def extra_repr(self) -> str:
@@ -91,6 +90,18 @@ def soft_capped_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor | N
         scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.matmul(weights, v).transpose(1, 2)
+
+
+def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None,
+                 gqa: bool) -> Tensor:
+    """SDPA with a mask on ``[b, h, s, d]``. SDPA's fused CUDA kernels refuse grouped
+    key/value heads beside a mask: it would fall back to its math kernel, which holds the
+    whole ``[b, h, s, s]`` scores in float32. Off the CPU the key/value heads are repeated
+    for it instead (their gradients sum back through the repeat)."""
+    if gqa and q.device.type != "cpu":
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def _per_document(q: Tensor) -> bool:
