@@ -19,7 +19,7 @@ from meshpipe.models import Transformer, TransformerConfig
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.trainer import Trainer
-from trainer_cases import SMALL
+from trainer_cases import SMALL, for_a_model
 
 pytestmark = pytest.mark.distributed
 
@@ -85,8 +85,7 @@ def test_a_hugging_face_models_step_creates_every_tensor_on_its_inputs_device(tm
                                                                              layout):
     pytest.importorskip("transformers")
     directory = save_tiny_model(tmp_path / "model", "llama")
-    hf = {key: value for key, value in AUDIT.items()
-          if key not in ("dim", "layers", "heads", "kv_heads")}
+    hf = for_a_model(AUDIT)
     _assert_clean_step(TrainConfig(**hf, **layout, model=str(directory),
                                    out_dir=str(tmp_path)))
 

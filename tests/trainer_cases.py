@@ -11,6 +11,12 @@ SMALL = dict(dim=32, layers=4, heads=4, kv_heads=2, seq_len=16, microbatch_size=
              eval_every=0, timeline_step=0, progress=False)
 
 
+def for_a_model(flags: dict) -> dict:
+    """``flags`` without the reference transformer's sizes, which a ``--model`` refuses."""
+    return {key: value for key, value in flags.items()
+            if key not in ("dim", "layers", "heads", "kv_heads")}
+
+
 def check_first_step(rank, world_size, config):
     """Rank 0's ``--check`` report of ``config``'s first step (None on the other ranks)."""
     return Trainer(config).check_first_step()

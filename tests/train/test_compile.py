@@ -15,7 +15,7 @@ from hf_models import save_tiny_model, write_documents
 from meshpipe.models.compile import BACKEND_VARIABLE, compile_blocks, regions
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from trainer_cases import SMALL
+from trainer_cases import SMALL, for_a_model
 
 pytestmark = pytest.mark.distributed
 
@@ -45,8 +45,7 @@ def test_a_compiled_step_matches_one_process(tmp_path, layout):
 
 
 def test_a_compiled_hugging_face_model_on_packed_ulysses_matches_transformers(tmp_path):
-    hf = {key: value for key, value in SMALL.items()
-          if key not in ("dim", "layers", "heads", "kv_heads")}
+    hf = for_a_model(SMALL)
     config = TrainConfig(**hf, pp=1, schedule="none", cp_ulysses=2, pack=True, compile=True,
                          model=str(save_tiny_model(tmp_path / "model", "qwen3")),
                          data=str(write_documents(tmp_path / "docs.txt")),

@@ -14,15 +14,14 @@ from meshpipe.testing import run_distributed
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.trainer import run
-from trainer_cases import SMALL, check_first_step
+from trainer_cases import SMALL, check_first_step, for_a_model
 
 pytestmark = pytest.mark.distributed
 
 pytest.importorskip("transformers")
 
 DATA = dict(SMALL, seq_len=32, microbatches=2, steps=2)
-HF = {key: value for key, value in DATA.items() if key not in ("dim", "layers", "heads",
-                                                                 "kv_heads")}
+HF = for_a_model(DATA)
 
 PACKED_LAYOUTS = {
     "ring2": dict(pp=1, schedule="none", cp_ring=2),

@@ -10,14 +10,13 @@ import torch
 from hf_models import save_tiny_model, write_documents
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from trainer_cases import SMALL, check_first_step, train, train_then_logits
+from trainer_cases import SMALL, check_first_step, for_a_model, train, train_then_logits
 
 pytestmark = pytest.mark.distributed
 
 pytest.importorskip("transformers")
 
-HF = {key: value for key, value in SMALL.items() if key not in ("dim", "layers", "heads",
-                                                                 "kv_heads")}
+HF = for_a_model(SMALL)
 
 LAYOUTS = {
     "llama-pp2-ring2": ("llama", {}, dict(pp=2, cp_ring=2)),

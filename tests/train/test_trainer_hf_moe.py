@@ -11,14 +11,13 @@ import torch
 from hf_models import save_tiny_model
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from trainer_cases import SMALL, train
+from trainer_cases import SMALL, for_a_model, train
 
 pytestmark = pytest.mark.distributed
 
 pytest.importorskip("transformers")
 
-HF = {key: value for key, value in SMALL.items() if key not in ("dim", "layers", "heads",
-                                                                 "kv_heads")}
+HF = for_a_model(SMALL)
 
 
 def test_metrics_report_the_experts_load(tmp_path):

@@ -273,7 +273,9 @@ class HFChunk(nn.Module):
                             if "layer_type" in inspect.signature(
                                 type(base.rotary_emb).forward).parameters else None)
         self.logit_softcap = getattr(model.config, "final_logit_softcapping", None)
-        # With experts anywhere in the model, every message carries the load-balancing loss.
+        # Each layer's expert block (None: dense), found once; with experts anywhere in the
+        # model, every message carries the load-balancing loss.
+        self._experts = {index: hf_moe.expert_layer(layer) for index, layer in self.layers.items()}
         self.is_moe = any(hf_moe.expert_layer(layer) is not None for layer in base.layers)
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
@@ -297,7 +299,7 @@ class HFChunk(nn.Module):
                 tables[kind] = (self.rotary_emb(hidden, position_ids, kind) if kind
                                 else self.rotary_emb(hidden, position_ids))
             inputs = (tables[kind], position_ids, layer_positions, doc_ids)
-            experts = hf_moe.expert_layer(layer)
+            experts = self._experts[index]
             if experts is None:
                 hidden = _maybe_checkpoint(self.recompute, self._layer, layer, hidden, *inputs)
                 continue
