@@ -164,7 +164,8 @@ def test_ring_attention_on_its_cuda_tiles_equals_the_math_kernel(one_rank_group,
                                                                  dtype, packed):
     """A ring of one rank runs the whole sequence as tiles: causal squares halved into causal
     leaves and unmasked rectangles, and with packed documents explicit masks. Output and
-    q/k/v gradients on the memory-efficient CUDA kernel equal those on the math kernel."""
+    q/k/v gradients on the CUDA kernels (memory-efficient in fp32, flash in bf16/fp16) equal
+    those on the math kernel."""
     from meshpipe.context import ring
     from meshpipe.context.blockwise import MATH, kernel_for
 
@@ -188,9 +189,10 @@ def test_ring_attention_on_its_cuda_tiles_equals_the_math_kernel(one_rank_group,
         out.backward(grad)
         return [out, *(t.grad for t in inputs)]
 
-    assert kernel_for(q.device).name == "cuda_efficient"
+    expected = "cuda_efficient" if dtype is torch.float32 else "cuda_flash"
+    assert kernel_for(q.device, dtype=dtype).name == expected
     efficient = run()
-    monkeypatch.setattr(ring, "kernel_for", lambda device, softcap=None: MATH)
+    monkeypatch.setattr(ring, "kernel_for", lambda device, softcap=None, dtype=None: MATH)
     math_kernel = run()
     for name, got, want in zip(["out", "dq", "dk", "dv"], efficient, math_kernel):
         assert got.dtype == dtype and got.isfinite().all()

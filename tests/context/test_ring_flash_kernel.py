@@ -298,3 +298,108 @@ def test_the_efficient_kernels_lse_goes_back_in_its_padded_layout_with_its_value
     padded = _efficient_lse(lse)
     assert padded.shape == (2, 3, 64) and padded.stride()[:2] == (192, 64)
     assert torch.equal(padded[..., :37], lse)
+
+
+def test_kernel_for_takes_the_flash_kernel_for_half_precision_on_cuda():
+    cuda = torch.device("cuda", 0)
+    for dtype in (torch.bfloat16, torch.float16):
+        kernel = kernel_for(cuda, dtype=dtype)
+        assert (kernel.name, kernel.dtype, kernel.causal_leaf) == ("cuda_flash", dtype, None)
+    assert kernel_for(cuda, dtype=torch.float32) is CUDA_EFFICIENT
+    assert kernel_for(torch.device("cpu"), dtype=torch.bfloat16) is CPU_FLASH
+    assert kernel_for(cuda, softcap=30.0, dtype=torch.bfloat16).name == "math softcap 30.0"
+
+
+_FLASH_OPS = ("_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_flash_attention_backward")
+
+
+@pytest.mark.parametrize("mask_kind,head_dim,expected", [
+    ("causal", 16, "flash"), ("none", 128, "flash"), ("explicit", 16, "efficient"),
+    ("causal", 12, "efficient")])
+def test_half_precision_cuda_tiles_go_to_the_flash_kernel(mask_kind, head_dim, expected):
+    """On meta tensors (this build has no CUDA kernels): a bf16 causal or unmasked tile calls
+    the flash ops with the operands in bf16 and grouped key/value heads as they are; a tile
+    with an explicit mask, or a head size flash cannot take, calls the memory-efficient ops
+    in bf16. Outputs, log-sum-exp and gradients come back float32."""
+    kernel = kernel_for(torch.device("cuda"), dtype=torch.bfloat16)
+    b, hq, hkv, s_q, s_k = 2, 4, 2, 37, 37 if mask_kind == "causal" else 21
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, grad_out = (torch.empty(b, hq, s_q, head_dim, **meta) for _ in range(2))
+    k, v = (torch.empty(b, hkv, s_k, head_dim, **meta) for _ in range(2))
+    mask = {"causal": CAUSAL, "none": None,
+            "explicit": torch.ones(s_q, s_k, dtype=torch.bool, device="meta")}[mask_kind]
+    recorder = _EfficientRecorder()
+    recorder.calls.update({name: [] for name in _FLASH_OPS})
+    with recorder:
+        out, lse = kernel.forward(q, k, v, mask, 0.25)
+        grads = kernel.backward(grad_out, q, k, v, out.bfloat16(), lse, mask, 0.25)
+
+    ops = _FLASH_OPS if expected == "flash" else _EfficientRecorder.NAMES
+    assert {name for name, calls in recorder.calls.items() if calls} == set(ops)
+    (forward_args,), (backward_args,) = (recorder.calls[name] for name in ops)
+    assert forward_args["query"].dtype == forward_args["key"].dtype == torch.bfloat16
+    grad_out_arg = backward_args.get("grad_out", backward_args.get("grad_out_"))
+    assert grad_out_arg.dtype == backward_args["out"].dtype == torch.bfloat16
+    assert forward_args["is_causal"] == backward_args["is_causal"] == (mask_kind == "causal")
+    if expected == "flash":
+        assert forward_args["key"].shape[1] == backward_args["value"].shape[1] == hkv
+        assert backward_args["logsumexp"].is_contiguous()
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == (b, hq, s_q, head_dim)
+    assert [grad.dtype for grad in grads] == [torch.float32] * 3
+    assert [grad.shape for grad in grads] == [q.shape, k.shape, v.shape]
+
+
+def _half_precision_ring(rank: int, world: int, seq: int) -> list[tuple]:
+    """A zigzag ring in bf16 on a stand-in for the CUDA flash kernel (the math kernel taking
+    bf16 operands, whole causal squares): output and gradients against float32 SDPA on the
+    same bf16-rounded values; returns the dtypes and row counts the kernel was given."""
+    from meshpipe.context import ring
+    from meshpipe.context.blockwise import BlockKernel
+
+    torch.set_num_threads(1)
+    seen = []
+
+    def forward(q, k, v, mask, scale):
+        seen.append(("fwd", q.dtype, k.dtype, mask is CAUSAL, q.shape[2]))
+        return MATH.forward(q.float(), k.float(), v.float(), mask, scale)
+
+    def backward(grad_out, q, k, v, out, lse, mask, scale):
+        seen.append(("bwd", grad_out.dtype, out.dtype, mask is CAUSAL, q.shape[2]))
+        return MATH.backward(*(t.float() for t in (grad_out, q, k, v, out)), lse, mask, scale)
+
+    half = BlockKernel("half math", forward, backward, dtype=torch.bfloat16, causal_leaf=None)
+    generator = torch.Generator().manual_seed(11)
+    q, grad_out = (torch.randn(1, seq, 4, 8, generator=generator).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, seq, 2, 8, generator=generator).bfloat16() for _ in range(2))
+    positions = zigzag_positions(seq, world, rank)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=True,
+                                         enable_gqa=True).transpose(1, 2)
+    ref.backward(grad_out.float())
+    local = [t[:, positions].clone().requires_grad_() for t in (q, k, v)]
+    original = ring.kernel_for
+    ring.kernel_for = lambda device, softcap=None, dtype=torch.float32: half
+    try:
+        out = RingAttention()(*local, positions=positions)
+        out.backward(grad_out[:, positions])
+    finally:
+        ring.kernel_for = original
+    tolerance = dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), ref[:, positions].detach(), **tolerance)
+    for mine, full in zip(local, leaves):
+        assert mine.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(mine.grad.float(), full.grad[:, positions], **tolerance)
+    return seen
+
+
+def test_a_half_precision_kernel_gets_its_own_dtype_and_whole_causal_squares():
+    """The tile machinery with a kernel whose ``dtype`` is bf16 (the CUDA flash kernel's
+    contract): q/k/v, the output gradient and the final output reach it in bf16, the running
+    output merges in float32, and a block longer than CAUSAL_LEAF is one causal tile."""
+    seq = 4 * (CAUSAL_LEAF + 4)
+    for rank, seen in enumerate(run_distributed(2, _half_precision_ring, seq)):
+        assert {(first, second) for _, first, second, _, _ in seen} == {
+            (torch.bfloat16, torch.bfloat16)}, (rank, seen)
+        causal_rows = {(tag, rows) for tag, _, _, causal, rows in seen if causal}
+        assert causal_rows == {("fwd", seq // 2), ("bwd", seq // 2)}, (rank, seen)

@@ -14,24 +14,33 @@ output and log-sum-exp. Two kernels do this:
   grouped key/value heads are repeated for it and their gradients summed back; its
   log-sum-exp comes padded to a multiple of 32 rows and is cut to the tile's, and goes back
   to its backward padded again (the kernel reads it with a head stride of a multiple of 8).
+- ``cuda_flash`` (``kernel_for(cuda, dtype=bf16 or fp16)``): tiles in half precision on
+  CUDA take the operands in their own dtype (``BlockKernel.dtype``) to PyTorch's flash
+  kernel, which returns the log-sum-exp and takes it back in backward and runs grouped
+  key/value heads natively; a tile with an explicit mask (which flash cannot take) runs on
+  the memory-efficient kernel in the same dtype. Outputs and gradients come back in
+  float32, where tiles merge and accumulate.
 - ``MATH``: the same computation in plain tensor operations, for any device; with a
   soft-cap (``kernel_for(device, softcap)``) the scores are capped before the softmax and
   the cap's slope enters the score gradients.
 
-Both compute in float32 on layouts ``q``: ``[b, hq, s_q, d]``, ``k``/``v``: ``[b, hkv, s_k,
+Kernels take layouts ``q``: ``[b, hq, s_q, d]``, ``k``/``v``: ``[b, hkv, s_k,
 d]``, log-sum-exp ``[b, hq, s_q]``; ``mask`` is boolean ``[s_q, s_k]`` (True = may attend),
 None (no mask), or ``CAUSAL``: the square lower-triangular mask, which ``CPU_FLASH`` runs as
 the kernel's own causal mode (``is_causal=True``), skipping the masked half of the tile instead
 of computing it under an additive mask. ``tile_mask`` turns a plan's boolean mask into
 ``CAUSAL`` when it is exactly that triangle. Every query row must attend at least one key of
 the block: callers compact blocks to their live rows (``masks.plan_block``), so no row is
-ever fully masked.
+ever fully masked. Kernels that skip masked work only in whole blocks of their own size
+(the CPU's) have a ``causal_leaf``: causal squares longer than it are halved
+(``masks.split_causal``); the CUDA kernels skip masked blocks themselves and take a causal
+square whole.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Callable
 
 import torch
@@ -70,20 +79,28 @@ def _boolean(mask: TileMask, q: Tensor, k: Tensor) -> Tensor | None:
     return mask
 
 
+CAUSAL_LEAF = 256
+"""Causal squares longer than this are cut into halves for the CPU's kernels."""
+
+
 @dataclass(frozen=True)
 class BlockKernel:
     """``forward(q, k, v, mask, scale) -> (out, lse)`` and
     ``backward(grad_out, q, k, v, out, lse, mask, scale) -> (dq, dk, dv)``, where ``out`` and
-    ``lse`` given to backward are the final ones over all blocks."""
+    ``lse`` given to backward are the final ones over all blocks. q, k, v, ``grad_out`` and
+    ``out`` go in as ``dtype``; outputs, log-sum-exp and gradients come back in float32.
+    ``causal_leaf``: the longest causal square worth one call (None: any)."""
 
     name: str
     forward: Forward
     backward: Backward
+    dtype: torch.dtype = torch.float32
+    causal_leaf: int | None = CAUSAL_LEAF
 
 
-def heads_first(x: Tensor) -> Tensor:
-    """``[b, s, h, d]`` -> float32 ``[b, h, s, d]``."""
-    return x.transpose(1, 2).float()
+def heads_first(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``[b, s, h, d]`` -> ``[b, h, s, d]`` in ``dtype`` (a view when it already is)."""
+    return x.transpose(1, 2).to(dtype)
 
 
 def _grouped(x: Tensor, heads_kv: int) -> Tensor:
@@ -226,18 +243,77 @@ def _cuda_efficient_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
     return dq, _sum_groups(dk, heads_kv), _sum_groups(dv, heads_kv)
 
 
-CUDA_EFFICIENT = BlockKernel("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward)
+CUDA_EFFICIENT = BlockKernel("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward,
+                             causal_leaf=None)
 
 
-def kernel_for(device: torch.device, softcap: float | None = None) -> BlockKernel:
-    """The fastest kernel available for tensors on ``device``; scores soft-capped at
-    ``softcap`` (Gemma 2) run on ``MATH`` with the cap, which no fused kernel applies."""
+_FLASH_HEAD_DIMS = range(8, 257, 8)
+"""The head sizes PyTorch's CUDA flash kernel takes."""
+
+
+@cache
+def _flash_capable(device_index: int | None) -> bool:
+    """Whether the CUDA device has the flash kernel (Ampere, compute capability 8.0, or newer)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+def _takes_flash(q: Tensor, mask: TileMask) -> bool:
+    """Whether a half-precision tile runs on the flash kernel: causal or unmasked, a head size
+    it takes, SDPA's flash backend not switched off, on a device that has it (a tensor off
+    CUDA, 'meta' in the routing tests, is taken to have it)."""
+    return (not isinstance(mask, Tensor) and q.shape[-1] in _FLASH_HEAD_DIMS
+            and torch.backends.cuda.flash_sdp_enabled()
+            and (q.device.type != "cuda" or _flash_capable(q.device.index)))
+
+
+def _no_rng_state() -> Tensor:
+    """The philox seed or offset of a kernel run without dropout (unread): a host scalar,
+    as the kernels return it then."""
+    return torch.zeros((), dtype=torch.int64, device="cpu")
+
+
+def _cuda_half_forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask,
+                       scale: float) -> tuple[Tensor, Tensor]:
+    if _takes_flash(q, mask):
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, mask is CAUSAL, False, scale=scale)
+    else:
+        out, lse = _cuda_efficient_forward(q, k, v, mask, scale)
+    return out.float(), lse
+
+
+def _cuda_half_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                        lse: Tensor, mask: TileMask,
+                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    if _takes_flash(q, mask):
+        # The kernel reads the log-sum-exp as a dense [b, h, s_q]; a tile of some rows is a view.
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
+            mask is CAUSAL, _no_rng_state(), _no_rng_state(), scale=scale)
+    else:
+        grads = _cuda_efficient_backward(grad_out, q, k, v, out, lse, mask, scale)
+    return tuple(grad.float() for grad in grads)
+
+
+_CUDA_HALF = {dtype: BlockKernel("cuda_flash", _cuda_half_forward, _cuda_half_backward,
+                                 dtype=dtype, causal_leaf=None)
+              for dtype in (torch.bfloat16, torch.float16)}
+
+
+def kernel_for(device: torch.device, softcap: float | None = None,
+               dtype: torch.dtype = torch.float32) -> BlockKernel:
+    """The fastest kernel available for ``dtype`` tensors on ``device``: on CUDA the flash
+    kernel in half precision and the memory-efficient one in float32 (an exact path); scores
+    soft-capped at ``softcap`` (Gemma 2) run on ``MATH`` with the cap, which no fused kernel
+    applies."""
     if softcap is not None:
         return BlockKernel(f"math softcap {softcap}", partial(_math_forward, softcap=softcap),
                            partial(_math_backward, softcap=softcap))
     if device.type == "cpu":
         return CPU_FLASH
-    return CUDA_EFFICIENT if device.type == "cuda" else MATH
+    if device.type == "cuda":
+        return _CUDA_HALF.get(dtype, CUDA_EFFICIENT)
+    return MATH
 
 
 def merge_block(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor,

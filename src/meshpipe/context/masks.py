@@ -178,16 +178,17 @@ def _whole(piece: Piece, q_count: int, k_count: int) -> Piece:
     return Piece(rows, cols, piece.causal)
 
 
-def split_causal(piece: Piece, count: int, leaf: int) -> list[Piece]:
+def split_causal(piece: Piece, count: int, leaf: int | None) -> list[Piece]:
     """A causal square of more than ``leaf`` rows cut in two, recursively: the upper-left and
-    lower-right halves stay causal squares and the lower-left quarter is unmasked.
+    lower-right halves stay causal squares and the lower-left quarter is unmasked. ``leaf``
+    None leaves it whole.
 
     A blockwise kernel skips masked work only in whole blocks of its own size, so a large
     causal square costs it up to 1.6 times the live half; squares of ``leaf`` rows and
     unmasked rectangles cost what they compute. ``count`` is the query block's length (the
     rows of a piece whose range is None).
     """
-    if not piece.causal:
+    if not piece.causal or leaf is None:
         return [piece]
     rows = piece.rows or slice(0, count)
     size = rows.stop - rows.start

@@ -18,10 +18,12 @@ materialises a mask or computes across documents. Only scattered positions fall 
 tile with an additive mask. With the zigzag layout (rank ``r`` holds chunks ``r`` and
 ``2n-1-r``) every rank does the same work.
 
-Tiles run on ``blockwise.kernel_for`` the device: ``CPU_FLASH`` on CPU (PyTorch's CPU flash
-kernel, which returns the log-sum-exp and takes it back in backward), ``CUDA_EFFICIENT`` on
-CUDA (the memory-efficient kernel, which does the same) and ``MATH`` elsewhere, and
-wherever the scores are soft-capped (Gemma 2: no fused kernel caps them). Rows and
+Tiles run on ``blockwise.kernel_for`` the device and dtype: ``CPU_FLASH`` on CPU (PyTorch's
+CPU flash kernel, which returns the log-sum-exp and takes it back in backward), on CUDA the
+flash kernel in bf16/fp16 and ``CUDA_EFFICIENT`` (the memory-efficient kernel, which does
+the same) in float32, and ``MATH`` elsewhere, and wherever the scores are soft-capped
+(Gemma 2: no fused kernel caps them). Causal squares are halved only for the CPU's kernels
+(``BlockKernel.causal_leaf``); CUDA's skip the masked blocks of a whole square. Rows and
 columns of a rectangle are views, not copies; partial results are merged in place, in
 float32 whatever the input dtype. The first tile that covers every row is the running output
 itself, so a step allocates nothing the size of the block beyond what the kernel returns.
@@ -39,12 +41,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..comm.collectives import COMM_LABEL, PendingTransfers, post_transfers
-from .blockwise import heads_first, kernel_for
+from .blockwise import BlockKernel, heads_first, kernel_for
 from .layout import GroupLayout, attention_layout
 from .masks import (Piece, TokenRun, plan_block, plan_pieces, split_causal, token_runs,
                     window_applies)
-from .tiles import (CAUSAL_LEAF, SEQ, Tile, TileGradients, accumulate, attend, causal_square,
-                    empty_output)
+from .tiles import SEQ, Tile, TileGradients, accumulate, attend, causal_square, empty_output
 
 # Key/value blocks and their gradient accumulators use different tags so the two streams
 # between a pair of ranks can never be matched with each other.
@@ -84,9 +85,8 @@ class _Ring:
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring,
-                plans: list[list[Tile]], scale: float, softcap: float | None = None) -> Tensor:
-        kernel = kernel_for(q.device, softcap)
-        queries = heads_first(q)
+                plans: list[list[Tile]], scale: float, kernel: BlockKernel) -> Tensor:
+        queries = heads_first(q, kernel.dtype)
         out = lse = None
         kv = (k, v)
         for step in range(ring.size):
@@ -104,8 +104,9 @@ class _RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         ring, plans = ctx.ring, ctx.plans
-        tile = TileGradients(ctx.kernel, heads_first(q), heads_first(grad_output), out, lse,
-                              ctx.scale)
+        dtype = ctx.kernel.dtype
+        tile = TileGradients(ctx.kernel, heads_first(q, dtype), heads_first(grad_output, dtype),
+                              out, lse, ctx.scale)
         kv = (k, v)
         grad_kv_transfer = None
         for step in range(ring.size):
@@ -147,11 +148,12 @@ class RingAttention(nn.Module):
         ring = _Ring(group=self.group, rank=dist.get_rank(self.group),
                      size=dist.get_world_size(self.group), block_sizes=layout.sizes)
         everywhere = layout.gathered_positions()
-        plans = _plan_ring(ring, layout, causal,
+        kernel = kernel_for(q.device, softcap, q.dtype)
+        plans = _plan_ring(ring, layout, causal, kernel.causal_leaf,
                            window if window_applies(window, everywhere, layout.total) else None)
         scale = next(s for s in (scale, self.scale, 1.0 / math.sqrt(q.shape[-1]))
                      if s is not None)
-        return _RingAttentionFunction.apply(q, k, v, ring, plans, scale, softcap)
+        return _RingAttentionFunction.apply(q, k, v, ring, plans, scale, kernel)
 
 
 def split_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
@@ -161,12 +163,13 @@ def split_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None)
     the CPU flash kernel it skips masked work that one large causal call computes anyway."""
     count = q.shape[1]
     ring = _Ring(group=None, rank=0, size=1, block_sizes=[count])
-    plans = [causal_square(count, True)]
+    kernel = kernel_for(q.device, dtype=q.dtype)
+    plans = [causal_square(count, True, kernel.causal_leaf)]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttentionFunction.apply(q, k, v, ring, plans, scale)
+    return _RingAttentionFunction.apply(q, k, v, ring, plans, scale, kernel)
 
 
-def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool,
+def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool, leaf: int | None,
                window: int | None = None) -> list[list[Tile]]:
     """This rank's tiles for each ring step.
 
@@ -176,7 +179,7 @@ def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool,
     A block whose positions run in increasing order within one document is, against itself,
     one causal square. Otherwise blocks made of runs of consecutive positions (zigzag halves,
     the documents of a pack) are cut into rectangles that need no mask (``plan_pieces``);
-    causal squares longer than ``CAUSAL_LEAF`` are halved until they are not
+    causal squares longer than the kernel's ``leaf`` are halved until they are not
     (``split_causal``). Only scattered positions fall back to a tile with a materialised mask.
     """
     mine = ring.rank
@@ -200,7 +203,7 @@ def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool,
                 causal, window)))
             continue
         plans.append([Tile.of_piece(part) for piece in pieces
-                      for part in split_causal(piece, count, CAUSAL_LEAF)])
+                      for part in split_causal(piece, count, leaf)])
     return plans
 
 

@@ -14,11 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .blockwise import CAUSAL, BlockKernel, TileMask, heads_first, merge_block, tile_mask
+from .blockwise import (CAUSAL, CAUSAL_LEAF, BlockKernel, TileMask, heads_first, merge_block,
+                        tile_mask)
 from .masks import BlockPlan, Piece, split_causal
-
-CAUSAL_LEAF = 256
-"""Causal squares longer than this are cut into halves (``masks.split_causal``)."""
 
 _FLOAT32_COMPUTE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -68,7 +66,7 @@ def accumulate(total: Tensor | None, part: Tensor, dim: int, index: Index,
     if total is None:
         if index is None:
             return part
-        total = torch.zeros(shape, device=part.device)
+        total = torch.zeros(shape, dtype=torch.float32, device=part.device)
     if index is None:
         total += part
     elif isinstance(index, slice):
@@ -82,31 +80,34 @@ SEQ = 1  # the sequence dim of [b, s, h, d] blocks and of their gradient accumul
 
 
 def empty_output(queries: Tensor) -> tuple[Tensor, Tensor]:
-    """A running output of zeros and log-sum-exp of -inf: what no key contributes."""
-    return (torch.zeros_like(queries),
+    """A running float32 output of zeros and log-sum-exp of -inf: what no key contributes."""
+    return (torch.zeros_like(queries, dtype=torch.float32),
             torch.full(queries.shape[:-1], float("-inf"), device=queries.device))
 
 
-def block_kv(kv: tuple[Tensor, Tensor], tile: Tile) -> tuple[Tensor, Tensor]:
+def block_kv(kv: tuple[Tensor, Tensor], tile: Tile,
+             dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The keys and values of a ``[b, s, hkv, d]`` block at the tile's columns, heads first,
-    float32."""
-    return heads_first(take(kv[0], SEQ, tile.cols)), heads_first(take(kv[1], SEQ, tile.cols))
+    in the kernel's ``dtype``."""
+    return (heads_first(take(kv[0], SEQ, tile.cols), dtype),
+            heads_first(take(kv[1], SEQ, tile.cols), dtype))
 
 
 class TileGradients:
-    """This rank's query gradient, accumulated tile by tile in backward."""
+    """This rank's query gradient, accumulated tile by tile in backward (``queries`` and
+    ``grad_out`` in the kernel's dtype, the final ``out`` and ``lse`` in float32)."""
 
     def __init__(self, kernel: BlockKernel, queries: Tensor, grad_out: Tensor, out: Tensor,
                  lse: Tensor, scale: float):
         self.kernel, self.queries, self.grad_out = kernel, queries, grad_out
-        self.out, self.lse, self.scale = out, lse, scale
+        self.out, self.lse, self.scale = out.to(kernel.dtype), lse, scale
         self.grad_queries: Tensor | None = None
 
     def gradients(self, tile: Tile, kv: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """Add one tile's query gradient; return its key and value gradients as ``[b, s_live,
         hkv, d]`` (views of the kernel's output, which lies in that order)."""
         rows = tile.rows
-        keys, values = block_kv(kv, tile)
+        keys, values = block_kv(kv, tile, self.kernel.dtype)
         grad_q, grad_k, grad_v = self.kernel.backward(
             take(self.grad_out, 2, rows), take(self.queries, 2, rows), keys, values,
             take(self.out, 2, rows), take(self.lse, 2, rows), tile.mask, self.scale)
@@ -118,11 +119,11 @@ class TileGradients:
 def attend(kernel: BlockKernel, queries: Tensor, kv: tuple[Tensor, Tensor], tiles: list[Tile],
            scale: float, out: Tensor | None = None, lse: Tensor | None = None
            ) -> tuple[Tensor | None, Tensor | None]:
-    """Run ``tiles`` of ``queries`` (``[b, h, s, d]`` float32) against the block ``kv`` and
-    fold them into the running ``(out, lse)`` (None: nothing yet). A first tile covering
-    every row becomes the output itself; the others merge in place."""
+    """Run ``tiles`` of ``queries`` (``[b, h, s, d]`` in the kernel's dtype) against the block
+    ``kv`` and fold them into the running float32 ``(out, lse)`` (None: nothing yet). A first
+    tile covering every row becomes the output itself; the others merge in place."""
     for tile in tiles:
-        keys, values = block_kv(kv, tile)
+        keys, values = block_kv(kv, tile, kernel.dtype)
         block_out, block_lse = kernel.forward(take(queries, 2, tile.rows), keys, values,
                                               tile.mask, scale)
         if out is None and tile.rows is None:
@@ -134,9 +135,9 @@ def attend(kernel: BlockKernel, queries: Tensor, kv: tuple[Tensor, Tensor], tile
     return out, lse
 
 
-def causal_square(count: int, causal: bool) -> list[Tile]:
+def causal_square(count: int, causal: bool, leaf: int | None = CAUSAL_LEAF) -> list[Tile]:
     """The tiles of a whole sequence of ``count`` tokens against itself: unmasked, or the
-    causal square cut down to ``CAUSAL_LEAF`` rows."""
+    causal square cut down to ``leaf`` rows (None: whole)."""
     return [Tile.of_piece(piece)
-            for piece in split_causal(Piece(None, None, causal), count, CAUSAL_LEAF)]
+            for piece in split_causal(Piece(None, None, causal), count, leaf)]
 
