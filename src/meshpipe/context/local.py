@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .derived import derived
 from .interface import check_attention_inputs
 from .masks import attention_mask, is_plain_sequence, token_runs, window_applies
 from .ring import split_causal_attention
@@ -29,7 +30,9 @@ class LocalAttention(nn.Module):
     CUDA a pack is one call with its mask (``_per_document``); anything else builds the mask
     from ``positions`` and ``doc_ids`` (and a sliding ``window`` shorter than the span of the
     positions). Grouped-query attention
-    goes to SDPA as is (``enable_gqa``), without repeating key/value heads.
+    goes to SDPA as is (``enable_gqa``), without repeating key/value heads. What is read from
+    ``positions`` and ``doc_ids`` (plain or not, the documents, the mask) is derived once
+    per microbatch, at its first layer (``context.derived``).
     """
 
     def __init__(self, scale: float | None = None):
@@ -44,9 +47,12 @@ class LocalAttention(nn.Module):
         if softcap is not None:
             return soft_capped_attention(q, k, v, positions, doc_ids, causal, window, scale,
                                          softcap)
-        windowed = window_applies(window, positions, q.shape[1])
-        plain = is_plain_sequence(positions, doc_ids) and not windowed
-        if plain and causal and runs_on_cpu_kernel(q) and q.shape[1] > CAUSAL_LEAF:
+        seq = q.shape[1]
+        windowed = window is not None and derived(
+            ("window", window, seq), (positions,), lambda: window_applies(window, positions, seq))
+        plain = not windowed and derived(
+            "plain", (positions, doc_ids), lambda: is_plain_sequence(positions, doc_ids))
+        if plain and causal and runs_on_cpu_kernel(q) and seq > CAUSAL_LEAF:
             return split_causal_attention(q, k, v, scale)
         gqa = q.shape[2] != k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -54,17 +60,17 @@ class LocalAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                                  enable_gqa=gqa)
             return out.transpose(1, 2)
-        if positions is None:
-            positions = torch.arange(q.shape[2], device=q.device)
-        documents = None if windowed or not _per_document(q) else _documents(positions,
-                                                                              doc_ids)
+        documents = None if windowed or not _per_document(q) else derived(
+            ("documents", seq), (positions, doc_ids), lambda: _documents(positions, doc_ids, seq))
         if documents is not None:
             out = torch.cat([F.scaled_dot_product_attention(
                 q[:, :, rows], k[:, :, rows], v[:, :, rows], is_causal=causal,
                 scale=scale, enable_gqa=gqa) for rows in documents], dim=2)
         else:
-            mask = attention_mask(positions, positions, doc_ids, doc_ids, causal,
-                                  window if windowed else None)
+            mask = derived(("mask", seq, causal, window if windowed else None, q.dtype, q.device),
+                           (positions, doc_ids),
+                           lambda: _additive_mask(positions, doc_ids, causal,
+                                                  window if windowed else None, seq, q))
             out = _masked_sdpa(q, k, v, mask, scale, gqa)
         return out.transpose(1, 2)
 
@@ -114,10 +120,27 @@ def _per_document(q: Tensor) -> bool:
     return q.device.type == "cpu" or q.shape[2] > MASKED_PACK_TOKENS
 
 
-def _documents(positions: Tensor, doc_ids: Tensor | None) -> list[slice] | None:
+def _additive_mask(positions: Tensor | None, doc_ids: Tensor | None, causal: bool,
+                   window: int | None, seq: int, q: Tensor) -> Tensor | None:
+    """The mask of the tokens as SDPA adds it to the scores (0 where a query may attend a
+    key, -inf elsewhere) in ``q``'s dtype: what SDPA would convert a boolean mask to in
+    every call, made once per microbatch (``derived``)."""
+    if positions is None:
+        positions = torch.arange(seq, device=q.device)
+    allowed = attention_mask(positions, positions, doc_ids, doc_ids, causal, window)
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~allowed, float("-inf"))
+
+
+def _documents(positions: Tensor | None, doc_ids: Tensor | None,
+               seq: int) -> list[slice] | None:
     """The token ranges of the documents, when each document is one run of consecutive
     positions (its tokens then see only each other: one unmasked or causal square apiece),
     else None."""
+    if positions is None:
+        positions = torch.arange(seq, device=None if doc_ids is None else doc_ids.device)
     runs = token_runs(positions, doc_ids)
     if runs is None or len({run.doc for run in runs}) < len(runs):
         return None

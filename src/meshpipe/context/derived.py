@@ -1,0 +1,53 @@
+"""What attention derives from a microbatch's token layout, computed once per microbatch.
+
+Every layer of a microbatch gets the same ``positions`` / ``doc_ids`` tensor objects (and a
+recomputed forward gets them again). What attention reads from them (whether the sequence
+is plain, the runs of a pack's documents, its mask) would otherwise be derived again in
+every layer, and on a GPU each of those reads waits for the device: a host synchronisation
+per layer. ``derived`` keeps each value beside the tensors it came from, for as long as they
+live and are not modified in place, and drops it with them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Hashable, TypeVar
+
+from torch import Tensor
+
+T = TypeVar("T")
+
+_Key = tuple[Hashable, ...]
+_VALUES: dict[_Key, tuple[tuple[weakref.ref | None, ...], tuple[int, ...], object]] = {}
+
+
+def derived(name: Hashable, tensors: tuple[Tensor | None, ...], compute: Callable[[], T]) -> T:
+    """``compute()`` for ``tensors``, or the value it gave for these same tensor objects (at
+    their current versions) under ``name`` before."""
+    key = (name, *(id(tensor) for tensor in tensors))
+    versions = tuple(-1 if tensor is None else tensor._version for tensor in tensors)
+    entry = _VALUES.get(key)
+    if entry is not None and entry[1] == versions and all(
+            (ref is None) if tensor is None else (ref is not None and ref() is tensor)
+            for ref, tensor in zip(entry[0], tensors)):
+        return entry[2]  # type: ignore[return-value]
+    value = compute()
+    forget = _forgetter(key)
+    _VALUES[key] = (tuple(None if tensor is None else weakref.ref(tensor, forget)
+                          for tensor in tensors), versions, value)
+    return value
+
+
+def _forgetter(key: _Key) -> Callable[[weakref.ref], None]:
+    """A weakref callback that drops ``key``'s value once one of its tensors is freed (unless
+    the key already holds a newer value for other tensors)."""
+    def forget(dead: weakref.ref) -> None:
+        entry = _VALUES.get(key)
+        if entry is not None and any(ref is dead for ref in entry[0]):
+            del _VALUES[key]
+    return forget
+
+
+def held() -> int:
+    """How many derived values are held (for tests)."""
+    return len(_VALUES)

@@ -1,0 +1,68 @@
+"""What attention reads from a microbatch's positions and document ids is derived once per
+microbatch, not in every layer (on a GPU each read would wait for the device)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from meshpipe.context import local
+from meshpipe.context.derived import derived, held
+from meshpipe.models import Transformer, TransformerConfig
+
+
+def test_a_value_is_kept_for_the_same_tensors_while_they_live_unchanged():
+    positions, doc_ids = torch.arange(6), torch.tensor([0, 0, 0, 1, 1, 1])
+    computed = []
+
+    def compute():
+        computed.append(1)
+        return len(computed)
+
+    before = held()
+    assert derived("runs", (positions, doc_ids), compute) == 1
+    assert derived("runs", (positions, doc_ids), compute) == 1
+    assert derived("other name", (positions, doc_ids), compute) == 2
+    assert derived("runs", (positions.clone(), doc_ids), compute) == 3  # another tensor
+    assert derived("runs", (positions, None), compute) == 4
+    positions.add_(0)  # modified in place: derived anew
+    assert derived("runs", (positions, doc_ids), compute) == 5
+    del positions, doc_ids
+    gc.collect()
+    assert held() == before  # every value went with its tensors
+
+
+def _packed_batch(seq: int = 24):
+    lengths = torch.tensor([5, 11, 8])
+    doc_ids = torch.repeat_interleave(torch.arange(3), lengths)
+    positions = torch.arange(seq) - (torch.cumsum(lengths, 0) - lengths)[doc_ids]
+    return torch.randint(0, 64, (2, seq)), positions, doc_ids
+
+
+@pytest.mark.parametrize("one_call", [False, True], ids=["per document", "one masked call"])
+def test_every_layer_of_a_microbatch_shares_what_its_layout_gives(monkeypatch, one_call):
+    """A 4-layer model on a pack: the plain-sequence test, the document runs or the mask are
+    made once for the microbatch (and once more for the next), and the output equals the
+    one made with every layer deriving its own."""
+    counts = {"is_plain_sequence": 0, "token_runs": 0, "attention_mask": 0}
+    for name in counts:
+        def counted(*args, _name=name, _original=getattr(local, name)):
+            counts[_name] += 1
+            return _original(*args)
+        monkeypatch.setattr(local, name, counted)
+    monkeypatch.setattr(local, "_per_document", lambda q: not one_call)
+    model = Transformer(TransformerConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4,
+                                          n_kv_heads=2, max_seq_len=64))
+    tokens, positions, doc_ids = _packed_batch()
+    logits = model(tokens, positions=positions, doc_ids=doc_ids)
+    derived_once = {"is_plain_sequence": 1, "token_runs": 0 if one_call else 1,
+                    "attention_mask": 1 if one_call else 0}
+    assert counts == derived_once
+    model(tokens, positions=positions.clone(), doc_ids=doc_ids.clone())
+    assert counts == {name: 2 * count for name, count in derived_once.items()}
+
+    monkeypatch.setattr(local, "derived", lambda name, tensors, compute: compute())
+    torch.testing.assert_close(logits, model(tokens, positions=positions, doc_ids=doc_ids))
+    assert counts["is_plain_sequence"] == 2 + 4
