@@ -5,15 +5,19 @@
 
 Part 1 times one causal attention forward + backward in bf16 (batch 1, 16 heads of 128) per
 sequence length: SDPA with its flash kernel forced (meshpipe's ``LocalAttention``), and
-meshpipe's ``RingAttention`` on a group of one rank, which runs the tile kernel ring
-attention uses on CUDA (``context.blockwise.CUDA_EFFICIENT``: the memory-efficient kernel in
-float32, which returns the log-sum-exp), so it shows what a ring step costs per tile. A
-configuration that runs out of memory is recorded as OOM.
+meshpipe's ``RingAttention`` on a group of one rank, which runs the tiles ring attention
+runs on CUDA (``context.blockwise.kernel_for``: the flash kernel in bf16, with the
+log-sum-exp), so it shows what a ring step costs per tile. Then one packed row of
+``--seq-len`` tokens holding ``--documents`` documents (lengths drawn once, seed 0):
+``LocalAttention`` with the pack's positions and document ids against SDPA causal over the
+same row unpacked, which is what a pack should approach (TFLOP/s count each one's live
+work). A configuration that runs out of memory is recorded as OOM.
 
 Part 2 times training steps of the reference transformer (default dim 2048, 16 layers,
 seq 2048, bf16 autocast, 8 microbatches of 1 sequence, AdamW) through meshpipe's trainer on
 one GPU (``Trainer.train_step``: the 1F1B executor with one stage, gradient clipping,
-optimizer), eager and with ``--compile``, also as a Hugging Face Llama of the same sizes
+optimizer), eager and with ``--compile``, on random tokens and ``--pack``ed from the shipped
+corpus (documents of a few hundred tokens), also as a Hugging Face Llama of the same sizes
 through ``--model`` (``--no-hf`` skips it), beside the same model stepped by plain PyTorch:
 step time, tokens/s, model FLOPs utilisation and peak memory. MFU counts PaLM's model FLOPs,
 6 x parameters + 12 x layers x dim x seq per token (the attention scores as if not
@@ -49,6 +53,7 @@ from meshpipe.context.blockwise import kernel_for
 from meshpipe.models import Transformer, causal_lm_loss
 from meshpipe.runtime import autocast
 from meshpipe.train.config import TrainConfig
+from meshpipe.train.data import load_corpus
 from meshpipe.train.sources import model_config
 from meshpipe.train.trainer import Trainer
 
@@ -69,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048, help="training step: tokens per "
                                                                   "sequence")
+    parser.add_argument("--documents", type=int, default=27,
+                        help="documents in the packed attention row")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--microbatch-size", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
@@ -115,7 +122,47 @@ def _measure(fn: Callable[[], object], device: torch.device, args) -> dict:
 
 
 def attention_rows(args, device: torch.device) -> list[dict]:
-    return [row for seq in args.seqs for row in _attention_at(seq, args, device)]
+    return [*(row for seq in args.seqs for row in _attention_at(seq, args, device)),
+            *_packed_attention(args, device)]
+
+
+def _timed_attention(name: str, seq: int, flop: float, step: Callable[[], None],
+                     device: torch.device, args) -> dict:
+    row = {"part": "attention", "kernel": name, "seq": seq, **_measure(step, device, args)}
+    row["tflops"] = flop / row["seconds"] / 1e12 if row["seconds"] else None
+    print(_attention_line(row), flush=True)
+    return row
+
+
+def document_lengths(seq: int, documents: int) -> torch.Tensor:
+    """``documents`` lengths (each at least 1) that fill ``seq`` tokens, drawn with seed 0."""
+    generator = torch.Generator().manual_seed(0)
+    cuts = torch.randperm(seq - 1, generator=generator)[:documents - 1] + 1
+    edges = torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([seq])])
+    return edges.diff()
+
+
+def _packed_attention(args, device: torch.device) -> list[dict]:
+    seq = args.seq_len
+    lengths = document_lengths(seq, args.documents).to(device)
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    positions = torch.arange(seq, device=device) - (torch.cumsum(lengths, 0) - lengths)[doc_ids]
+    shape = (1, seq, args.heads, args.head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    attention = LocalAttention()
+    rows = []
+    for name, layout, live in (
+            (f"LocalAttention, a pack of {len(lengths)} documents",
+             dict(positions=positions, doc_ids=doc_ids), int((lengths * lengths).sum())),
+            ("SDPA causal, the same row unpacked", {}, seq * seq)):
+        def step() -> None:
+            attention(q, k, v, **layout).backward(grad)
+            q.grad = k.grad = v.grad = None
+        rows.append(_timed_attention(name, seq, 7 * live * args.head_dim * args.heads, step,
+                                     device, args))
+    return rows
 
 
 def _attention_at(seq: int, args, device: torch.device) -> list[dict]:
@@ -130,18 +177,15 @@ def _attention_at(seq: int, args, device: torch.device) -> list[dict]:
     # Causal forward + backward: 2 + 5 matmuls of s x s x d per head, half of them live.
     flop = 7 * seq * seq * args.head_dim * args.heads
     rows = []
+    tiles = kernel_for(device, dtype=torch.bfloat16).name
     for name, attention, context in (
             ("SDPA flash", LocalAttention(), flash),
-            (f"ring, 1 rank ({kernel_for(device).name} tiles)", RingAttention(),
-             contextlib.nullcontext)):
+            (f"ring, 1 rank ({tiles} tiles)", RingAttention(), contextlib.nullcontext)):
         def step() -> None:
             with context():
                 attention(q, k, v).backward(grad)
             q.grad = k.grad = v.grad = None
-        row = {"part": "attention", "kernel": name, "seq": seq, **_measure(step, device, args)}
-        row["tflops"] = flop / row["seconds"] / 1e12 if row["seconds"] else None
-        rows.append(row)
-        print(_attention_line(row), flush=True)
+        rows.append(_timed_attention(name, seq, flop, step, device, args))
     return rows
 
 
@@ -154,16 +198,17 @@ def _attention_line(row: dict) -> str:
 
 
 def train_config(args, out_dir: str, device: torch.device, compiled: bool = False,
-                 model: str = "") -> TrainConfig:
+                 model: str = "", packed_from: str = "") -> TrainConfig:
     """The benchmark's run: the reference transformer of the arguments' sizes, or the
-    Hugging Face directory ``model`` (which has those sizes: ``llama_of``)."""
+    Hugging Face directory ``model`` (which has those sizes: ``llama_of``); on random
+    tokens, or ``--pack``ed from the text file ``packed_from``."""
     sizes = {} if model else dict(dim=args.dim, layers=args.layers, heads=args.model_heads,
                                   kv_heads=args.kv_heads)
     return TrainConfig(pp=1, device=device.type, **sizes, model=model, seq_len=args.seq_len,
                        microbatches=args.microbatches, microbatch_size=args.microbatch_size,
                        dtype="bf16", steps=args.warmup + args.iters, warmup_steps=1,
                        eval_every=0, timeline_step=0, progress=False, out_dir=out_dir,
-                       compile=compiled)
+                       compile=compiled, data=packed_from, pack=bool(packed_from))
 
 
 def llama_of(config: TrainConfig, directory: str) -> str:
@@ -201,15 +246,20 @@ def train_rows(args, device: torch.device) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-bench-") as scratch:
         config = train_config(args, scratch, device)  # train_step writes nothing there
-        models = [("", "")] + ([(llama_of(config, f"{scratch}/llama"), " --model Llama")]
-                               if args.hf else [])
-        for model, what in models:
+        corpus = Path(scratch, "corpus.txt")
+        corpus.write_bytes(load_corpus())
+        runs = [("", "", ""), ("", str(corpus), ", --pack")]
+        if args.hf:
+            llama = llama_of(config, f"{scratch}/llama")
+            runs += [(llama, "", ", --model Llama"), (llama, str(corpus), ", --model Llama --pack")]
+        for model, packed_from, what in runs:
             for compiled in (False, True):
                 measured, parameters = _trainer_steps(
-                    train_config(args, scratch, device, compiled, model), device, args)
+                    train_config(args, scratch, device, compiled, model, packed_from), device,
+                    args)
                 gc.collect()  # the trainer's memory, before the next runner's
                 rows.append({"part": "train step", "runner": "meshpipe Trainer (1F1B, 1 stage)"
-                             + what + (", --compile" if compiled else ""), **measured})
+                             + what + (" --compile" if compiled else ""), **measured})
 
     model = Transformer(model_config(config)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
