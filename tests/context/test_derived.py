@@ -66,3 +66,51 @@ def test_every_layer_of_a_microbatch_shares_what_its_layout_gives(monkeypatch, o
     monkeypatch.setattr(local, "derived", lambda name, tensors, compute: compute())
     torch.testing.assert_close(logits, model(tokens, positions=positions, doc_ids=doc_ids))
     assert counts["is_plain_sequence"] == 2 + 4
+
+
+def _layers_on_one_layout(rank: int, world: int) -> dict[str, int]:
+    """Three 'layers' of ring and of Ulysses attention on one microbatch's positions and
+    document ids, then one on the next microbatch's: how often each rank gathered the
+    group's layout and planned its ring tiles."""
+    from meshpipe.context import RingAttention, UlyssesAttention, layout, ring
+    from meshpipe.context.shards import ShardLayout
+
+    torch.set_num_threads(1)
+    counts = {"gather_layout": 0, "_plan_ring": 0}
+    originals = {"gather_layout": layout.gather_layout, "_plan_ring": ring._plan_ring}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+    layout.gather_layout = counted("gather_layout")
+    ring._plan_ring = counted("_plan_ring")
+    try:
+        lengths = [10, 6]
+        shards = ShardLayout.packed(lengths, world)
+        q, k, v = (torch.randn(1, shards.local_size(rank), heads, 8) for heads in (4, 2, 2))
+
+        def microbatch():
+            held = shards.positions(rank)
+            doc_ids = torch.repeat_interleave(torch.arange(2), torch.tensor(lengths))[held]
+            starts = torch.tensor([0, lengths[0]])
+            return held - starts[doc_ids], doc_ids
+        for attention in (RingAttention(), UlyssesAttention()):
+            positions, doc_ids = microbatch()
+            first = [attention(q, k, v, positions=positions, doc_ids=doc_ids) for _ in range(3)]
+            torch.testing.assert_close(first[0], first[2])
+            attention(q, k, v, **dict(zip(("positions", "doc_ids"), microbatch())))
+    finally:
+        layout.gather_layout, ring._plan_ring = originals.values()
+    return counts
+
+
+@pytest.mark.distributed
+def test_context_parallel_layers_gather_the_layout_once_per_microbatch():
+    """Ring and Ulysses attention gather the group's layout (an exchange and a host
+    synchronisation) and plan the ring's tiles at a microbatch's first layer only."""
+    from meshpipe.testing import run_distributed
+
+    for counts in run_distributed(2, _layers_on_one_layout):
+        assert counts == {"gather_layout": 4, "_plan_ring": 2}, counts

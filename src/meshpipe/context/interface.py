@@ -14,6 +14,10 @@ positions before its own (Mistral's and Gemma's sliding-window layers: ``q_pos -
 as no fused kernel caps scores: materialised by local attention, tile by tile by ring).
 Every context-parallel layout (contiguous, zigzag, packed, hybrid) is
 expressed through these two tensors, so no attention needs to know how the loader sharded.
+What an attention derives from them is kept for as long as the same tensor objects come back
+unchanged (every layer of a microbatch; ``context.derived``), so the ranks of a
+context-parallel group pass new ``positions`` / ``doc_ids`` tensors together (as a loader
+does per microbatch) or the same ones together.
 """
 
 from __future__ import annotations

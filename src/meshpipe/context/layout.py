@@ -7,11 +7,20 @@ rank whose shapes disagree with its peers' makes *every* rank raise the same cle
 instead of one rank hanging in a mismatched send. Positions that are one run of
 consecutive indices on every rank (a contiguous split) travel as their first index in that
 first exchange, which saves a second one.
+
+A layout is gathered once for the ``positions`` / ``doc_ids`` tensor objects and the shapes
+it was gathered for (``derived``): every layer of a microbatch, and every microbatch of a
+run whose positions tensor is reused, shares it, instead of an exchange and a host
+synchronisation in every layer. The ranks of a group hold the same microbatch, so they
+change those tensors and shapes together, and gather together. (Without ``positions``
+every call gathers: the shapes alone would let one rank skip an exchange that its peers,
+given other lengths, make.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -19,6 +28,7 @@ from torch import Tensor
 
 from meshpipe.comm import ops
 
+from .derived import derived
 from .interface import AttentionError, check_attention_inputs
 
 
@@ -35,10 +45,19 @@ class GroupLayout:
         return sum(self.sizes)
 
     def gathered_positions(self) -> Tensor:
-        """Positions of the group's whole sequence, rank 0's tokens first."""
-        return torch.cat(self.positions)
+        """Positions of the group's whole sequence, rank 0's tokens first (one tensor, made
+        at the first call)."""
+        return self._gathered_positions
 
     def gathered_doc_ids(self) -> Tensor | None:
+        return self._gathered_doc_ids
+
+    @cached_property
+    def _gathered_positions(self) -> Tensor:
+        return torch.cat(self.positions)
+
+    @cached_property
+    def _gathered_doc_ids(self) -> Tensor | None:
         return None if self.doc_ids is None else torch.cat(self.doc_ids)
 
 
@@ -116,5 +135,10 @@ def attention_layout(name: str, q: Tensor, k: Tensor, v: Tensor, positions: Tens
     batch, seq_local, heads_q, head_dim = q.shape
     signature = {"batch": batch, "query heads": heads_q, "key/value heads": k.shape[2],
                  "head_dim": head_dim, "causal": causal}
-    return gather_layout(positions, doc_ids, seq_local, signature, group, where,
-                         q.device), where
+
+    def gather() -> GroupLayout:
+        return gather_layout(positions, doc_ids, seq_local, signature, group, where, q.device)
+    if positions is None:
+        return gather(), where
+    key = ("group layout", id(group), q.device, *signature.values())
+    return derived(key, (positions, doc_ids), gather), where

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from ..comm.collectives import COMM_LABEL, PendingTransfers, post_transfers
 from .blockwise import BlockKernel, heads_first, kernel_for
+from .derived import derived
 from .layout import GroupLayout, attention_layout
 from .masks import (Piece, TokenRun, plan_block, plan_pieces, split_causal, token_runs,
                     window_applies)
@@ -147,10 +148,15 @@ class RingAttention(nn.Module):
                                      self.group)
         ring = _Ring(group=self.group, rank=dist.get_rank(self.group),
                      size=dist.get_world_size(self.group), block_sizes=layout.sizes)
-        everywhere = layout.gathered_positions()
         kernel = kernel_for(q.device, softcap, q.dtype)
-        plans = _plan_ring(ring, layout, causal, kernel.causal_leaf,
-                           window if window_applies(window, everywhere, layout.total) else None)
+
+        def plan() -> list[list[Tile]]:
+            everywhere = layout.gathered_positions()
+            return _plan_ring(ring, layout, causal, kernel.causal_leaf,
+                              window if window_applies(window, everywhere, layout.total)
+                              else None)
+        plans = derived(("ring plans", id(self.group), tuple(layout.sizes), causal, window,
+                         kernel.causal_leaf), (positions, doc_ids), plan)
         scale = next(s for s in (scale, self.scale, 1.0 / math.sqrt(q.shape[-1]))
                      if s is not None)
         return _RingAttentionFunction.apply(q, k, v, ring, plans, scale, kernel)

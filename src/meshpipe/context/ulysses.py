@@ -28,6 +28,7 @@ from ..comm.collectives import split_sizes
 from .heads import HeadPlan, plan_heads
 from .interface import Attention, AttentionError
 from .blockwise import BlockKernel, heads_first, kernel_for
+from .derived import derived
 from .layout import GroupLayout, attention_layout
 from .local import LocalAttention
 from .masks import Piece, is_plain_sequence, split_causal, window_applies
@@ -82,7 +83,10 @@ class UlyssesAttention(nn.Module):
         plan = plan_heads(heads_q, k.shape[2], ranks, where)
         query_order = plan.query_order()
         fused = _can_fuse(q, k, v, plan, ranks)
-        windowed = window_applies(window, layout.gathered_positions(), layout.total)
+        everywhere = layout.gathered_positions()
+        windowed = window is not None and derived(
+            ("window", window, layout.total), (everywhere,),
+            lambda: window_applies(window, everywhere, layout.total))
         if (fused and not windowed and softcap is None
                 and self._pipelines(q, layout, positions, doc_ids)):
             scale = next(s for s in (scale, self.inner.scale, q.shape[-1] ** -0.5)
@@ -109,9 +113,11 @@ class UlyssesAttention(nn.Module):
         """Whether this call runs tile by tile around its exchanges (``_PipelinedUlysses``):
         local attention on the CPU kernel (``tiles.runs_on_cpu_kernel``) over one plain
         sequence."""
+        everywhere = layout.gathered_positions()
         return (type(self.inner) is LocalAttention and runs_on_cpu_kernel(q)
                 and doc_ids is None
-                and (positions is None or is_plain_sequence(layout.gathered_positions(), None)))
+                and (positions is None or derived(
+                    "plain", (everywhere, None), lambda: is_plain_sequence(everywhere, None))))
 
     def _exchange_qkv(self, q: Tensor, k: Tensor, v: Tensor, ranks: int,
                       total: int) -> tuple[Tensor, Tensor, Tensor]:
