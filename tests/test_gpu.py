@@ -200,9 +200,10 @@ def test_ring_attention_on_its_cuda_tiles_equals_the_math_kernel(one_rank_group,
 
 
 @pytest.mark.parametrize("dtype", TOLERANCE, ids=["fp32", "bf16", "fp16"])
-def test_a_pack_on_cuda_is_one_masked_call_equal_to_its_documents(monkeypatch, dtype):
-    """On CUDA a pack runs as one SDPA call with its mask (context.local._per_document); it
-    equals the document-by-document path, output and q/k/v gradients."""
+def test_a_pack_on_cuda_is_one_call_equal_to_its_documents(monkeypatch, dtype):
+    """On CUDA a pack runs as one call per layer: of the variable-length flash kernel in
+    bf16/fp16 (context.varlen), of SDPA with its mask in fp32 (context.local._per_document);
+    it equals the document-by-document path, output and q/k/v gradients."""
     from meshpipe.context import local
 
     generator = torch.Generator(device="cuda").manual_seed(3)
@@ -210,10 +211,14 @@ def test_a_pack_on_cuda_is_one_masked_call_equal_to_its_documents(monkeypatch, d
     seq = int(lengths.sum())
     doc_ids = torch.repeat_interleave(torch.arange(4, device="cuda"), lengths)
     positions = torch.arange(seq, device="cuda") - (torch.cumsum(lengths, 0) - lengths)[doc_ids]
-    q, grad = (torch.randn(1, seq, 8, 64, device="cuda", generator=generator).to(dtype)
+    q, grad = (torch.randn(2, seq, 8, 64, device="cuda", generator=generator).to(dtype)
                for _ in range(2))
-    k, v = (torch.randn(1, seq, 2, 64, device="cuda", generator=generator).to(dtype)
+    k, v = (torch.randn(2, seq, 2, 64, device="cuda", generator=generator).to(dtype)
             for _ in range(2))
+    varlen_calls = []
+    packed = local.packed_flash_attention
+    monkeypatch.setattr(local, "packed_flash_attention",
+                        lambda *args: varlen_calls.append(1) or packed(*args))
 
     def run():
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -223,6 +228,8 @@ def test_a_pack_on_cuda_is_one_masked_call_equal_to_its_documents(monkeypatch, d
 
     assert not local._per_document(q.transpose(1, 2))
     one_call = run()
+    assert len(varlen_calls) == (0 if dtype is torch.float32 else 1)
+    monkeypatch.setattr(local, "_varlen_takes", lambda q: False)
     monkeypatch.setattr(local, "_per_document", lambda q: True)
     name_of = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     for name, got, want in zip(["out", "dq", "dk", "dv"], one_call, run()):

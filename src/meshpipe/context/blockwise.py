@@ -257,13 +257,19 @@ def _flash_capable(device_index: int | None) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
-def _takes_flash(q: Tensor, mask: TileMask) -> bool:
-    """Whether a half-precision tile runs on the flash kernel: causal or unmasked, a head size
-    it takes, SDPA's flash backend not switched off, on a device that has it (a tensor off
-    CUDA, 'meta' in the routing tests, is taken to have it)."""
-    return (not isinstance(mask, Tensor) and q.shape[-1] in _FLASH_HEAD_DIMS
+def flash_takes(q: Tensor) -> bool:
+    """Whether PyTorch's flash kernel takes ``q``: bf16 or fp16, a head size it takes, SDPA's
+    flash backend not switched off, on a device that has it (a tensor off CUDA, 'meta' in
+    the routing tests, is taken to have it)."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in _FLASH_HEAD_DIMS
             and torch.backends.cuda.flash_sdp_enabled()
             and (q.device.type != "cuda" or _flash_capable(q.device.index)))
+
+
+def _takes_flash(q: Tensor, mask: TileMask) -> bool:
+    """Whether a half-precision tile runs on the flash kernel: causal or unmasked, and
+    ``flash_takes``."""
+    return not isinstance(mask, Tensor) and flash_takes(q)
 
 
 def _no_rng_state() -> Tensor:

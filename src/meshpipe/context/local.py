@@ -6,11 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .blockwise import flash_takes
 from .derived import derived
 from .interface import check_attention_inputs
 from .masks import attention_mask, is_plain_sequence, token_runs, window_applies
 from .ring import split_causal_attention
 from .tiles import CAUSAL_LEAF, runs_on_cpu_kernel
+from .varlen import Documents, packed_flash_attention
 
 
 # Longer packs run document by document on CUDA too: one call would hold a [seq, seq] mask.
@@ -24,10 +26,11 @@ class LocalAttention(nn.Module):
     CPU in float32, bf16 or fp16, a causal one longer than ``tiles.CAUSAL_LEAF`` tokens runs
     instead as causal squares of at most that length and unmasked rectangles
     (``ring.split_causal_attention``), which skips the masked work the CPU kernel computes in
-    one large causal call. On CPU a
-    pack whose documents each lie in one run of consecutive positions runs document by
-    document, each in the same fast path, with no mask and no work across documents; on
-    CUDA a pack is one call with its mask (``_per_document``); anything else builds the mask
+    one large causal call. A pack whose documents each lie in one run of consecutive
+    positions runs, on CUDA in bf16/fp16, as one call of the variable-length flash kernel
+    (``varlen``); on CPU document by document, each in the same fast path, with no mask and
+    no work across documents; on CUDA in float32 as one call with its mask
+    (``_per_document``). Anything else builds the mask
     from ``positions`` and ``doc_ids`` (and a sliding ``window`` shorter than the span of the
     positions). Grouped-query attention
     goes to SDPA as is (``enable_gqa``), without repeating key/value heads. What is read from
@@ -54,6 +57,11 @@ class LocalAttention(nn.Module):
             "plain", (positions, doc_ids), lambda: is_plain_sequence(positions, doc_ids))
         if plain and causal and runs_on_cpu_kernel(q) and seq > CAUSAL_LEAF:
             return split_causal_attention(q, k, v, scale)
+        if not plain and not windowed and _varlen_takes(q):
+            documents = derived(("varlen documents", seq, q.shape[0]), (positions, doc_ids),
+                                lambda: _varlen_documents(positions, doc_ids, seq, q))
+            if documents is not None:
+                return packed_flash_attention(q, k, v, documents, causal, scale)
         gqa = q.shape[2] != k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if plain:
@@ -108,6 +116,22 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: fl
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _varlen_takes(q: Tensor) -> bool:
+    """Whether a pack of ``[b, s, h, d]`` queries can go to the variable-length flash kernel:
+    on CUDA, where ``blockwise.flash_takes`` them (bf16/fp16)."""
+    return q.device.type == "cuda" and flash_takes(q)
+
+
+def _varlen_documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int,
+                      q: Tensor) -> Documents | None:
+    """The pack's documents for the variable-length kernel, when each is one run of
+    consecutive positions (else None)."""
+    documents = _documents(positions, doc_ids, seq)
+    if documents is None:
+        return None
+    return Documents.of([rows.stop - rows.start for rows in documents], q.shape[0], q.device)
 
 
 def _per_document(q: Tensor) -> bool:
