@@ -2,27 +2,29 @@
 
     python benchmarks/gpu_bench.py                      # seq 8k/16k/32k; dim 2048 x 16 layers
     python benchmarks/gpu_bench.py --seqs 8192 16384 --layers 8
+    python benchmarks/gpu_bench.py --seq-len 2048 8192  # training rows at both lengths
 
 Part 1 times one causal attention forward + backward in bf16 (batch 1, 16 heads of 128) per
 sequence length: SDPA with its flash kernel forced (meshpipe's ``LocalAttention``), and
 meshpipe's ``RingAttention`` on a group of one rank, which runs the tiles ring attention
 runs on CUDA (``context.blockwise.kernel_for``: the flash kernel in bf16, with the
 log-sum-exp), so it shows what a ring step costs per tile. Then one packed row of
-``--seq-len`` tokens holding ``--documents`` documents (lengths drawn once, seed 0):
+``--pack-len`` tokens holding ``--documents`` documents (lengths drawn once, seed 0):
 ``LocalAttention`` with the pack's positions and document ids against SDPA causal over the
 same row unpacked, which is what a pack should approach (TFLOP/s count each one's live
 work). A configuration that runs out of memory is recorded as OOM.
 
 Part 2 times training steps of the reference transformer (default dim 2048, 16 layers,
-seq 2048, bf16 autocast, 8 microbatches of 1 sequence, AdamW) through meshpipe's trainer on
-one GPU (``Trainer.train_step``: the 1F1B executor with one stage, gradient clipping,
-optimizer), eager and with ``--compile``, on random tokens and ``--pack``ed from the shipped
-corpus (documents of a few hundred tokens), also as a Hugging Face Llama of the same sizes
-through ``--model`` (``--no-hf`` skips it), beside the same model stepped by plain PyTorch:
-step time, tokens/s, model FLOPs utilisation and peak memory. MFU counts PaLM's model FLOPs,
-6 x parameters + 12 x layers x dim x seq per token (the attention scores as if not
-causal), against the GPU's dense bf16 peak (``PEAK_BF16_TFLOPS``, by name; none on other
-devices). Pipelines across GPUs are timed by ``benchmarks/gpu_check.py`` (small model).
+seq 2048 or each ``--seq-len``, bf16 autocast, 8 microbatches of 1 sequence, AdamW)
+through meshpipe's trainer on one GPU (``Trainer.train_step``: the 1F1B executor with one
+stage, gradient clipping, optimizer), eager and with ``--compile``, on random tokens and
+``--pack``ed from the shipped corpus (documents of a few hundred tokens), also as a Hugging
+Face Llama of the same sizes through ``--model`` (``--no-hf`` skips it), beside the same
+model stepped by plain PyTorch: step time, tokens/s, model FLOPs utilisation and peak
+memory. MFU counts PaLM's model FLOPs, 6 x parameters + 12 x layers x dim x seq per token
+(the attention scores as if not causal), against the GPU's dense bf16 peak
+(``PEAK_BF16_TFLOPS``, by name; none on other devices). Pipelines across GPUs are timed
+by ``benchmarks/gpu_check.py`` (small model).
 
 Single process, one GPU. Without a CUDA device it says so and exits 0. Writes
 ``<out>/gpu_bench.json`` and ``.md`` (default ``benchmarks/results``) when run on a GPU; a
@@ -72,8 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--model-heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=2048, help="training step: tokens per "
-                                                                  "sequence")
+    parser.add_argument("--seq-len", type=int, nargs="+", default=[2048],
+                        help="training step: tokens per sequence (several: rows for each)")
+    parser.add_argument("--pack-len", type=int, default=2048,
+                        help="tokens in the packed attention row")
     parser.add_argument("--documents", type=int, default=27,
                         help="documents in the packed attention row")
     parser.add_argument("--microbatches", type=int, default=8)
@@ -143,7 +147,7 @@ def document_lengths(seq: int, documents: int) -> torch.Tensor:
 
 
 def _packed_attention(args, device: torch.device) -> list[dict]:
-    seq = args.seq_len
+    seq = args.pack_len
     lengths = document_lengths(seq, args.documents).to(device)
     doc_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
     positions = torch.arange(seq, device=device) - (torch.cumsum(lengths, 0) - lengths)[doc_ids]
@@ -197,14 +201,14 @@ def _attention_line(row: dict) -> str:
             f"{row['tflops']:.1f} TFLOP/s{peak}")
 
 
-def train_config(args, out_dir: str, device: torch.device, compiled: bool = False,
-                 model: str = "", packed_from: str = "") -> TrainConfig:
-    """The benchmark's run: the reference transformer of the arguments' sizes, or the
-    Hugging Face directory ``model`` (which has those sizes: ``llama_of``); on random
-    tokens, or ``--pack``ed from the text file ``packed_from``."""
+def train_config(args, out_dir: str, device: torch.device, seq_len: int,
+                 compiled: bool = False, model: str = "", packed_from: str = "") -> TrainConfig:
+    """The benchmark's run at ``seq_len`` tokens per sequence: the reference transformer of
+    the arguments' sizes, or the Hugging Face directory ``model`` (which has those sizes:
+    ``llama_of``); on random tokens, or ``--pack``ed from the text file ``packed_from``."""
     sizes = {} if model else dict(dim=args.dim, layers=args.layers, heads=args.model_heads,
                                   kv_heads=args.kv_heads)
-    return TrainConfig(pp=1, device=device.type, **sizes, model=model, seq_len=args.seq_len,
+    return TrainConfig(pp=1, device=device.type, **sizes, model=model, seq_len=seq_len,
                        microbatches=args.microbatches, microbatch_size=args.microbatch_size,
                        dtype="bf16", steps=args.warmup + args.iters, warmup_steps=1,
                        eval_every=0, timeline_step=0, progress=False, out_dir=out_dir,
@@ -243,24 +247,33 @@ def _trainer_steps(config: TrainConfig, device: torch.device, args) -> tuple[dic
 
 
 def train_rows(args, device: torch.device) -> list[dict]:
-    rows = []
     with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-bench-") as scratch:
-        config = train_config(args, scratch, device)  # train_step writes nothing there
         corpus = Path(scratch, "corpus.txt")
         corpus.write_bytes(load_corpus())
-        runs = [("", "", ""), ("", str(corpus), ", --pack")]
-        if args.hf:
-            llama = llama_of(config, f"{scratch}/llama")
-            runs += [(llama, "", ", --model Llama"), (llama, str(corpus), ", --model Llama --pack")]
-        for model, packed_from, what in runs:
-            for compiled in (False, True):
-                measured, parameters = _trainer_steps(
-                    train_config(args, scratch, device, compiled, model, packed_from), device,
-                    args)
-                gc.collect()  # the trainer's memory, before the next runner's
-                rows.append({"part": "train step", "runner": "meshpipe Trainer (1F1B, 1 stage)"
-                             + what + (" --compile" if compiled else ""), **measured})
+        longest = train_config(args, scratch, device, max(args.seq_len))
+        llama = llama_of(longest, f"{scratch}/llama") if args.hf else ""
+        return [row for seq_len in args.seq_len
+                for row in _train_rows_at(seq_len, args, device, scratch, str(corpus), llama)]
 
+
+def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpus: str,
+                   llama: str) -> list[dict]:
+    """meshpipe's trainer (reference model and ``llama``, random tokens and packed from
+    ``corpus``, eager and compiled) and the plain loop, at ``seq_len``."""
+    rows = []
+    runs = [("", "", ""), ("", corpus, ", --pack")]
+    if llama:
+        runs += [(llama, "", ", --model Llama"), (llama, corpus, ", --model Llama --pack")]
+    for model, packed_from, what in runs:
+        for compiled in (False, True):
+            measured, parameters = _trainer_steps(
+                train_config(args, scratch, device, seq_len, compiled, model, packed_from),
+                device, args)
+            gc.collect()  # the trainer's memory, before the next runner's
+            rows.append({"part": "train step", "runner": "meshpipe Trainer (1F1B, 1 stage)"
+                         + what + (" --compile" if compiled else ""), **measured})
+
+    config = train_config(args, scratch, device, seq_len)
     model = Transformer(model_config(config)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
@@ -283,7 +296,8 @@ def train_rows(args, device: torch.device) -> list[dict]:
     peak = peak_tflops(device)
     for row in rows:
         tokens_per_s = tokens / row["seconds"] if row["seconds"] else None
-        row.update(parameters=parameters, tokens_per_step=tokens, tokens_per_s=tokens_per_s,
+        row.update(seq=seq_len, parameters=parameters, tokens_per_step=tokens,
+                   tokens_per_s=tokens_per_s,
                    mfu=(tokens_per_s * model_flops_per_token(parameters, config) / 1e12 / peak
                         if tokens_per_s and peak else None))
         print(_train_line(row), flush=True)
@@ -292,10 +306,10 @@ def train_rows(args, device: torch.device) -> list[dict]:
 
 def _train_line(row: dict) -> str:
     if row["status"] != "ok":
-        return f"{row['runner']:<56}: {row['status']}"
+        return f"{row['runner']:<56} seq {row['seq']}: {row['status']}"
     peak = f", peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else ""
     mfu = f", MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else ""
-    return (f"{row['runner']:<56}: {row['seconds'] * 1e3:9.1f} ms/step, "
+    return (f"{row['runner']:<56} seq {row['seq']}: {row['seconds'] * 1e3:9.1f} ms/step, "
             f"{row['tokens_per_s']:,.0f} tokens/s{mfu}{peak}")
 
 
@@ -331,14 +345,15 @@ def to_markdown(result: dict) -> str:
     train = result["train"]
     if train:
         lines += ["", f"Training step: {train[0]['parameters'] / 1e6:.0f}M parameters, "
-                      f"{train[0]['tokens_per_step']} tokens per step, bf16 autocast, AdamW:",
-                  "", "| runner | ms/step | tokens/s | MFU % | peak GiB |",
-                  "|---|---:|---:|---:|---:|"]
+                      f"{result['sequences']} sequences per step, bf16 autocast, AdamW:",
+                  "", "| runner | seq | ms/step | tokens/s | MFU % | peak GiB |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for row in train:
             ms = figure(row["seconds"] and row["seconds"] * 1e3, ".1f") \
                 if row["status"] == "ok" else row["status"]
             mfu = figure(row.get("mfu") and 100 * row["mfu"], ".1f")
-            lines.append(f"| {row['runner']} | {ms} | {figure(row['tokens_per_s'], ',.0f')} | "
+            lines.append(f"| {row['runner']} | {row['seq']} | {ms} | "
+                         f"{figure(row['tokens_per_s'], ',.0f')} | "
                          f"{mfu} | {figure(row['peak_gib'], '.1f')} |")
     return "\n".join(lines) + "\n"
 
@@ -364,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                   "torch": torch.__version__, "cuda": torch.version.cuda,
                   "warmup": args.warmup, "iters": args.iters, "heads": args.heads,
                   "head_dim": args.head_dim, "attention": attention_rows(args, device),
+                  "sequences": args.microbatches * args.microbatch_size,
                   "train": train_rows(args, device)}
     finally:
         dist.destroy_process_group()

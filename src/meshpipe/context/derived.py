@@ -44,7 +44,7 @@ def _forgetter(key: _Key) -> Callable[[weakref.ref], None]:
     def forget(dead: weakref.ref) -> None:
         entry = _VALUES.get(key)
         if entry is not None and any(ref is dead for ref in entry[0]):
-            del _VALUES[key]
+            _VALUES.pop(key, None)
     return forget
 
 
