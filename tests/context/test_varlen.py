@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from meshpipe.context import LocalAttention, local
-from meshpipe.context.varlen import Documents
+from meshpipe.context.varlen import Segments
 
 
 def _per_document(q, k, v, cu, causal, scale):
@@ -38,7 +38,7 @@ class _StandInKernel:
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
         self.calls.append(("fwd", q.shape, k.shape, cu_q.tolist(), max_q, causal, dropout))
-        assert cu_q is cu_k and max_q == max_k and cu_q.dtype == torch.int32
+        assert torch.equal(cu_q, cu_k) and max_q == max_k and cu_q.dtype == torch.int32
         out = _per_document(q, k, v, cu_q, causal, scale)
         rng = torch.zeros((), dtype=torch.int64)
         return out, torch.zeros(q.shape[1], q.shape[0]), rng, rng, torch.empty(0)
@@ -91,7 +91,180 @@ def test_packs_the_kernel_cannot_take_keep_their_paths(monkeypatch):
     assert kernel.calls == []
 
 
-def test_documents_lay_the_rows_end_to_end():
-    documents = Documents.of([3, 1], rows=3, device=torch.device("cpu"))
-    assert documents.cu_seqlens.tolist() == [0, 3, 4, 7, 8, 11, 12]
-    assert documents.cu_seqlens.dtype == torch.int32 and documents.longest == 3
+def test_segments_lay_the_rows_end_to_end():
+    segments = Segments.of([3, 1], [2, 5], rows=3, device=torch.device("cpu"), causal=False)
+    assert segments.cu_q.tolist() == [0, 3, 4, 7, 8, 11, 12]
+    assert segments.cu_k.tolist() == [0, 2, 7, 9, 14, 16, 21]
+    assert segments.cu_q.dtype == segments.cu_k.dtype == torch.int32
+    assert (segments.longest_q, segments.longest_k) == (3, 5)
+
+
+def test_pieces_that_tile_both_blocks_in_order_join_into_segments():
+    from meshpipe.context.masks import Piece
+    from meshpipe.context.varlen import segments_of
+
+    cpu = torch.device("cpu")
+    squares = [Piece(slice(0, 3), slice(0, 3), True), Piece(slice(3, 7), slice(3, 7), True)]
+    joined = segments_of(squares, 7, 7, rows=2, device=cpu)
+    assert joined.cu_q.tolist() == joined.cu_k.tolist() == [0, 3, 7, 10, 14]
+    assert joined.causal and (joined.longest_q, joined.longest_k) == (4, 4)
+    rectangles = [Piece(slice(0, 3), slice(0, 2), False), Piece(slice(3, 7), slice(2, 5), False)]
+    assert segments_of(rectangles, 7, 5, rows=1, device=cpu).cu_k.tolist() == [0, 2, 5]
+    for pieces, q_count, k_count in (
+            (squares[:1], 3, 3),  # one piece: a plain tile
+            ([squares[0], Piece(slice(3, 7), slice(3, 7), False)], 7, 7),  # causal and not
+            (squares, 8, 7),  # a query row left out
+            (squares[::-1], 7, 7),  # out of order
+            ([squares[0], Piece(slice(3, 7), slice(0, 4), True)], 7, 7)):  # keys twice
+        assert segments_of(pieces, q_count, k_count, rows=1, device=cpu) is None, pieces
+
+
+def test_a_segments_tile_calls_the_variable_length_ops_on_meta_tensors():
+    """The CUDA half-precision kernel with a ``Segments`` mask: the blocks go to the op
+    flattened to tokens, the log-sum-exp comes back per row as ``[b, h, s]`` and goes to the
+    backward per token, ``[h, b * s]``; grouped key/value heads as they are."""
+    from meshpipe.context.blockwise import kernel_for
+    from meshpipe.context.varlen import lse_per_token
+
+    assert lse_per_token()
+    kernel = kernel_for(torch.device("cuda"), dtype=torch.bfloat16)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, grad_out = (torch.empty(2, 4, 7, 16, **meta) for _ in range(2))
+    k, v = (torch.empty(2, 2, 5, 16, **meta) for _ in range(2))
+    segments = Segments.of([3, 4], [2, 3], rows=2, device=torch.device("meta"), causal=False)
+    seen = []
+
+    class Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "flash" in func.overloadpacket.__name__:
+                seen.append((func.overloadpacket.__name__, [
+                    tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        out, lse = kernel.forward(q, k, v, segments, 0.25)
+        grads = kernel.backward(grad_out, q, k, v, out.bfloat16(), lse, segments, 0.25)
+    assert out.shape == (2, 4, 7, 16) and lse.shape == (2, 4, 7)
+    assert out.dtype == lse.dtype == torch.float32
+    assert [tuple(g.shape) for g in grads] == [(2, 4, 7, 16), (2, 2, 5, 16), (2, 2, 5, 16)]
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+    (forward, forward_shapes), (backward, backward_shapes) = seen
+    assert forward == "_flash_attention_forward" and backward == "_flash_attention_backward"
+    assert forward_shapes[:3] == [(14, 4, 16), (10, 2, 16), (10, 2, 16)]
+    assert backward_shapes[5] == (4, 14)  # the log-sum-exp per token
+
+
+def _emulated_varlen_ops():
+    """CPU stand-ins for the variable-length flash ops with the kernel's semantics: segment
+    ``i`` of the queries against segment ``i`` of the keys on the math kernel, log-sum-exp
+    ``[heads, tokens]``, and a backward that reads the output and log-sum-exp it is given."""
+    from meshpipe.context.blockwise import CAUSAL, MATH
+
+    def pieces(cu_q, cu_k):
+        return zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()),
+                   zip(cu_k[:-1].tolist(), cu_k[1:].tolist()))
+
+    def heads(x, rows):  # [tokens, h, d] rows -> [1, h, n, d]
+        return x[rows[0]:rows[1]].transpose(0, 1).unsqueeze(0)
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale=None):
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0])
+        for rows, cols in pieces(cu_q, cu_k):
+            assert not causal or rows[1] - rows[0] == cols[1] - cols[0]
+            o, l = MATH.forward(heads(q, rows), heads(k, cols), heads(v, cols),
+                                CAUSAL if causal else None, scale)
+            out[rows[0]:rows[1]] = o[0].transpose(0, 1)
+            lse[:, rows[0]:rows[1]] = l[0]
+        rng = torch.zeros((), dtype=torch.int64)
+        return out, lse, rng, rng, torch.empty(0)
+
+    def backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal,
+                 seed, offset, *, scale=None):
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        for rows, cols in pieces(cu_q, cu_k):
+            dq, dk, dv = MATH.backward(
+                heads(grad_out, rows), heads(q, rows), heads(k, cols), heads(v, cols),
+                heads(out, rows), lse[:, rows[0]:rows[1]].unsqueeze(0),
+                CAUSAL if causal else None, scale)
+            for grad, part, span in zip(grads, (dq, dk, dv), (rows, cols, cols)):
+                grad[span[0]:span[1]] += part[0].transpose(0, 1)
+        return tuple(grads)
+    return forward, backward
+
+
+def _packed_ring_on_segments(rank: int, world: int) -> list[tuple[int, bool]]:
+    """A packed ring (every document split across the ranks) on the CUDA half kernel's
+    wiring, in float32 with the emulated variable-length ops: output and gradients against
+    SDPA over the whole pack; returns each ring step's tiles as (count, all Segments)."""
+    from meshpipe.context import RingAttention, ring
+    from meshpipe.context.blockwise import (MATH, BlockKernel, _cuda_half_backward,
+                                            _cuda_half_forward)
+    from meshpipe.context.shards import ShardLayout
+    from meshpipe.context.varlen import lse_per_token
+
+    torch.set_num_threads(1)
+    lengths = [6, 10, 4, 8]
+    shards = ShardLayout.packed(lengths, world)
+    held = shards.positions(rank)
+    all_doc_ids = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
+    starts = torch.tensor([0, 6, 16, 20])
+    generator = torch.Generator().manual_seed(2)
+    seq = sum(lengths)
+    q, grad = (torch.randn(2, seq, 4, 8, generator=generator) for _ in range(2))
+    k, v = (torch.randn(2, seq, 2, 8, generator=generator) for _ in range(2))
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril() & (
+        all_doc_ids[:, None] == all_doc_ids[None, :])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), attn_mask=mask,
+                                         enable_gqa=True).transpose(1, 2)
+    ref.backward(grad)
+
+    def forward(q, k, v, mask, scale):
+        return (_cuda_half_forward if isinstance(mask, Segments) else MATH.forward)(
+            q, k, v, mask, scale)
+
+    def backward(grad_out, q, k, v, out, lse, mask, scale):
+        return (_cuda_half_backward if isinstance(mask, Segments) else MATH.backward)(
+            grad_out, q, k, v, out, lse, mask, scale)
+
+    stand_in = BlockKernel("segments on math", forward, backward, causal_leaf=None,
+                           takes_segments=True)
+    planned = []
+
+    def plan_ring(*args, _plan=ring._plan_ring):
+        planned.extend(_plan(*args))
+        return planned
+
+    assert lse_per_token()  # asked of the real op's meta kernel before the stand-ins go in
+    aten = torch.ops.aten
+    saved = (ring.kernel_for, ring.flash_takes, ring._plan_ring,
+             aten._flash_attention_forward, aten._flash_attention_backward)
+    ring.kernel_for = lambda device, softcap=None, dtype=torch.float32: stand_in
+    ring.flash_takes = lambda q: True
+    ring._plan_ring = plan_ring
+    aten._flash_attention_forward, aten._flash_attention_backward = _emulated_varlen_ops()
+    try:
+        local_doc_ids = all_doc_ids[held]
+        local = [t[:, held].clone().requires_grad_() for t in (q, k, v)]
+        out = RingAttention()(*local, positions=held - starts[local_doc_ids],
+                              doc_ids=local_doc_ids)
+        out.backward(grad[:, held])
+    finally:
+        (ring.kernel_for, ring.flash_takes, ring._plan_ring, aten._flash_attention_forward,
+         aten._flash_attention_backward) = saved
+    torch.testing.assert_close(out, ref[:, held].detach())
+    for mine, full in zip(local, leaves):
+        torch.testing.assert_close(mine.grad, full.grad[:, held])
+    return [(len(tiles), all(isinstance(tile.mask, Segments) for tile in tiles))
+            for tiles in planned]
+
+
+@pytest.mark.distributed
+def test_a_packed_ring_step_is_one_variable_length_call():
+    """Each ring step of a pack is one tile of segments: rank 0's own block (every
+    document's causal square), nothing from rank 1's later halves; rank 1's own block, and
+    rank 0's earlier halves (every document's unmasked rectangle)."""
+    from meshpipe.testing import run_distributed
+
+    assert run_distributed(2, _packed_ring_on_segments) == [[(1, True), (0, True)],
+                                                            [(1, True), (1, True)]]

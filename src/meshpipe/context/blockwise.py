@@ -18,8 +18,9 @@ output and log-sum-exp. Two kernels do this:
   CUDA take the operands in their own dtype (``BlockKernel.dtype``) to PyTorch's flash
   kernel, which returns the log-sum-exp and takes it back in backward and runs grouped
   key/value heads natively; a tile with an explicit mask (which flash cannot take) runs on
-  the memory-efficient kernel in the same dtype. Outputs and gradients come back in
-  float32, where tiles merge and accumulate.
+  the memory-efficient kernel in the same dtype, and a tile whose mask is
+  ``varlen.Segments`` (many pieces of a pack) as one variable-length flash call. Outputs and
+  gradients come back in float32, where tiles merge and accumulate.
 - ``MATH``: the same computation in plain tensor operations, for any device; with a
   soft-cap (``kernel_for(device, softcap)``) the scores are capped before the softmax and
   the cap's slope enters the score gradients.
@@ -46,6 +47,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from . import varlen
+from .varlen import no_rng_state
+
 
 class _Causal:
     """The square lower-triangular tile mask (query ``i`` attends keys ``0..i``)."""
@@ -55,7 +59,7 @@ class _Causal:
 
 
 CAUSAL = _Causal()
-TileMask = Tensor | _Causal | None
+TileMask = Tensor | _Causal | varlen.Segments | None
 
 Forward = Callable[[Tensor, Tensor, Tensor, TileMask, float], tuple[Tensor, Tensor]]
 Backward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, TileMask, float],
@@ -89,13 +93,16 @@ class BlockKernel:
     ``backward(grad_out, q, k, v, out, lse, mask, scale) -> (dq, dk, dv)``, where ``out`` and
     ``lse`` given to backward are the final ones over all blocks. q, k, v, ``grad_out`` and
     ``out`` go in as ``dtype``; outputs, log-sum-exp and gradients come back in float32.
-    ``causal_leaf``: the longest causal square worth one call (None: any)."""
+    ``causal_leaf``: the longest causal square worth one call (None: any).
+    ``takes_segments``: whether a tile's mask may be ``varlen.Segments`` (many pieces, one
+    variable-length call)."""
 
     name: str
     forward: Forward
     backward: Backward
     dtype: torch.dtype = torch.float32
     causal_leaf: int | None = CAUSAL_LEAF
+    takes_segments: bool = False
 
 
 def heads_first(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -272,14 +279,10 @@ def _takes_flash(q: Tensor, mask: TileMask) -> bool:
     return not isinstance(mask, Tensor) and flash_takes(q)
 
 
-def _no_rng_state() -> Tensor:
-    """The philox seed or offset of a kernel run without dropout (unread): a host scalar,
-    as the kernels return it then."""
-    return torch.zeros((), dtype=torch.int64, device="cpu")
-
-
 def _cuda_half_forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask,
                        scale: float) -> tuple[Tensor, Tensor]:
+    if isinstance(mask, varlen.Segments):
+        return varlen.tile_forward(q, k, v, mask, scale)
     if _takes_flash(q, mask):
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, mask is CAUSAL, False, scale=scale)
@@ -291,18 +294,20 @@ def _cuda_half_forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask,
 def _cuda_half_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                         lse: Tensor, mask: TileMask,
                         scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    if isinstance(mask, varlen.Segments):
+        return varlen.tile_backward(grad_out, q, k, v, out, lse, mask, scale)
     if _takes_flash(q, mask):
         # The kernel reads the log-sum-exp as a dense [b, h, s_q]; a tile of some rows is a view.
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
-            mask is CAUSAL, _no_rng_state(), _no_rng_state(), scale=scale)
+            mask is CAUSAL, no_rng_state(), no_rng_state(), scale=scale)
     else:
         grads = _cuda_efficient_backward(grad_out, q, k, v, out, lse, mask, scale)
     return tuple(grad.float() for grad in grads)
 
 
 _CUDA_HALF = {dtype: BlockKernel("cuda_flash", _cuda_half_forward, _cuda_half_backward,
-                                 dtype=dtype, causal_leaf=None)
+                                 dtype=dtype, causal_leaf=None, takes_segments=True)
               for dtype in (torch.bfloat16, torch.float16)}
 
 

@@ -12,7 +12,7 @@ from .interface import check_attention_inputs
 from .masks import attention_mask, is_plain_sequence, token_runs, window_applies
 from .ring import split_causal_attention
 from .tiles import CAUSAL_LEAF, runs_on_cpu_kernel
-from .varlen import Documents, packed_flash_attention
+from .varlen import Segments, packed_flash_attention
 
 
 # Longer packs run document by document on CUDA too: one call would hold a [seq, seq] mask.
@@ -58,10 +58,11 @@ class LocalAttention(nn.Module):
         if plain and causal and runs_on_cpu_kernel(q) and seq > CAUSAL_LEAF:
             return split_causal_attention(q, k, v, scale)
         if not plain and not windowed and _varlen_takes(q):
-            documents = derived(("varlen documents", seq, q.shape[0]), (positions, doc_ids),
-                                lambda: _varlen_documents(positions, doc_ids, seq, q))
+            documents = derived(("varlen documents", seq, q.shape[0], causal),
+                                (positions, doc_ids),
+                                lambda: _varlen_documents(positions, doc_ids, seq, q, causal))
             if documents is not None:
-                return packed_flash_attention(q, k, v, documents, causal, scale)
+                return packed_flash_attention(q, k, v, documents, scale)
         gqa = q.shape[2] != k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if plain:
@@ -125,13 +126,14 @@ def _varlen_takes(q: Tensor) -> bool:
 
 
 def _varlen_documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int,
-                      q: Tensor) -> Documents | None:
-    """The pack's documents for the variable-length kernel, when each is one run of
-    consecutive positions (else None)."""
+                      q: Tensor, causal: bool) -> Segments | None:
+    """The pack's documents as the variable-length kernel's segments, when each is one run
+    of consecutive positions (else None)."""
     documents = _documents(positions, doc_ids, seq)
     if documents is None:
         return None
-    return Documents.of([rows.stop - rows.start for rows in documents], q.shape[0], q.device)
+    lengths = [rows.stop - rows.start for rows in documents]
+    return Segments.of(lengths, lengths, q.shape[0], q.device, causal)
 
 
 def _per_document(q: Tensor) -> bool:

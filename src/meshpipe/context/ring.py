@@ -23,7 +23,9 @@ CPU flash kernel, which returns the log-sum-exp and takes it back in backward), 
 flash kernel in bf16/fp16 and ``CUDA_EFFICIENT`` (the memory-efficient kernel, which does
 the same) in float32, and ``MATH`` elsewhere, and wherever the scores are soft-capped
 (Gemma 2: no fused kernel caps them). Causal squares are halved only for the CPU's kernels
-(``BlockKernel.causal_leaf``); CUDA's skip the masked blocks of a whole square. Rows and
+(``BlockKernel.causal_leaf``); CUDA's skip the masked blocks of a whole square. On the
+flash kernel the documents of a pack are one variable-length call per ring step
+(``varlen.segments_of``), not one call each. Rows and
 columns of a rectangle are views, not copies; partial results are merged in place, in
 float32 whatever the input dtype. The first tile that covers every row is the running output
 itself, so a step allocates nothing the size of the block beyond what the kernel returns.
@@ -35,18 +37,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..comm.collectives import COMM_LABEL, PendingTransfers, post_transfers
-from .blockwise import BlockKernel, heads_first, kernel_for
+from .blockwise import BlockKernel, flash_takes, heads_first, kernel_for
 from .derived import derived
 from .layout import GroupLayout, attention_layout
 from .masks import (Piece, TokenRun, plan_block, plan_pieces, split_causal, token_runs,
                     window_applies)
 from .tiles import SEQ, Tile, TileGradients, accumulate, attend, causal_square, empty_output
+from .varlen import Segments, lse_per_token, segments_of
 
 # Key/value blocks and their gradient accumulators use different tags so the two streams
 # between a pair of ranks can never be matched with each other.
@@ -149,14 +154,17 @@ class RingAttention(nn.Module):
         ring = _Ring(group=self.group, rank=dist.get_rank(self.group),
                      size=dist.get_world_size(self.group), block_sizes=layout.sizes)
         kernel = kernel_for(q.device, softcap, q.dtype)
+        join = (partial(segments_of, rows=q.shape[0], device=q.device)
+                if kernel.takes_segments and flash_takes(q) and lse_per_token() else None)
 
         def plan() -> list[list[Tile]]:
             everywhere = layout.gathered_positions()
-            return _plan_ring(ring, layout, causal, kernel.causal_leaf,
+            return _plan_ring(ring, layout, causal, kernel.causal_leaf, join,
                               window if window_applies(window, everywhere, layout.total)
                               else None)
         plans = derived(("ring plans", id(self.group), tuple(layout.sizes), causal, window,
-                         kernel.causal_leaf), (positions, doc_ids), plan)
+                         kernel.causal_leaf, join is not None, q.shape[0], q.device),
+                        (positions, doc_ids), plan)
         scale = next(s for s in (scale, self.scale, 1.0 / math.sqrt(q.shape[-1]))
                      if s is not None)
         return _RingAttentionFunction.apply(q, k, v, ring, plans, scale, kernel)
@@ -175,8 +183,12 @@ def split_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None)
     return _RingAttentionFunction.apply(q, k, v, ring, plans, scale, kernel)
 
 
+Join = Callable[[list[Piece], int, int], Segments | None]
+"""Pieces of a query block x key block as one variable-length tile's segments, or None."""
+
+
 def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool, leaf: int | None,
-               window: int | None = None) -> list[list[Tile]]:
+               join: Join | None = None, window: int | None = None) -> list[list[Tile]]:
     """This rank's tiles for each ring step.
 
     With a sliding ``window`` every block is planned from its mask (``plan_block``): a block
@@ -186,7 +198,9 @@ def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool, leaf: int | None,
     one causal square. Otherwise blocks made of runs of consecutive positions (zigzag halves,
     the documents of a pack) are cut into rectangles that need no mask (``plan_pieces``);
     causal squares longer than the kernel's ``leaf`` are halved until they are not
-    (``split_causal``). Only scattered positions fall back to a tile with a materialised mask.
+    (``split_causal``). On a kernel that takes ``varlen.Segments``, pieces that ``join``
+    (a pack's documents) are one tile. Only scattered positions fall back to a tile with a
+    materialised mask.
     """
     mine = ring.rank
     doc_ids = layout.doc_ids
@@ -202,6 +216,10 @@ def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool, leaf: int | None,
         elif window is None and runs[mine] is not None and runs[source] is not None:
             pieces = plan_pieces(runs[mine], runs[source], causal, count,
                                  ring.block_sizes[source])
+            joined = None if join is None else join(pieces, count, ring.block_sizes[source])
+            if joined is not None:
+                plans.append([Tile(None, None, joined)])
+                continue
         else:
             plans.append(Tile.of_plan(plan_block(
                 layout.positions[mine], None if doc_ids is None else doc_ids[mine],
