@@ -17,9 +17,10 @@ work). A configuration that runs out of memory is recorded as OOM.
 Part 2 times training steps of the reference transformer (default dim 2048, 16 layers,
 seq 2048 or each ``--seq-len``, bf16 autocast, 8 microbatches of 1 sequence, AdamW)
 through meshpipe's trainer on one GPU (``Trainer.train_step``: the 1F1B executor with one
-stage, gradient clipping, optimizer), eager and with ``--compile``, on random tokens and
-``--pack``ed from the shipped corpus (documents of a few hundred tokens), also as a Hugging
-Face Llama of the same sizes through ``--model`` (``--no-hf`` skips it), beside the same
+stage, gradient clipping, optimizer), eager and with ``--compile`` (on CUDA also in
+inductor's reduce-overhead mode: CUDA graphs), on random tokens and ``--pack``ed from the
+shipped corpus (documents of a few hundred tokens), also as a Hugging Face Llama of the same
+sizes through ``--model`` (``--no-hf`` skips it), beside the same
 model stepped by plain PyTorch: step time, tokens/s, model FLOPs utilisation and peak
 memory. MFU counts PaLM's model FLOPs, 6 x parameters + 12 x layers x dim x seq per token
 (the attention scores as if not causal), against the GPU's dense bf16 peak
@@ -43,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -53,6 +55,7 @@ from harness import write_results
 from meshpipe.context import LocalAttention, RingAttention
 from meshpipe.context.blockwise import kernel_for
 from meshpipe.models import Transformer, causal_lm_loss
+from meshpipe.models.compile import MODE_VARIABLE
 from meshpipe.runtime import autocast
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data import load_corpus
@@ -238,12 +241,24 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
-def _trainer_steps(config: TrainConfig, device: torch.device, args) -> tuple[dict, int]:
-    """meshpipe's training step: measured, and the model's parameter count."""
-    trainer = Trainer(config)
-    steps = iter(range(config.steps))
-    measured = _measure(lambda: trainer.train_step(next(steps)), device, args)
-    return measured, sum(p.numel() for _, p in trainer.parameters)
+def _trainer_steps(config: TrainConfig, device: torch.device, args,
+                   compile_mode: str | None = None) -> tuple[dict, int | None]:
+    """meshpipe's training step: measured, and the model's parameter count; a run that
+    fails is a row saying how (the other rows still run)."""
+    os.environ.pop(MODE_VARIABLE, None)
+    if compile_mode:
+        os.environ[MODE_VARIABLE] = compile_mode
+    try:
+        trainer = Trainer(config)
+        steps = iter(range(config.steps))
+        measured = _measure(lambda: trainer.train_step(next(steps)), device, args)
+        return measured, sum(p.numel() for _, p in trainer.parameters)
+    except Exception as error:  # a benchmark row, not a test: record it and go on
+        traceback.print_exc()
+        return {"status": f"failed: {type(error).__name__}: {str(error)[:160]}",
+                "seconds": None, "peak_gib": None}, None
+    finally:
+        os.environ.pop(MODE_VARIABLE, None)
 
 
 def train_rows(args, device: torch.device) -> list[dict]:
@@ -260,18 +275,23 @@ def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpu
                    llama: str) -> list[dict]:
     """meshpipe's trainer (reference model and ``llama``, random tokens and packed from
     ``corpus``, eager and compiled) and the plain loop, at ``seq_len``."""
-    rows = []
-    runs = [("", "", ""), ("", corpus, ", --pack")]
-    if llama:
-        runs += [(llama, "", ", --model Llama"), (llama, corpus, ", --model Llama --pack")]
-    for model, packed_from, what in runs:
-        for compiled in (False, True):
-            measured, parameters = _trainer_steps(
-                train_config(args, scratch, device, seq_len, compiled, model, packed_from),
-                device, args)
-            gc.collect()  # the trainer's memory, before the next runner's
-            rows.append({"part": "train step", "runner": "meshpipe Trainer (1F1B, 1 stage)"
-                         + what + (" --compile" if compiled else ""), **measured})
+    rows, parameters = [], None
+    runs = [(model, packed_from, what, compiled, None)
+            for model, packed_from, what in [("", "", ""), ("", corpus, ", --pack")] + (
+                [(llama, "", ", --model Llama"), (llama, corpus, ", --model Llama --pack")]
+                if llama else [])
+            for compiled in (False, True)]
+    if device.type == "cuda":
+        runs.append(("", "", "", True, "reduce-overhead"))
+    for model, packed_from, what, compiled, mode in runs:
+        measured, counted = _trainer_steps(
+            train_config(args, scratch, device, seq_len, compiled, model, packed_from),
+            device, args, mode)
+        parameters = counted or parameters
+        gc.collect()  # the trainer's memory, before the next runner's
+        rows.append({"part": "train step", "runner": "meshpipe Trainer (1F1B, 1 stage)" + what
+                     + (" --compile" if compiled else "") + (f" ({mode})" if mode else ""),
+                     **measured})
 
     config = train_config(args, scratch, device, seq_len)
     model = Transformer(model_config(config)).to(device)

@@ -119,3 +119,25 @@ def test_a_run_without_compile_never_imports_dynamo():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_the_compile_mode_comes_from_the_environment(monkeypatch):
+    """``MESHPIPE_COMPILE_MODE`` (reduce-overhead: CUDA graphs) reaches every region's
+    ``compile``; unset, inductor's default mode."""
+    from torch import nn
+
+    from meshpipe.models import Transformer, TransformerConfig, split
+    from meshpipe.models.compile import MODE_VARIABLE
+
+    calls = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kwargs: calls.append(kwargs))
+    monkeypatch.delenv(BACKEND_VARIABLE, raising=False)
+    (chunk,) = split(Transformer(TransformerConfig(vocab_size=64, dim=32, n_layers=1,
+                                                   n_heads=4, max_seq_len=32)), 1)
+    monkeypatch.setenv(MODE_VARIABLE, "reduce-overhead")
+    compile_blocks([chunk])
+    monkeypatch.delenv(MODE_VARIABLE)
+    compile_blocks([chunk])
+    modes = [call["mode"] for call in calls]
+    assert modes == ["reduce-overhead"] * (len(modes) // 2) + [None] * (len(modes) // 2)
+    assert modes and all(call["backend"] == "inductor" for call in calls)

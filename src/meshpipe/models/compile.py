@@ -20,7 +20,9 @@ What is not compiled runs eager at known graph breaks, each marked ``@graph_brea
   1F1B (``forward_steps``), so only its attention and norms are compiled.
 
 ``MESHPIPE_COMPILE_BACKEND`` names another backend than inductor (``aot_eager`` traces and
-differentiates like inductor without generating code: quick, for checking).
+differentiates like inductor without generating code: quick, for checking);
+``MESHPIPE_COMPILE_MODE`` an inductor mode (``reduce-overhead``: CUDA graphs of the compiled
+regions, where the host's kernel launches bound a step; ``max-autotune``).
 """
 
 from __future__ import annotations
@@ -35,12 +37,17 @@ from meshpipe.models import hf_moe
 from meshpipe.models.transformer import TransformerBlock
 
 BACKEND_VARIABLE = "MESHPIPE_COMPILE_BACKEND"
+MODE_VARIABLE = "MESHPIPE_COMPILE_MODE"
 # transformers' decoders name their norms <Model>RMSNorm.
 HF_NORM_SUFFIX = "RMSNorm"
 
 
 def backend() -> str:
     return os.environ.get(BACKEND_VARIABLE, "inductor")
+
+
+def mode() -> str | None:
+    return os.environ.get(MODE_VARIABLE) or None
 
 
 def regions(block: nn.Module, split_backward: bool = False) -> list[nn.Module]:
@@ -86,6 +93,6 @@ def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False) ->
         for block in chunk.layers.values():
             for region in regions(block, split_backward):
                 if id(region) not in compiled:
-                    region.compile(backend=backend())
+                    region.compile(backend=backend(), mode=mode())
                     compiled[id(region)] = region
     return len(compiled)
