@@ -105,13 +105,13 @@ LAYOUTS = [
     Layout("pp2-tp2", ("--pp", "2", "--tp", "2")),
     # Ring attention's tiles and packed documents in half precision.
     Layout("cp-ring2-bf16", ("--pp", "1", "--cp-ring", "2", "--dtype", "bf16"),
-           "ring tiles on the memory-efficient kernel"),
+           "ring tiles on the flash kernel in bf16"),
     Layout("packed-cp-ring2-bf16", ("--pp", "1", "--cp-ring", "2", "--dtype", "bf16", *PACKED),
-           "packed documents: explicit tile masks"),
+           "packed documents: one variable-length call per ring step"),
     Layout("packed-hybrid2x2-fp16", ("--pp", "1", "--cp-ring", "2", "--cp-ulysses", "2",
                                      "--dtype", "fp16", *PACKED)),
     Layout("packed-pp1-bf16", ("--pp", "1", "--dtype", "bf16", *PACKED),
-           "a pack as one masked SDPA call per layer"),
+           "a pack as one variable-length flash call per layer"),
     # torch.compile (inductor) of each block; under ZB-V only the weightless pieces.
     Layout("pp1-bf16-compile", ("--pp", "1", "--dtype", "bf16", "--compile")),
     Layout("pp2-vpp2-zb-v-compile", ("--pp", "2", "--vpp", "2", "--schedule", "zb-v",
