@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from meshpipe.context import LocalAttention, local
+from meshpipe.context.masks import MAX_RUNS
 from meshpipe.context.varlen import Segments
 
 
@@ -192,7 +193,8 @@ def _emulated_varlen_ops():
     return forward, backward
 
 
-def _packed_ring_on_segments(rank: int, world: int) -> list[tuple[int, bool]]:
+def _packed_ring_on_segments(rank: int, world: int,
+                             lengths: list[int]) -> list[tuple[int, bool]]:
     """A packed ring (every document split across the ranks) on the CUDA half kernel's
     wiring, in float32 with the emulated variable-length ops: output and gradients against
     SDPA over the whole pack; returns each ring step's tiles as (count, all Segments)."""
@@ -203,11 +205,10 @@ def _packed_ring_on_segments(rank: int, world: int) -> list[tuple[int, bool]]:
     from meshpipe.context.varlen import lse_per_token
 
     torch.set_num_threads(1)
-    lengths = [6, 10, 4, 8]
     shards = ShardLayout.packed(lengths, world)
     held = shards.positions(rank)
-    all_doc_ids = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
-    starts = torch.tensor([0, 6, 16, 20])
+    all_doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor(lengths).cumsum(0) - torch.tensor(lengths)
     generator = torch.Generator().manual_seed(2)
     seq = sum(lengths)
     q, grad = (torch.randn(2, seq, 4, 8, generator=generator) for _ in range(2))
@@ -260,11 +261,29 @@ def _packed_ring_on_segments(rank: int, world: int) -> list[tuple[int, bool]]:
 
 
 @pytest.mark.distributed
-def test_a_packed_ring_step_is_one_variable_length_call():
+@pytest.mark.parametrize("lengths", [[6, 10, 4, 8], [2] * (MAX_RUNS + 6)],
+                         ids=["4 documents", "more documents than MAX_RUNS"])
+def test_a_packed_ring_step_is_one_variable_length_call(lengths):
     """Each ring step of a pack is one tile of segments: rank 0's own block (every
     document's causal square), nothing from rank 1's later halves; rank 1's own block, and
-    rank 0's earlier halves (every document's unmasked rectangle)."""
+    rank 0's earlier halves (every document's unmasked rectangle). Blocks of more runs than
+    the per-piece planner takes still join."""
     from meshpipe.testing import run_distributed
 
-    assert run_distributed(2, _packed_ring_on_segments) == [[(1, True), (0, True)],
-                                                            [(1, True), (1, True)]]
+    assert run_distributed(2, _packed_ring_on_segments, lengths) == [
+        [(1, True), (0, True)], [(1, True), (1, True)]]
+
+
+def test_a_pack_of_many_documents_is_still_one_call(monkeypatch):
+    kernel = _StandInKernel(monkeypatch)
+    monkeypatch.setattr(local, "_varlen_takes", lambda q: True)
+    documents = MAX_RUNS + 36
+    doc_ids = torch.arange(documents).repeat_interleave(2)
+    positions = torch.arange(2).repeat(documents)
+    q, k, v = (torch.randn(1, 2 * documents, heads, 8) for heads in (4, 2, 2))
+    out = LocalAttention()(q, k, v, positions=positions, doc_ids=doc_ids)
+    ((tag, *_, cumulative, longest, causal, _),) = kernel.calls
+    assert (tag, len(cumulative), longest, causal) == ("fwd", documents + 1, 2, True)
+    monkeypatch.setattr(local, "_varlen_takes", lambda q: False)
+    torch.testing.assert_close(out, LocalAttention()(q, k, v, positions=positions,
+                                                     doc_ids=doc_ids))

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from .blockwise import flash_takes
 from .derived import derived
 from .interface import check_attention_inputs
-from .masks import attention_mask, is_plain_sequence, token_runs, window_applies
+from .masks import MAX_RUNS, attention_mask, is_plain_sequence, token_runs, window_applies
 from .ring import split_causal_attention
 from .tiles import CAUSAL_LEAF, runs_on_cpu_kernel
 from .varlen import Segments, packed_flash_attention
@@ -129,7 +129,7 @@ def _varlen_documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int
                       q: Tensor, causal: bool) -> Segments | None:
     """The pack's documents as the variable-length kernel's segments, when each is one run
     of consecutive positions (else None)."""
-    documents = _documents(positions, doc_ids, seq)
+    documents = _documents(positions, doc_ids, seq, limit=seq)
     if documents is None:
         return None
     lengths = [rows.stop - rows.start for rows in documents]
@@ -160,14 +160,14 @@ def _additive_mask(positions: Tensor | None, doc_ids: Tensor | None, causal: boo
         ~allowed, float("-inf"))
 
 
-def _documents(positions: Tensor | None, doc_ids: Tensor | None,
-               seq: int) -> list[slice] | None:
+def _documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int,
+               limit: int = MAX_RUNS) -> list[slice] | None:
     """The token ranges of the documents, when each document is one run of consecutive
-    positions (its tokens then see only each other: one unmasked or causal square apiece),
-    else None."""
+    positions (its tokens then see only each other: one unmasked or causal square apiece)
+    and there are at most ``limit``, else None."""
     if positions is None:
         positions = torch.arange(seq, device=None if doc_ids is None else doc_ids.device)
-    runs = token_runs(positions, doc_ids)
+    runs = token_runs(positions, doc_ids, limit)
     if runs is None or len({run.doc for run in runs}) < len(runs):
         return None
     return [slice(run.offset, run.offset + run.length) for run in runs]

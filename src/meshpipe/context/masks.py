@@ -118,6 +118,10 @@ MAX_RUNS = 64
 """Blocks of more runs than this (scattered positions, many tiny documents) are planned with
 a materialised mask instead of piece by piece."""
 
+MAX_JOINED_RUNS = 4096
+"""Where pieces can join into one variable-length call (``varlen.segments_of``), blocks of up
+to this many runs are planned by their runs."""
+
 
 def token_runs(positions: Tensor, doc_ids: Tensor | None,
                limit: int = MAX_RUNS) -> list[TokenRun] | None:
@@ -146,10 +150,11 @@ def plan_pieces(q_runs: list[TokenRun], k_runs: list[TokenRun], causal: bool,
     position (every query sees them), the square where both ranges overlap (causal), and
     the queries after the keys' last position against those keys. Nothing is materialised."""
     pieces: list[Piece] = []
+    runs_of_doc: dict[int | None, list[TokenRun]] = {}
+    for k in k_runs:
+        runs_of_doc.setdefault(k.doc, []).append(k)
     for q in q_runs:
-        for k in k_runs:
-            if q.doc != k.doc:
-                continue
+        for k in runs_of_doc.get(q.doc, ()):
             if not causal:
                 pieces.append(_piece(q, q.start, q.stop, k, k.start, k.stop, False))
                 continue

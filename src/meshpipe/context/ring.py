@@ -48,8 +48,8 @@ from ..comm.collectives import COMM_LABEL, PendingTransfers, post_transfers
 from .blockwise import BlockKernel, flash_takes, heads_first, kernel_for
 from .derived import derived
 from .layout import GroupLayout, attention_layout
-from .masks import (Piece, TokenRun, plan_block, plan_pieces, split_causal, token_runs,
-                    window_applies)
+from .masks import (MAX_JOINED_RUNS, MAX_RUNS, Piece, TokenRun, plan_block, plan_pieces,
+                    split_causal, token_runs, window_applies)
 from .tiles import SEQ, Tile, TileGradients, accumulate, attend, causal_square, empty_output
 from .varlen import Segments, lse_per_token, segments_of
 
@@ -204,31 +204,43 @@ def _plan_ring(ring: _Ring, layout: GroupLayout, causal: bool, leaf: int | None,
     """
     mine = ring.rank
     doc_ids = layout.doc_ids
-    runs = [token_runs(layout.positions[rank], None if doc_ids is None else doc_ids[rank])
-            for rank in range(ring.size)]
+    limit = MAX_RUNS if join is None else MAX_JOINED_RUNS
+    runs = [token_runs(layout.positions[rank], None if doc_ids is None else doc_ids[rank],
+                       limit) for rank in range(ring.size)]
     plans = []
     for step in range(ring.size):
         source = ring.source(step)
         count = ring.block_sizes[mine]
+        tiles = None
         if window is None and source == mine and _one_increasing_document(
                 runs[mine], layout.positions[mine]):
-            pieces = [Piece(None, None, causal)]
+            tiles = [Tile.of_piece(part) for part in split_causal(Piece(None, None, causal),
+                                                                   count, leaf)]
         elif window is None and runs[mine] is not None and runs[source] is not None:
-            pieces = plan_pieces(runs[mine], runs[source], causal, count,
-                                 ring.block_sizes[source])
-            joined = None if join is None else join(pieces, count, ring.block_sizes[source])
-            if joined is not None:
-                plans.append([Tile(None, None, joined)])
-                continue
-        else:
-            plans.append(Tile.of_plan(plan_block(
+            tiles = _tiles_of_runs(runs[mine], runs[source], causal, count,
+                                   ring.block_sizes[source], leaf, join)
+        if tiles is None:
+            tiles = Tile.of_plan(plan_block(
                 layout.positions[mine], None if doc_ids is None else doc_ids[mine],
                 layout.positions[source], None if doc_ids is None else doc_ids[source],
-                causal, window)))
-            continue
-        plans.append([Tile.of_piece(part) for piece in pieces
-                      for part in split_causal(piece, count, leaf)])
+                causal, window))
+        plans.append(tiles)
     return plans
+
+
+def _tiles_of_runs(q_runs: list[TokenRun], k_runs: list[TokenRun], causal: bool,
+                   q_count: int, k_count: int, leaf: int | None,
+                   join: Join | None) -> list[Tile] | None:
+    """The tiles of a query block against a key block, both made of runs: one of segments
+    where the pieces join, else a tile per piece (halved down to ``leaf``) where the blocks
+    have at most ``MAX_RUNS`` runs, else None (a masked tile)."""
+    pieces = plan_pieces(q_runs, k_runs, causal, q_count, k_count)
+    joined = None if join is None else join(pieces, q_count, k_count)
+    if joined is not None:
+        return [Tile(None, None, joined)]
+    if max(len(q_runs), len(k_runs)) > MAX_RUNS:
+        return None
+    return [Tile.of_piece(part) for piece in pieces for part in split_causal(piece, q_count, leaf)]
 
 
 def _one_increasing_document(runs: list[TokenRun] | None, positions: Tensor) -> bool:
