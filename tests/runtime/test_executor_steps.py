@@ -5,7 +5,8 @@
 - a failed step is final: the stages are reset, every later step is refused with the first
   failure's reason, and the same stages run again under a new transport and executor;
 - forward-only without targets returns the outputs and no losses; with targets, the losses;
-- loss scales may be a tensor or a numpy array.
+- loss scales may be a tensor or a numpy array;
+- the losses are read (a host synchronisation on a GPU) once the step's work is queued.
 """
 
 from __future__ import annotations
@@ -246,3 +247,38 @@ def test_forward_only_with_some_targets_missing_is_refused():
                               timeout=HARNESS_TIMEOUT_S)[0]
     assert message is not None and "none for microbatches [1]" in message
     assert "targets=None for outputs without losses" in message
+
+
+class _Recorded(torch.Tensor):
+    """A loss that notes when the executor reads its value."""
+
+    events: list[str] = []
+
+    def __float__(self):
+        _Recorded.events.append("read")
+        return super().__float__()
+
+
+def _when_losses_are_read(rank, world_size):
+    """A one-rank pipeline of two microbatches: the order of backwards and loss reads."""
+    _Recorded.events = []
+    schedule = build("1f1b", 1, MICROBATCHES)
+    module = nn.Linear(DIM, DIM)
+    module.register_full_backward_hook(lambda *args: _Recorded.events.append("backward"))
+    stage = Stage(module, 0, 1, loss_fn=lambda output, target: mean_square(
+        output, target).as_subclass(_Recorded))
+    executor = Executor(schedule, {0: stage}, pp_rank=0, pipeline_ranks=[rank],
+                        transport=P2PTransport())
+    inputs, targets = _data(0)
+    result = executor.step(inputs, targets)
+    expected = [mean_square(module(x), t).item() for x, t in zip(inputs, targets)]
+    return _Recorded.events, result.losses, expected
+
+
+def test_the_losses_are_read_once_the_steps_work_is_queued():
+    """Reading a loss makes the host wait for the device; the executor reads them after the
+    last backward, not after each forward."""
+    events, losses, expected = run_distributed(2, _when_losses_are_read,
+                                               timeout=HARNESS_TIMEOUT_S)[0]
+    assert events == ["backward", "backward", "read", "read"]
+    assert losses == pytest.approx(expected)

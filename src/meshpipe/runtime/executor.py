@@ -93,9 +93,16 @@ class _StepState:
     sends_posted: int = 0
     result: StepResult = field(default_factory=lambda: StepResult())
     t0: float = field(default_factory=time.perf_counter)
+    losses: list[Any] = field(default_factory=list)  # the last stage's loss tensors
 
     def __post_init__(self) -> None:
         self.result.origin = self.t0
+
+    def read_losses(self) -> None:
+        """The microbatches' losses into the result as numbers, read at the step's end:
+        reading each as it is computed would make the host wait for the device's forward
+        before it queues the backward, microbatch after microbatch."""
+        self.result.losses = [float(loss) for loss in self.losses]
 
     @classmethod
     def idle(cls) -> _StepState:
@@ -376,6 +383,7 @@ class Executor:
                 self._at_stage_moment(hooks.after_last_backward, self._last_backward_at, index,
                                       "after its last backward")
             self._wait_for_sends()
+            self._now.read_losses()
         except Exception as error:
             stopped = self._peer_gone(error)
             self._fail(stopped or error)
@@ -609,7 +617,7 @@ class Executor:
         if stage.is_last:
             if stage.computes_loss(target, keep_for_backward=not forward_only):
                 output, loss = output
-                self._now.result.losses.append(float(loss))
+                self._now.losses.append(loss)
             if forward_only:
                 self._now.result.outputs.append(output)
         elif self._is_local(s + 1):
