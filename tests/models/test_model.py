@@ -297,6 +297,22 @@ def test_positions_of_the_wrong_length_negative_or_beyond_max_seq_len_are_reject
         Transformer(SMALL)(_tokens(), positions=torch.arange(-1, 11))
 
 
+def test_a_reused_positions_tensor_is_read_back_once(monkeypatch):
+    """Checking positions reads a value back from the device: once per tensor, so a
+    loader's reused positions cost no synchronisation per microbatch; a changed one is
+    checked again."""
+    reads = []
+    lowest = torch.Tensor.min
+    monkeypatch.setattr(torch.Tensor, "min", lambda self, *a: reads.append(1) or lowest(self, *a))
+    model, positions = Transformer(SMALL), torch.arange(12)
+    for _ in range(3):
+        model(_tokens(), positions=positions)
+    assert len(reads) == 1
+    positions[0] = -1
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        model(_tokens(), positions=positions)
+
+
 def _zigzag(seq, rank, world):
     """Chunks ``rank`` and ``2 * world - 1 - rank`` of ``2 * world`` equal chunks."""
     chunk = seq // (2 * world)
