@@ -10,9 +10,10 @@ meshpipe's ``RingAttention`` on a group of one rank, which runs the tiles ring a
 runs on CUDA (``context.blockwise.kernel_for``: the flash kernel in bf16, with the
 log-sum-exp), so it shows what a ring step costs per tile. Then one packed row of
 ``--pack-len`` tokens holding ``--documents`` documents (lengths drawn once, seed 0):
-``LocalAttention`` with the pack's positions and document ids against SDPA causal over the
-same row unpacked, which is what a pack should approach (TFLOP/s count each one's live
-work). A configuration that runs out of memory is recorded as OOM.
+``LocalAttention`` with the pack's positions and document ids, SDPA with the pack's mask in
+one call and (on CUDA) compiled FlexAttention with a document block mask, against SDPA
+causal over the same row unpacked, which is what a pack should approach (TFLOP/s count each
+one's live work). A configuration that runs out of memory is recorded as OOM.
 
 Part 2 times training steps of the reference transformer (default dim 2048, 16 layers,
 seq 2048 or each ``--seq-len``, bf16 autocast, 8 microbatches of 1 sequence, AdamW)
@@ -150,6 +151,10 @@ def document_lengths(seq: int, documents: int) -> torch.Tensor:
 
 
 def _packed_attention(args, device: torch.device) -> list[dict]:
+    """One packed row through meshpipe's ``LocalAttention`` and through the kernels it could
+    have used (SDPA with the pack's mask in one call; FlexAttention with a document block
+    mask, on CUDA), and SDPA causal over the row unpacked. A kernel that fails is a row
+    saying how."""
     seq = args.pack_len
     lengths = document_lengths(seq, args.documents).to(device)
     doc_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
@@ -158,18 +163,56 @@ def _packed_attention(args, device: torch.device) -> list[dict]:
     q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     grad = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    packed, whole = int((lengths * lengths).sum()), seq * seq
     attention = LocalAttention()
+    kernels = [(f"LocalAttention, a pack of {len(lengths)} documents", packed,
+                lambda: lambda q, k, v: attention(q, k, v, positions=positions, doc_ids=doc_ids)),
+               ("SDPA, the pack's mask in one call", packed,
+                lambda: _masked_sdpa(positions, doc_ids)),
+               ("SDPA causal, the same row unpacked", whole, lambda: attention)]
+    if device.type == "cuda":
+        kernels.insert(2, ("FlexAttention, a document block mask", packed,
+                           lambda: _flex_attention(doc_ids, device)))
     rows = []
-    for name, layout, live in (
-            (f"LocalAttention, a pack of {len(lengths)} documents",
-             dict(positions=positions, doc_ids=doc_ids), int((lengths * lengths).sum())),
-            ("SDPA causal, the same row unpacked", {}, seq * seq)):
-        def step() -> None:
-            attention(q, k, v, **layout).backward(grad)
-            q.grad = k.grad = v.grad = None
-        rows.append(_timed_attention(name, seq, 7 * live * args.head_dim * args.heads, step,
-                                     device, args))
+    for name, live, build in kernels:
+        try:
+            run = build()
+
+            def step() -> None:
+                run(q, k, v).backward(grad)
+                q.grad = k.grad = v.grad = None
+            rows.append(_timed_attention(name, seq, 7 * live * args.head_dim * args.heads,
+                                         step, device, args))
+        except Exception as error:  # a benchmark row, not a test: record it and go on
+            traceback.print_exc()
+            rows.append({"part": "attention", "kernel": name, "seq": seq, "seconds": None,
+                         "peak_gib": None, "tflops": None,
+                         "status": f"failed: {type(error).__name__}: {str(error)[:160]}"})
     return rows
+
+
+def _masked_sdpa(positions: torch.Tensor, doc_ids: torch.Tensor) -> Callable:
+    """SDPA on ``[b, s, h, d]`` with the pack's block-diagonal causal mask, made once."""
+    allowed = (positions[None, :] <= positions[:, None]) & (doc_ids[None, :] == doc_ids[:, None])
+    mask = torch.zeros(allowed.shape, dtype=torch.bfloat16, device=allowed.device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask).transpose(1, 2)
+
+
+def _flex_attention(doc_ids: torch.Tensor, device: torch.device) -> Callable:
+    """Compiled FlexAttention on ``[b, s, h, d]`` with a causal document block mask, made
+    once."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def same_document_causal(batch, head, query, key):
+        return (key <= query) & (doc_ids[query] == doc_ids[key])
+
+    seq = doc_ids.shape[0]
+    blocks = create_block_mask(same_document_causal, None, None, seq, seq, device=device)
+    compiled = torch.compile(flex_attention)
+    return lambda q, k, v: compiled(*(t.transpose(1, 2) for t in (q, k, v)),
+                                    block_mask=blocks).transpose(1, 2)
 
 
 def _attention_at(seq: int, args, device: torch.device) -> list[dict]:
