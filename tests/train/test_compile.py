@@ -29,6 +29,7 @@ def _check_compiled(rank, world_size, config):
 
 LAYOUTS = {  # two ranks each: the compile time is every rank's
     "zb-v": dict(pp=2, schedule="zb-v"),
+    "dualpipe-v-recompute": dict(pp=2, schedule="dualpipe-v", recompute="full"),
     "interleaved-bf16": dict(pp=2, vpp=2, schedule="interleaved", dtype="bf16"),
     "combined-1f1b-moe-ep2": dict(pp=1, dp=2, ep=2, moe_experts=4, schedule="combined-1f1b"),
     "ring2": dict(pp=1, schedule="none", cp_ring=2),
