@@ -17,7 +17,9 @@ expressed through these two tensors, so no attention needs to know how the loade
 What an attention derives from them is kept for as long as the same tensor objects come back
 unchanged (every layer of a microbatch; ``context.derived``), so the ranks of a
 context-parallel group pass new ``positions`` / ``doc_ids`` tensors together (as a loader
-does per microbatch) or the same ones together.
+does per microbatch) or the same ones together. Refilling one in place with ``copy_`` is
+seen; a receive or collective writing into it is not (torch does not count those as
+changes): give such a microbatch new tensors.
 """
 
 from __future__ import annotations
