@@ -140,5 +140,6 @@ def attention_layout(name: str, q: Tensor, k: Tensor, v: Tensor, positions: Tens
         return gather_layout(positions, doc_ids, seq_local, signature, group, where, q.device)
     if positions is None:
         return gather(), where
-    key = ("group layout", id(group), q.device, *signature.values())
+    key = ("group layout", id(group), dist.get_world_size(group), dist.get_rank(group),
+           q.device, *signature.values())
     return derived(key, (positions, doc_ids), gather), where

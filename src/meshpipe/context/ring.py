@@ -162,9 +162,9 @@ class RingAttention(nn.Module):
             return _plan_ring(ring, layout, causal, kernel.causal_leaf, join,
                               window if window_applies(window, everywhere, layout.total)
                               else None)
-        plans = derived(("ring plans", id(self.group), tuple(layout.sizes), causal, window,
-                         kernel.causal_leaf, join is not None, q.shape[0], q.device),
-                        (positions, doc_ids), plan)
+        key = ("ring plans", id(self.group), ring.rank, tuple(layout.sizes), causal, window,
+               kernel.causal_leaf, join is not None, q.shape[0], q.device)
+        plans = derived(key, (positions, doc_ids), plan)
         scale = next(s for s in (scale, self.scale, 1.0 / math.sqrt(q.shape[-1]))
                      if s is not None)
         return _RingAttentionFunction.apply(q, k, v, ring, plans, scale, kernel)
