@@ -50,8 +50,8 @@ class RankBatches:
         denominator = counted / self.config.microbatches
         if getattr(batch, "doc_lens", None) is not None:
             return Microbatches(*self._packed(batch), denominator)
-        tokens = batch.tokens[:, self.positions].to(self.device)
-        targets = batch.targets[:, self.positions].to(self.device)
+        tokens = to_device(batch.tokens[:, self.positions], self.device)
+        targets = to_device(batch.targets[:, self.positions], self.device)
         size = self.config.microbatch_size
         inputs = [(t, self._device_positions, None) for t in tokens.split(size)]
         return Microbatches(inputs, list(targets.split(size)), denominator)
@@ -64,7 +64,16 @@ class RankBatches:
             held = packed_hybrid_positions(lengths, config.cp_ring, self.cp_ranks[0],
                                            config.cp_ulysses, self.cp_ranks[1])
             positions, doc_ids = sources.packed_layout(lengths, held)
-            inputs.append((row_tokens[:, held].to(device), positions.to(device),
-                           doc_ids.to(device)))
-            targets.append(row_targets[:, held].to(device))
+            inputs.append((to_device(row_tokens[:, held], device), to_device(positions, device),
+                           to_device(doc_ids, device)))
+            targets.append(to_device(row_targets[:, held], device))
         return inputs, targets
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``. To CUDA through pinned memory without waiting:
+    a copy from pageable memory would hold the host until the device finished the previous
+    step's optimizer, when it could already queue this step's forwards."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
