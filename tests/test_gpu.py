@@ -238,6 +238,33 @@ def test_a_pack_on_cuda_is_one_call_equal_to_its_documents(monkeypatch, dtype):
                                    **low_precision_tolerance(name_of[dtype], want.float()))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_sliding_window_on_cuda_is_one_variable_length_call(monkeypatch, dtype):
+    """A window shorter than the sequence runs on the variable-length flash kernel with its
+    window (context.varlen); it equals the masked SDPA path, output and q/k/v gradients."""
+    from meshpipe.context import local
+
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    q, grad = (torch.randn(2, 1500, 8, 64, device="cuda", generator=generator).to(dtype)
+               for _ in range(2))
+    k, v = (torch.randn(2, 1500, 2, 64, device="cuda", generator=generator).to(dtype)
+            for _ in range(2))
+
+    def run():
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = LocalAttention()(*inputs, window=256)
+        out.backward(grad)
+        return [out, *(t.grad for t in inputs)]
+
+    assert local._varlen_takes(q) and local.takes_windows()
+    windowed = run()
+    monkeypatch.setattr(local, "_varlen_takes", lambda q: False)
+    name = "bf16" if dtype is torch.bfloat16 else "fp16"
+    for what, got, want in zip(["out", "dq", "dk", "dv"], windowed, run()):
+        torch.testing.assert_close(got.float(), want.float(), msg=what,
+                                   **low_precision_tolerance(name, want.float()))
+
+
 def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -18,12 +18,19 @@ from meshpipe.context.masks import MAX_RUNS
 from meshpipe.context.varlen import Segments
 
 
-def _per_document(q, k, v, cu, causal, scale):
+def _per_document(q, k, v, cu, causal, scale, left=None):
+    """Each segment of ``cu`` on its own, causal or not, keys at most ``left`` offsets back."""
     pieces = []
     for start, stop in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        offsets = torch.arange(stop - start)
+        allowed = torch.ones(len(offsets), len(offsets), dtype=torch.bool)
+        if causal:
+            allowed &= offsets[None, :] <= offsets[:, None]
+        if left is not None:
+            allowed &= offsets[:, None] - offsets[None, :] <= left
         q_doc, k_doc, v_doc = (t[start:stop].transpose(0, 1) for t in (q, k, v))
         pieces.append(F.scaled_dot_product_attention(
-            q_doc, k_doc, v_doc, is_causal=causal, scale=scale,
+            q_doc, k_doc, v_doc, attn_mask=allowed, scale=scale,
             enable_gqa=True).transpose(0, 1))
     return torch.cat(pieces)
 
@@ -37,19 +44,23 @@ class _StandInKernel:
         monkeypatch.setattr(aten, "_flash_attention_forward", self.forward)
         monkeypatch.setattr(aten, "_flash_attention_backward", self.backward)
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
-        self.calls.append(("fwd", q.shape, k.shape, cu_q.tolist(), max_q, causal, dropout))
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale,
+                window_size_left=None, window_size_right=None):
+        self.calls.append(("fwd", q.shape, k.shape, cu_q.tolist(), max_q, causal, dropout,
+                           window_size_left))
         assert torch.equal(cu_q, cu_k) and max_q == max_k and cu_q.dtype == torch.int32
-        out = _per_document(q, k, v, cu_q, causal, scale)
+        assert window_size_left is None or window_size_right == (0 if causal else -1)
+        out = _per_document(q, k, v, cu_q, causal, scale, window_size_left)
         rng = torch.zeros((), dtype=torch.int64)
         return out, torch.zeros(q.shape[1], q.shape[0]), rng, rng, torch.empty(0)
 
     def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal,
-                 seed, offset, *, scale):
-        self.calls.append(("bwd", q.shape, k.shape, cu_q.tolist(), max_q, causal, dropout))
+                 seed, offset, *, scale, window_size_left=None, window_size_right=None):
+        self.calls.append(("bwd", q.shape, k.shape, cu_q.tolist(), max_q, causal, dropout,
+                           window_size_left))
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         with torch.enable_grad():
-            _per_document(*leaves, cu_q, causal, scale).backward(grad_out)
+            _per_document(*leaves, cu_q, causal, scale, window_size_left).backward(grad_out)
         return tuple(leaf.grad for leaf in leaves)
 
 
@@ -72,8 +83,8 @@ def test_a_pack_goes_to_the_variable_length_kernel_in_one_call(monkeypatch, caus
 
     varlen = run()
     cumulative = [0, 5, 16, 24, 29, 40, 48]  # both rows' documents, end to end
-    assert kernel.calls == [("fwd", (48, 4, 8), (48, 2, 8), cumulative, 11, causal, 0.0),
-                            ("bwd", (48, 4, 8), (48, 2, 8), cumulative, 11, causal, 0.0)]
+    assert kernel.calls == [("fwd", (48, 4, 8), (48, 2, 8), cumulative, 11, causal, 0.0, None),
+                            ("bwd", (48, 4, 8), (48, 2, 8), cumulative, 11, causal, 0.0, None)]
     monkeypatch.setattr(local, "_varlen_takes", lambda q: False)
     for name, got, want in zip(["out", "dq", "dk", "dv"], varlen, run()):
         torch.testing.assert_close(got, want, msg=name)
@@ -90,6 +101,34 @@ def test_packs_the_kernel_cannot_take_keep_their_paths(monkeypatch):
     LocalAttention()(q, k, v, positions=torch.tensor([0, 1, 0, 1, 2, 3]),
                      doc_ids=torch.tensor([0, 0, 1, 1, 0, 0]))
     assert kernel.calls == []
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["a pack", "a plain sequence"])
+def test_a_sliding_window_goes_to_the_variable_length_kernel(monkeypatch, packed):
+    """A window shorter than the sequence: the documents (a plain sequence: one per row) in
+    one call with the kernel's window of ``window - 1`` keys back, equal to the masked path."""
+    from meshpipe.context.varlen import takes_windows
+
+    assert takes_windows()  # this torch's ops take a window
+    kernel = _StandInKernel(monkeypatch)
+    monkeypatch.setattr(local, "_varlen_takes", lambda q: True)
+    generator = torch.Generator().manual_seed(1)
+    lengths = [5, 11, 8] if packed else [24]
+    layout = {}
+    if packed:
+        layout = dict(doc_ids=torch.repeat_interleave(torch.arange(3), torch.tensor(lengths)),
+                      positions=torch.cat([torch.arange(n) for n in lengths]))
+    q, k, v = (torch.randn(2, 24, heads, 8, generator=generator) for heads in (4, 2, 2))
+    out = LocalAttention()(q, k, v, window=4, **layout)
+    ((_, _, _, cumulative, _, causal, _, left),) = kernel.calls
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    assert (cumulative, causal, left) == ([0, *ends, *(24 + end for end in ends)], True, 3)
+    monkeypatch.setattr(local, "_varlen_takes", lambda q: False)
+    torch.testing.assert_close(out, LocalAttention()(q, k, v, window=4, **layout))
+    monkeypatch.setattr(local, "_varlen_takes", lambda q: True)
+    monkeypatch.setattr(local, "takes_windows", lambda: False)  # an older torch's ops
+    LocalAttention()(q, k, v, window=4, **layout)
+    assert len(kernel.calls) == 1
 
 
 def test_segments_lay_the_rows_end_to_end():
@@ -282,7 +321,7 @@ def test_a_pack_of_many_documents_is_still_one_call(monkeypatch):
     positions = torch.arange(2).repeat(documents)
     q, k, v = (torch.randn(1, 2 * documents, heads, 8) for heads in (4, 2, 2))
     out = LocalAttention()(q, k, v, positions=positions, doc_ids=doc_ids)
-    ((tag, *_, cumulative, longest, causal, _),) = kernel.calls
+    ((tag, *_, cumulative, longest, causal, _, _),) = kernel.calls
     assert (tag, len(cumulative), longest, causal) == ("fwd", documents + 1, 2, True)
     monkeypatch.setattr(local, "_varlen_takes", lambda q: False)
     torch.testing.assert_close(out, LocalAttention()(q, k, v, positions=positions,

@@ -12,7 +12,7 @@ from .interface import check_attention_inputs
 from .masks import MAX_RUNS, attention_mask, is_plain_sequence, token_runs, window_applies
 from .ring import split_causal_attention
 from .tiles import CAUSAL_LEAF, runs_on_cpu_kernel
-from .varlen import Segments, packed_flash_attention
+from .varlen import Segments, packed_flash_attention, takes_windows
 
 
 # Longer packs run document by document on CUDA too: one call would hold a [seq, seq] mask.
@@ -27,15 +27,15 @@ class LocalAttention(nn.Module):
     instead as causal squares of at most that length and unmasked rectangles
     (``ring.split_causal_attention``), which skips the masked work the CPU kernel computes in
     one large causal call. A pack whose documents each lie in one run of consecutive
-    positions runs, on CUDA in bf16/fp16, as one call of the variable-length flash kernel
-    (``varlen``); on CPU document by document, each in the same fast path, with no mask and
-    no work across documents; on CUDA in float32 as one call with its mask
-    (``_per_document``). Anything else builds the mask
-    from ``positions`` and ``doc_ids`` (and a sliding ``window`` shorter than the span of the
-    positions). Grouped-query attention
-    goes to SDPA as is (``enable_gqa``), without repeating key/value heads. What is read from
-    ``positions`` and ``doc_ids`` (plain or not, the documents, the mask) is derived once
-    per microbatch, at its first layer (``context.derived``).
+    positions, and a sequence with a sliding window, run on CUDA in bf16/fp16 as one call of
+    the variable-length flash kernel (``varlen``). On CPU such a pack runs document by
+    document, each in the same fast path, with no mask and no work across documents; on
+    CUDA in float32 as one call with its mask (``_per_document``). Anything else builds the
+    mask from ``positions`` and ``doc_ids`` (and a sliding ``window`` shorter than the span
+    of the positions). Grouped-query attention goes to SDPA as is (``enable_gqa``), without
+    repeating key/value heads. What is read from ``positions`` and ``doc_ids`` (plain or
+    not, the documents, the mask) is derived once per microbatch, at its first layer
+    (``context.derived``).
     """
 
     def __init__(self, scale: float | None = None):
@@ -57,10 +57,12 @@ class LocalAttention(nn.Module):
             "plain", (positions, doc_ids), lambda: is_plain_sequence(positions, doc_ids))
         if plain and causal and runs_on_cpu_kernel(q) and seq > CAUSAL_LEAF:
             return split_causal_attention(q, k, v, scale)
-        if not plain and not windowed and _varlen_takes(q):
-            documents = derived(("varlen documents", seq, q.shape[0], causal),
+        sliding = window if windowed else None
+        if not plain and _varlen_takes(q) and (sliding is None or takes_windows()):
+            documents = derived(("varlen documents", seq, q.shape[0], causal, sliding),
                                 (positions, doc_ids),
-                                lambda: _varlen_documents(positions, doc_ids, seq, q, causal))
+                                lambda: _varlen_documents(positions, doc_ids, seq, q, causal,
+                                                          sliding))
             if documents is not None:
                 return packed_flash_attention(q, k, v, documents, scale)
         gqa = q.shape[2] != k.shape[2]
@@ -126,14 +128,16 @@ def _varlen_takes(q: Tensor) -> bool:
 
 
 def _varlen_documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int,
-                      q: Tensor, causal: bool) -> Segments | None:
-    """The pack's documents as the variable-length kernel's segments, when each is one run
-    of consecutive positions (else None)."""
+                      q: Tensor, causal: bool, window: int | None) -> Segments | None:
+    """The pack's documents (a plain sequence: one) as the variable-length kernel's
+    segments, with the sliding ``window``, when each is one run of consecutive positions
+    (else None): within a run, positions and offsets differ by the same amount, so the
+    kernel's window over offsets is the window over positions."""
     documents = _documents(positions, doc_ids, seq, limit=seq)
     if documents is None:
         return None
     lengths = [rows.stop - rows.start for rows in documents]
-    return Segments.of(lengths, lengths, q.shape[0], q.device, causal)
+    return Segments.of(lengths, lengths, q.shape[0], q.device, causal, window)
 
 
 def _per_document(q: Tensor) -> bool:

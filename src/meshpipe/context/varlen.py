@@ -7,8 +7,9 @@ into segments by cumulative lengths (``Segments``): query segment ``i`` attends 
 number. Two callers:
 
 - a pack in local attention: the documents (each one run of consecutive positions) are the
-  segments, queries and keys alike (``packed_flash_attention``, derived once per
-  microbatch);
+  segments, queries and keys alike, with the layer's sliding window if it has one
+  (``packed_flash_attention``, derived once per microbatch; a sequence with a window is a
+  pack of one document);
 - a ring attention step whose pieces (``masks.plan_pieces``) tile the query block and the
   key block in order, all causal squares or all unmasked rectangles: the pieces of a pack
   split across the ranks document by document (``segments_of``). The step is then one
@@ -35,23 +36,33 @@ from .masks import Piece
 @dataclass(frozen=True)
 class Segments:
     """Cumulative lengths of the query and key segments of a batch's rows (int32 on the
-    device, the rows one after another), the longest of each, and whether each pair is a
-    causal square."""
+    device, the rows one after another), the longest of each, whether each pair is a causal
+    square, and a sliding ``window`` (a query attends keys fewer than ``window`` positions
+    before it; None: no window)."""
 
     cu_q: Tensor
     cu_k: Tensor
     longest_q: int
     longest_k: int
     causal: bool
+    window: int | None = None
 
     @staticmethod
     def of(q_lengths: list[int], k_lengths: list[int], rows: int, device: torch.device,
-           causal: bool) -> Segments:
+           causal: bool, window: int | None = None) -> Segments:
         """The segments of ``rows`` batch rows that are each cut into ``q_lengths`` queries
         against ``k_lengths`` keys."""
         return Segments(_cumulative(q_lengths, rows, device),
                         _cumulative(k_lengths, rows, device), max(q_lengths), max(k_lengths),
-                        causal)
+                        causal, window)
+
+    def window_sizes(self) -> dict[str, int]:
+        """The kernel's window arguments: keys up to ``window - 1`` positions before a query
+        (and, unless causal, any after it); none without a window."""
+        if self.window is None:
+            return {}
+        return {"window_size_left": self.window - 1,
+                "window_size_right": 0 if self.causal else -1}
 
 
 def _cumulative(lengths: list[int], rows: int, device: torch.device) -> Tensor:
@@ -72,7 +83,7 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, segments: Segments,
                    scale: float | None) -> tuple[Tensor, ...]:
     return torch.ops.aten._flash_attention_forward(
         q, k, v, segments.cu_q, segments.cu_k, segments.longest_q, segments.longest_k, 0.0,
-        segments.causal, False, scale=scale)
+        segments.causal, False, scale=scale, **segments.window_sizes())
 
 
 def _flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -80,7 +91,7 @@ def _flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                     rng: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     return torch.ops.aten._flash_attention_backward(
         grad_out, q, k, v, out, lse, segments.cu_q, segments.cu_k, segments.longest_q,
-        segments.longest_k, 0.0, segments.causal, *rng, scale=scale)
+        segments.longest_k, 0.0, segments.causal, *rng, scale=scale, **segments.window_sizes())
 
 
 class _VarlenFlash(torch.autograd.Function):
@@ -161,6 +172,15 @@ def tile_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
                             _tokens(out), per_token, segments, scale,
                             (no_rng_state(), no_rng_state()))
     return tuple(_heads_first(grad, batch) for grad in grads)
+
+
+@cache
+def takes_windows() -> bool:
+    """Whether this torch's variable-length flash ops take a sliding window (their schemas
+    name ``window_size_left``)."""
+    return all("window_size_left" in {argument.name for argument in op.default._schema.arguments}
+               for op in (torch.ops.aten._flash_attention_forward,
+                          torch.ops.aten._flash_attention_backward))
 
 
 @cache
