@@ -7,12 +7,15 @@ Shared by tests/test_faults.py (which asserts on each outcome) and benchmarks/fa
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -133,8 +136,7 @@ def run_case(case: Case, workdir: Path, timeout: float = 240) -> Outcome:
     env = {**os.environ, TAG_VARIABLE: tag, "PYTHONUNBUFFERED": "1"}
     env.pop("MESHPIPE_FAULT", None)
     if case.before is not None:
-        subprocess.run(command(case.before, out), env=env, capture_output=True, timeout=timeout,
-                       check=True)
+        shutil.copytree(_before_run(case.before, env, timeout), out)
     if case.fault is not None:
         env["MESHPIPE_FAULT"] = case.fault
     start = time.time()
@@ -157,6 +159,23 @@ def run_case(case: Case, workdir: Path, timeout: float = 240) -> Outcome:
         last = next((line for line in reversed(stdout.splitlines()) if line.strip()), "")
     return Outcome(case, process.returncode, end - (fired or start), last,
                    "\n".join(lines), _leftovers(tag), out)
+
+
+_BEFORE_RUNS: dict[tuple[str, ...], Path] = {}
+
+
+def _before_run(args: tuple[str, ...], env: dict[str, str], timeout: float) -> Path:
+    """The out-dir of a finished run of ``args``, made once per process for every case that
+    starts from it (each case gets a copy)."""
+    done = _BEFORE_RUNS.get(args)
+    if done is None or not done.exists():
+        scratch = tempfile.mkdtemp(prefix="meshpipe-fault-before-")
+        atexit.register(shutil.rmtree, scratch, True)
+        done = Path(scratch) / "run"
+        subprocess.run(command(args, done), env=env, capture_output=True, timeout=timeout,
+                       check=True)
+        _BEFORE_RUNS[args] = done
+    return done
 
 
 def wait_for_training(metrics: Path, process: subprocess.Popen, timeout: float) -> None:
