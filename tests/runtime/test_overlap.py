@@ -60,7 +60,7 @@ def _in_flight_while_other_computes(events, posting: str, computing: str) -> boo
 
 
 def _overlapped_and_sequential(rank, world_size):
-    from meshpipe.runtime.executor import OverlapHooks
+    from meshpipe.runtime.hooks import OverlapHooks
 
     calls = []
     hooks = OverlapHooks(*(lambda part, name=name: calls.append((name, str(part)))

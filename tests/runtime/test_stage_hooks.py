@@ -3,7 +3,7 @@ after its last weight-gradient action (B, or W under split backward), for every 
 
 import pytest
 
-from meshpipe.runtime.executor import _stage_moments
+from meshpipe.runtime.hooks import stage_moments
 from meshpipe.schedules import build
 from meshpipe.schedules.actions import Kind
 from meshpipe.schedules.lowering import lower
@@ -16,7 +16,7 @@ CASES = [("1f1b", 2, 1), ("gpipe", 3, 1), ("interleaved", 2, 2), ("zb-h1", 2, 1)
 def test_hooks_sit_at_each_stage_s_first_forward_and_last_weight_gradient(name, pp, vpp):
     schedule = lower(build(name, pp, 4, stages_per_rank=vpp))
     for rank, actions in enumerate(schedule.ranks):
-        before, after = _stage_moments(actions)
+        before, after = stage_moments(actions)
         stages = set(schedule.stages_of(rank))
         assert sorted(s for at in before.values() for s in at) == sorted(stages)
         assert sorted(s for at in after.values() for s in at) == sorted(stages)
@@ -35,4 +35,4 @@ def test_hooks_sit_at_each_stage_s_first_forward_and_last_weight_gradient(name, 
 def test_a_forward_only_schedule_has_no_gradient_moment():
     schedule = lower(build("1f1b", 2, 4, forward_only=True))
     for actions in schedule.ranks:
-        assert _stage_moments(actions)[1] == {}
+        assert stage_moments(actions)[1] == {}

@@ -1,8 +1,8 @@
 """meshpipe.runtime: pipeline stages and the executor that runs a lowered schedule."""
 
-from meshpipe.runtime.executor import (Executor, ExecutorError, OverlapHooks, PeerFailedError,
-                                       StageHooks, StepResult)
+from meshpipe.runtime.executor import Executor, ExecutorError, PeerFailedError, StepResult
 from meshpipe.runtime.grad_sync import all_reduce_gradients
+from meshpipe.runtime.hooks import OverlapHooks, StageHooks
 from meshpipe.runtime.precision import (AutocastChunk, DynamicLossScaler, autocast,
                                         low_precision_tolerance, weights_cast_once)
 from meshpipe.runtime.split_backward import SplitBackward

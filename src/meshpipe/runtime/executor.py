@@ -44,6 +44,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 from meshpipe.comm.p2p import P2PConnectionError
 from meshpipe.comm.transport import Transport, is_stop_notice, stop_notice, stopped_by
 from meshpipe.runtime import activity
+from meshpipe.runtime.hooks import OverlapHooks, StageHooks, stage_moments
 from meshpipe.runtime.stage import Stage, Task
 from meshpipe.runtime.substeps import co_schedule, drain
 from meshpipe.schedules.actions import Action, Kind
@@ -180,53 +181,6 @@ class _Planned(NamedTuple):
     flush: bool
 
 
-@dataclass
-class OverlapHooks:
-    """Callables run around the halves of every OVERLAP action, each given that half (an F or
-    a B action): ``pre_forward`` and ``pre_backward`` before the co-scheduled compute (in that
-    order), ``post_forward`` and ``post_backward`` after it (e.g. to post or wait for
-    pipeline messages around the combined step)."""
-
-    pre_forward: Callable[[Action], None] | None = None
-    pre_backward: Callable[[Action], None] | None = None
-    post_forward: Callable[[Action], None] | None = None
-    post_backward: Callable[[Action], None] | None = None
-
-
-@dataclass
-class StageHooks:
-    """Callables given a stage index at two moments of every step: ``before_first_forward``
-    before the stage's first forward of the step (e.g. to wait for its weights, gathered
-    while the step began), ``after_last_backward`` once the step's last gradient
-    contribution to its weights is done (its last B, or its last W under split backward),
-    e.g. to start reducing them while the pipeline runs its remaining actions. They must not
-    wait on other pipeline ranks: those may be waiting on this rank's next action."""
-
-    before_first_forward: Callable[[int], None] | None = None
-    after_last_backward: Callable[[int], None] | None = None
-
-
-def _stage_moments(actions: Sequence[Action]) -> tuple[dict[int, list[int]],
-                                                       dict[int, list[int]]]:
-    """For a rank's action list: the stages whose first forward is at each index, and the
-    stages whose last weight-gradient action (B, or W under split backward) is."""
-    first_forward: dict[int, int] = {}
-    last_backward: dict[int, int] = {}
-    for index, action in enumerate(actions):
-        for part in action.computations:
-            if part.kind is Kind.F:
-                first_forward.setdefault(part.stage, index)
-            elif part.kind in (Kind.B, Kind.W):
-                last_backward[part.stage] = index
-    before: dict[int, list[int]] = {}
-    after: dict[int, list[int]] = {}
-    for stage, index in first_forward.items():
-        before.setdefault(index, []).append(stage)
-    for stage, index in last_backward.items():
-        after.setdefault(index, []).append(stage)
-    return before, after
-
-
 # Stage module types already told that their OVERLAPs run F then B.
 _NOTIFIED_WITHOUT_SUBSTEPS: set[str] = set()
 
@@ -290,7 +244,7 @@ class Executor:
         self.overlap_hooks = overlap_hooks or OverlapHooks()
         self.stage_hooks = stage_hooks or StageHooks()
         self.actions = self.schedule.ranks[pp_rank]
-        self._first_forward_at, self._last_backward_at = _stage_moments(self.actions)
+        self._first_forward_at, self._last_backward_at = stage_moments(self.actions)
         self._failure: str | None = None
         self._now = _StepState.idle()  # what the step in progress holds
         self._computes: dict[Kind, Callable[[Action], None]] = {
