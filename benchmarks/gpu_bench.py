@@ -66,6 +66,9 @@ from meshpipe.train.trainer import Trainer
 RESULTS = Path(__file__).parent / "results"
 # Dense bf16 tensor-core peaks (TFLOP/s, SXM parts) by a name in torch's device name.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+PARTS = ("attention", "train")
+MODES = ("eager", "compile", "reduce-overhead")
+DATA = ("random", "pack")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,6 +95,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"where gpu_bench.json/.md go (default {RESULTS} on a GPU)")
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the same model as a Hugging Face Llama (--model)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="which parts to run (default both)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="training step: how the trainer runs (reduce-overhead: CUDA "
+                             "only, random tokens, reference model)")
+    parser.add_argument("--data", nargs="+", choices=DATA, default=list(DATA),
+                        help="training step: random tokens, --pack'ed corpus, or both")
     parser.add_argument("--cpu-rehearsal", action="store_true",
                         help="run on the CPU to try the script (use tiny sizes); not a result")
     return parser.parse_args(argv)
@@ -319,12 +329,12 @@ def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpu
     """meshpipe's trainer (reference model and ``llama``, random tokens and packed from
     ``corpus``, eager and compiled) and the plain loop, at ``seq_len``."""
     rows, parameters = [], None
-    runs = [(model, packed_from, what, compiled, None)
-            for model, packed_from, what in [("", "", ""), ("", corpus, ", --pack")] + (
-                [(llama, "", ", --model Llama"), (llama, corpus, ", --model Llama --pack")]
-                if llama else [])
-            for compiled in (False, True)]
-    if device.type == "cuda":
+    data = [source for kind, source in (("random", ""), ("pack", corpus)) if kind in args.data]
+    models = [("", "")] + ([(llama, ", --model Llama")] if llama else [])
+    runs = [(model, packed_from, what + (", --pack" if packed_from else ""), compiled, None)
+            for model, what in models for packed_from in data
+            for compiled, mode in ((False, "eager"), (True, "compile")) if mode in args.modes]
+    if device.type == "cuda" and "reduce-overhead" in args.modes and "random" in args.data:
         runs.append(("", "", "", True, "reduce-overhead"))
     for model, packed_from, what, compiled, mode in runs:
         measured, counted = _trainer_steps(
@@ -396,10 +406,11 @@ def to_markdown(result: dict) -> str:
 
     lines = [f"# GPU benchmark: {result['device']}", "",
              f"torch {result['torch']}, CUDA {result['cuda']}; median of {result['iters']} "
-             f"after {result['warmup']} warm-up.", "",
-             f"Attention forward + backward, causal, bf16, batch 1, {result['heads']} heads x "
-             f"{result['head_dim']}:", "",
-             "| kernel | seq | ms | TFLOP/s | peak GiB |", "|---|---:|---:|---:|---:|"]
+             f"after {result['warmup']} warm-up."]
+    if result["attention"]:
+        lines += ["", f"Attention forward + backward, causal, bf16, batch 1, {result['heads']} "
+                      f"heads x {result['head_dim']}:", "",
+                  "| kernel | seq | ms | TFLOP/s | peak GiB |", "|---|---:|---:|---:|---:|"]
     for row in result["attention"]:
         ms = figure(row["seconds"] and row["seconds"] * 1e3, ".2f") if row["status"] == "ok" \
             else row["status"]
@@ -441,9 +452,11 @@ def main(argv: list[str] | None = None) -> int:
                   else "CPU rehearsal (not a GPU result)",
                   "torch": torch.__version__, "cuda": torch.version.cuda,
                   "warmup": args.warmup, "iters": args.iters, "heads": args.heads,
-                  "head_dim": args.head_dim, "attention": attention_rows(args, device),
+                  "head_dim": args.head_dim,
+                  "attention": attention_rows(args, device) if "attention" in args.parts
+                  else [],
                   "sequences": args.microbatches * args.microbatch_size,
-                  "train": train_rows(args, device)}
+                  "train": train_rows(args, device) if "train" in args.parts else []}
     finally:
         dist.destroy_process_group()
     table = to_markdown(result)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from meshpipe.context import local
-from meshpipe.context.derived import derived, held
+from meshpipe.context.derived import derived, held, keep_host_copy, on_host
+from meshpipe.context.masks import is_plain_sequence, token_runs, window_applies
 from meshpipe.models import Transformer, TransformerConfig
 
 
@@ -33,6 +34,46 @@ def test_a_value_is_kept_for_the_same_tensors_while_they_live_unchanged():
     gc.collect()
     assert held() == before  # every value went with its tensors
 
+
+
+def test_layout_readers_read_a_host_copy_instead_of_the_device():
+    """A layout kept with its host copy is read from it: these tensors are on the 'meta'
+    device, which has no values to read (as a read of a CUDA tensor would wait), and the
+    answers equal those of the host tensors. Modified in place, the copy is not used."""
+    _, positions, doc_ids = _packed_batch()
+    on_device = [keep_host_copy(t.to("meta"), t) for t in (positions, doc_ids)]
+    assert token_runs(*on_device) == token_runs(positions, doc_ids)
+    assert is_plain_sequence(*on_device) is False
+    assert window_applies(4, on_device[0], 24) is True
+    assert on_host(on_device[0]) is positions
+    on_device[0].add_(1)
+    assert on_host(on_device[0]) is on_device[0]
+    with pytest.raises(Exception):
+        token_runs(*on_device)  # no copy any more: the device would be read
+
+
+def test_a_packed_batch_reaches_attention_with_its_host_copies(monkeypatch):
+    """``RankBatches`` moves a pack's positions and document ids with their host copies, so
+    a 4-layer model on the device ('meta' here: nothing can be read back from it) derives
+    the pack's runs from them, and runs, where reading the device raised before."""
+    from meshpipe.train.batches import RankBatches
+    from meshpipe.train.config import TrainConfig
+
+    class Packed:
+        tokens = torch.randint(0, 64, (2, 12))
+        targets = torch.randint(0, 64, (2, 12))
+        doc_lens = [[5, 7], [12]]
+
+    monkeypatch.setattr(local, "_per_document", lambda q: True)
+    config = TrainConfig(seq_len=12, microbatches=2, microbatch_size=1)
+    batches = RankBatches(config, 0, 0, torch.device("meta"))
+    inputs = batches(type("Sampler", (), {"batch": lambda self, step: Packed()})(), 0).inputs
+    model = Transformer(TransformerConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4,
+                                          n_kv_heads=2, max_seq_len=64)).to("meta")
+    for tokens, positions, doc_ids in inputs:
+        assert model(tokens, positions=positions, doc_ids=doc_ids).device.type == "meta"
+    with pytest.raises(Exception):
+        model(inputs[0][0], positions=inputs[0][1].clone(), doc_ids=inputs[0][2].clone())
 
 def _packed_batch(seq: int = 24):
     lengths = torch.tensor([5, 11, 8])

@@ -6,6 +6,13 @@ is plain, the runs of a pack's documents, its mask) would otherwise be derived a
 every layer, and on a GPU each of those reads waits for the device: a host synchronisation
 per layer. ``derived`` keeps each value beside the tensors it came from, for as long as they
 live and are not modified in place, and drops it with them.
+
+Once per microbatch is still a wait per microbatch: reading a layout off the device waits
+for the work queued before it (the previous microbatch's backward), and the device then
+idles while the host queues the next forward. A loader that copies a layout from the host
+keeps the host tensor beside the device one (``keep_host_copy``); the readers of layouts
+read ``on_host(tensor)``, which is that copy while the device tensor is unchanged, and need
+no wait at all.
 """
 
 from __future__ import annotations
@@ -51,3 +58,25 @@ def _forgetter(key: _Key) -> Callable[[weakref.ref], None]:
 def held() -> int:
     """How many derived values are held (for tests)."""
     return len(_VALUES)
+
+
+_HOST_COPIES: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+
+
+def keep_host_copy(tensor: Tensor, host: Tensor) -> Tensor:
+    """``tensor``, noted as holding the values of the host tensor ``host`` (which the caller
+    no longer modifies) for as long as it lives unmodified."""
+    if tensor is not host:
+        key = id(tensor)
+        _HOST_COPIES[key] = (weakref.ref(tensor, lambda _: _HOST_COPIES.pop(key, None)),
+                             tensor._version, host)
+    return tensor
+
+
+def on_host(tensor: Tensor | None) -> Tensor | None:
+    """``tensor``'s host copy (``keep_host_copy``) if it has one and is unchanged since,
+    else ``tensor``: what a reader of its values reads without waiting for the device."""
+    entry = None if tensor is None else _HOST_COPIES.get(id(tensor))
+    if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+        return entry[2]
+    return tensor

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from meshpipe.context.derived import derived
+from meshpipe.context.derived import derived, on_host
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
 from meshpipe.graph_breaks import graph_break
@@ -265,9 +265,9 @@ def default_positions(tokens_or_hidden: Tensor, positions: Tensor | None, *,
     """``positions`` as given, or ``0..seq-1`` for an unpacked sequence; checked against ``seq``.
 
     ``check_values`` also checks that no position is negative, which reads a value back from
-    the device (a sync on GPUs): the first stage checks, once per positions tensor
-    (``context.derived``; a loader that reuses its tensor is checked once), and later stages
-    receive checked ones.
+    the device (a sync on GPUs, unless the loader kept a host copy: ``context.derived``):
+    the first stage checks, once per positions tensor (a loader that reuses its tensor is
+    checked once), and later stages receive checked ones.
     ``sequence_shards`` > 1 says the activations hold one of that many sequence-parallel
     shards of the sequence the positions describe.
     """
@@ -278,7 +278,7 @@ def default_positions(tokens_or_hidden: Tensor, positions: Tensor | None, *,
         raise ValueError(f"positions must have shape [{seq}] (one per token of the local "
                          f"sequence); got {tuple(positions.shape)}")
     if check_values and seq and derived("lowest position", (positions,),
-                                        lambda: int(positions.min())) < 0:
+                                        lambda: int(on_host(positions).min())) < 0:
         raise ValueError(f"positions must be >= 0 (a token's position inside its document); "
                          f"got {int(positions.min())}")
     return positions

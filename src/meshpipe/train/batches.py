@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from meshpipe.context.derived import keep_host_copy
 from meshpipe.context.shards import hybrid_positions, packed_hybrid_positions
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
@@ -42,7 +43,7 @@ class RankBatches:
         self.device = device
         self.positions = hybrid_positions(config.seq_len, config.cp_ring, cp_ring_rank,
                                           config.cp_ulysses, cp_ulysses_rank)
-        self._device_positions = self.positions.to(device)
+        self._device_positions = to_device(self.positions, device)
 
     def __call__(self, sampler: Any, step: int) -> Microbatches:
         batch = sampler.batch(step)
@@ -71,9 +72,13 @@ class RankBatches:
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` (on the host) on ``device``. To CUDA through pinned memory without waiting:
-    a copy from pageable memory would hold the host until the device finished the previous
+    """``tensor`` (on the host) on ``device``, keeping the host tensor as its host copy:
+    attention reads a pack's layout from that copy instead of waiting for the device once
+    per microbatch (``context.derived``). To CUDA through pinned memory without waiting: a
+    copy from pageable memory would hold the host until the device finished the previous
     step's optimizer, when it could already queue this step's forwards."""
     if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+        moved = tensor.pin_memory().to(device, non_blocking=True)
+    else:
+        moved = tensor.to(device)
+    return keep_host_copy(moved, tensor)
