@@ -18,12 +18,13 @@ one's live work). A configuration that runs out of memory is recorded as OOM.
 Part 2 times training steps of the reference transformer (default dim 2048, 16 layers,
 seq 2048 or each ``--seq-len``, bf16 autocast, 8 microbatches of 1 sequence, AdamW)
 through meshpipe's trainer on one GPU (``Trainer.train_step``: the 1F1B executor with one
-stage, gradient clipping, optimizer), eager and with ``--compile`` (on CUDA also in
-inductor's reduce-overhead mode: CUDA graphs), on random tokens and ``--pack``ed from the
-shipped corpus (documents of a few hundred tokens), also as a Hugging Face Llama of the same
-sizes through ``--model`` (``--no-hf`` skips it), beside the same
+stage, gradient clipping, optimizer), eager and with ``--compile``, on random tokens and
+``--pack``ed from the shipped corpus (documents of a few hundred tokens), also as a Hugging
+Face Llama of the same sizes through ``--model`` (``--no-hf`` skips it), beside the same
 model stepped by plain PyTorch: step time, tokens/s, model FLOPs utilisation and peak
-memory. MFU counts PaLM's model FLOPs, 6 x parameters + 12 x layers x dim x seq per token
+memory, over ``--rounds`` rounds in alternating order (on an H100 the rows measured later in
+one process ran up to 1.5x slower than the first, whatever they were), each round's time
+with the GPU's SM clock, temperature and power after it. MFU counts PaLM's model FLOPs, 6 x parameters + 12 x layers x dim x seq per token
 (the attention scores as if not causal), against the GPU's dense bf16 peak
 (``PEAK_BF16_TFLOPS``, by name; none on other devices). Pipelines across GPUs are timed
 by ``benchmarks/gpu_check.py`` (small model).
@@ -42,6 +43,7 @@ import gc
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,7 +58,6 @@ from harness import write_results
 from meshpipe.context import LocalAttention, RingAttention
 from meshpipe.context.blockwise import kernel_for
 from meshpipe.models import Transformer, causal_lm_loss
-from meshpipe.models.compile import MODE_VARIABLE
 from meshpipe.runtime import autocast
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data import load_corpus
@@ -67,7 +68,7 @@ RESULTS = Path(__file__).parent / "results"
 # Dense bf16 tensor-core peaks (TFLOP/s, SXM parts) by a name in torch's device name.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 PARTS = ("attention", "train")
-MODES = ("eager", "compile", "reduce-overhead")
+MODES = ("eager", "compile")
 DATA = ("random", "pack")
 
 
@@ -98,8 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="which parts to run (default both)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                        help="training step: how the trainer runs (reduce-overhead: CUDA "
-                             "only, random tokens, reference model)")
+                        help="training step: the trainer eager, with --compile, or both")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="training step: rounds over the runners, alternating their order "
+                             "(the median of the rounds is reported)")
     parser.add_argument("--data", nargs="+", choices=DATA, default=list(DATA),
                         help="training step: random tokens, --pack'ed corpus, or both")
     parser.add_argument("--cpu-rehearsal", action="store_true",
@@ -294,24 +297,66 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
-def _trainer_steps(config: TrainConfig, device: torch.device, args,
-                   compile_mode: str | None = None) -> tuple[dict, int | None]:
-    """meshpipe's training step: measured, and the model's parameter count; a run that
-    fails is a row saying how (the other rows still run)."""
-    os.environ.pop(MODE_VARIABLE, None)
-    if compile_mode:
-        os.environ[MODE_VARIABLE] = compile_mode
-    try:
+def _trainer_runner(config: TrainConfig) -> Callable[[], tuple[Callable[[], None], int]]:
+    """meshpipe's trainer on ``config``: built when called, its step and parameter count."""
+    def build() -> tuple[Callable[[], None], int]:
         trainer = Trainer(config)
         steps = iter(range(config.steps))
-        measured = _measure(lambda: trainer.train_step(next(steps)), device, args)
-        return measured, sum(p.numel() for _, p in trainer.parameters)
+        return (lambda: trainer.train_step(next(steps)),
+                sum(p.numel() for _, p in trainer.parameters))
+    return build
+
+
+def _plain_runner(config: TrainConfig, device: torch.device
+                  ) -> Callable[[], tuple[Callable[[], None], int]]:
+    """The same model stepped by a plain PyTorch loop (autocast, clipping, AdamW)."""
+    def build() -> tuple[Callable[[], None], int]:
+        model = Transformer(model_config(config)).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                      weight_decay=config.weight_decay)
+        batch = torch.randint(0, model.config.vocab_size,
+                              (config.microbatches, config.microbatch_size, config.seq_len + 1),
+                              device=device)
+
+        def plain_step() -> None:
+            for microbatch in batch:
+                with autocast("bf16", device.type):
+                    logits = model(microbatch[:, :-1])
+                (causal_lm_loss(logits, microbatch[:, 1:]) / config.microbatches).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return plain_step, sum(p.numel() for p in model.parameters())
+    return build
+
+
+def _measure_runner(build: Callable[[], tuple[Callable[[], None], int]],
+                    device: torch.device, args) -> tuple[dict, int | None]:
+    """One runner built, measured and freed; a runner that fails is a row saying how (the
+    other rows still run)."""
+    try:
+        step, parameters = build()
+        measured = _measure(step, device, args)
+        del step
+        return measured, parameters
     except Exception as error:  # a benchmark row, not a test: record it and go on
         traceback.print_exc()
         return {"status": f"failed: {type(error).__name__}: {str(error)[:160]}",
                 "seconds": None, "peak_gib": None}, None
     finally:
-        os.environ.pop(MODE_VARIABLE, None)
+        gc.collect()  # this runner's memory, before the next one's
+
+
+def gpu_state() -> str | None:
+    """The GPU's SM clock, temperature and power now (``nvidia-smi``), or None: a row
+    measured at a lower clock than another is slower for it."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,temperature.gpu,power.draw",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout else None
 
 
 def train_rows(args, device: torch.device) -> list[dict]:
@@ -327,52 +372,45 @@ def train_rows(args, device: torch.device) -> list[dict]:
 def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpus: str,
                    llama: str) -> list[dict]:
     """meshpipe's trainer (reference model and ``llama``, random tokens and packed from
-    ``corpus``, eager and compiled) and the plain loop, at ``seq_len``."""
-    rows, parameters = [], None
+    ``corpus``, eager and compiled) and the plain loop, at ``seq_len``, in ``--rounds``
+    rounds: the runners in order, then in reverse, and so on, so that a drift of the
+    machine over the run (rows measured later ran slower) falls on every runner alike."""
     data = [source for kind, source in (("random", ""), ("pack", corpus)) if kind in args.data]
     models = [("", "")] + ([(llama, ", --model Llama")] if llama else [])
-    runs = [(model, packed_from, what + (", --pack" if packed_from else ""), compiled, None)
-            for model, what in models for packed_from in data
-            for compiled, mode in ((False, "eager"), (True, "compile")) if mode in args.modes]
-    if device.type == "cuda" and "reduce-overhead" in args.modes and "random" in args.data:
-        runs.append(("", "", "", True, "reduce-overhead"))
-    for model, packed_from, what, compiled, mode in runs:
-        measured, counted = _trainer_steps(
-            train_config(args, scratch, device, seq_len, compiled, model, packed_from),
-            device, args, mode)
-        parameters = counted or parameters
-        gc.collect()  # the trainer's memory, before the next runner's
-        rows.append({"part": "train step", "runner": "meshpipe Trainer (1F1B, 1 stage)" + what
-                     + (" --compile" if compiled else "") + (f" ({mode})" if mode else ""),
-                     **measured})
-
+    runners = {
+        "meshpipe Trainer (1F1B, 1 stage)" + what + (", --pack" if packed_from else "")
+        + (" --compile" if compiled else ""):
+        _trainer_runner(train_config(args, scratch, device, seq_len, compiled, model,
+                                     packed_from))
+        for model, what in models for packed_from in data
+        for compiled, mode in ((False, "eager"), (True, "compile")) if mode in args.modes}
     config = train_config(args, scratch, device, seq_len)
-    model = Transformer(model_config(config)).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
-                                  weight_decay=config.weight_decay)
-    batch = torch.randint(0, model.config.vocab_size,
-                          (config.microbatches, config.microbatch_size, config.seq_len + 1),
-                          device=device)
-
-    def plain_step() -> None:
-        for microbatch in batch:
-            with autocast("bf16", device.type):
-                logits = model(microbatch[:, :-1])
-            (causal_lm_loss(logits, microbatch[:, 1:]) / config.microbatches).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    rows.append({"part": "train step", "runner": "plain PyTorch (same model and batch)",
-                 **_measure(plain_step, device, args)})
+    runners["plain PyTorch (same model and batch)"] = _plain_runner(config, device)
+    measured: dict[str, list[dict]] = {name: [] for name in runners}
+    parameters = None
+    for round_index in range(args.rounds):
+        order = list(runners) if round_index % 2 == 0 else list(runners)[::-1]
+        for name in order:
+            result, counted = _measure_runner(runners[name], device, args)
+            parameters = counted or parameters
+            measured[name].append({**result, "gpu": gpu_state()})
     tokens = config.tokens_per_step
     peak = peak_tflops(device)
-    for row in rows:
-        tokens_per_s = tokens / row["seconds"] if row["seconds"] else None
-        row.update(seq=seq_len, parameters=parameters, tokens_per_step=tokens,
-                   tokens_per_s=tokens_per_s,
-                   mfu=(tokens_per_s * model_flops_per_token(parameters, config) / 1e12 / peak
-                        if tokens_per_s and peak else None))
+    rows = []
+    for name, rounds in measured.items():
+        times = [r["seconds"] for r in rounds if r["status"] == "ok"]
+        failed = next((r for r in rounds if r["status"] != "ok"), None)
+        seconds = statistics.median(times) if times and failed is None else None
+        tokens_per_s = tokens / seconds if seconds else None
+        row = {"part": "train step", "runner": name,
+               "status": failed["status"] if failed else "ok", "seconds": seconds,
+               "peak_gib": max((r["peak_gib"] for r in rounds if r["peak_gib"] is not None),
+                               default=None),
+               "rounds": rounds, "seq": seq_len, "parameters": parameters,
+               "tokens_per_step": tokens, "tokens_per_s": tokens_per_s,
+               "mfu": (tokens_per_s * model_flops_per_token(parameters, config) / 1e12 / peak
+                       if tokens_per_s and peak else None)}
+        rows.append(row)
         print(_train_line(row), flush=True)
     return rows
 
@@ -420,15 +458,19 @@ def to_markdown(result: dict) -> str:
     if train:
         lines += ["", f"Training step: {train[0]['parameters'] / 1e6:.0f}M parameters, "
                       f"{result['sequences']} sequences per step, bf16 autocast, AdamW:",
-                  "", "| runner | seq | ms/step | tokens/s | MFU % | peak GiB |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "", "| runner | seq | ms/step | tokens/s | MFU % | peak GiB | rounds: ms "
+                      "(SM MHz, temp, power) |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
         for row in train:
             ms = figure(row["seconds"] and row["seconds"] * 1e3, ".1f") \
                 if row["status"] == "ok" else row["status"]
             mfu = figure(row.get("mfu") and 100 * row["mfu"], ".1f")
+            rounds = "; ".join(
+                f"{figure(r['seconds'] and r['seconds'] * 1e3, '.1f')}"
+                + (f" ({r['gpu']})" if r.get("gpu") else "") for r in row.get("rounds", []))
             lines.append(f"| {row['runner']} | {row['seq']} | {ms} | "
                          f"{figure(row['tokens_per_s'], ',.0f')} | "
-                         f"{mfu} | {figure(row['peak_gib'], '.1f')} |")
+                         f"{mfu} | {figure(row['peak_gib'], '.1f')} | {rounds} |")
     return "\n".join(lines) + "\n"
 
 

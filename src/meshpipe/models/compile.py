@@ -21,8 +21,12 @@ What is not compiled runs eager at known graph breaks, each marked ``@graph_brea
 
 ``MESHPIPE_COMPILE_BACKEND`` names another backend than inductor (``aot_eager`` traces and
 differentiates like inductor without generating code: quick, for checking);
-``MESHPIPE_COMPILE_MODE`` an inductor mode (``reduce-overhead``: CUDA graphs of the compiled
-regions, where the host's kernel launches bound a step; ``max-autotune``).
+``MESHPIPE_COMPILE_MODE`` an inductor mode (``max-autotune-no-cudagraphs``). The modes that
+run the regions as CUDA graphs (``reduce-overhead``, ``max-autotune``) are refused
+(``check_mode``): a graph's replay writes its outputs over the last replay's, while a
+pipeline step still holds several microbatches' (and every layer's, where layers share one
+compiled region) for their backwards. On an H100 (torch 2.11) ``reduce-overhead`` failed so
+at the second microbatch's backward of a one-stage 1F1B step.
 """
 
 from __future__ import annotations
@@ -46,8 +50,19 @@ def backend() -> str:
     return os.environ.get(BACKEND_VARIABLE, "inductor")
 
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def mode() -> str | None:
     return os.environ.get(MODE_VARIABLE) or None
+
+
+def check_mode() -> None:
+    """Refuse a compile mode that runs the regions as CUDA graphs (see the module's note)."""
+    if mode() in CUDA_GRAPH_MODES:
+        raise ValueError(f"{MODE_VARIABLE}={mode()} replays the compiled blocks as CUDA "
+                         "graphs, which overwrite outputs that a pipeline step still holds "
+                         "for backward; unset it or use max-autotune-no-cudagraphs")
 
 
 def regions(block: nn.Module, split_backward: bool = False) -> list[nn.Module]:

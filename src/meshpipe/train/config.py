@@ -195,6 +195,10 @@ class TrainConfig:
         if self.tokenizer and not self.data:
             raise ValueError("--tokenizer tokenizes --data; the shipped corpus is byte-level: "
                              "give --data PATH or drop --tokenizer")
+        if self.compile:
+            from meshpipe.models.compile import check_mode
+
+            check_mode()
 
     def _check_experts(self) -> None:
         if self.model:
