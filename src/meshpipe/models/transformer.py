@@ -201,13 +201,25 @@ class SelfAttention(nn.Module):
         self.wo = shard_linear(self.wo, 1, tp.group)
 
     def forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+        q, k, v = self.project(x, positions)
+        return self.output(self.core(q, k, v, positions, doc_ids))
+
+    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values ``[batch, seq, heads, head_dim]``, rotated."""
         x = self.tp.enter(x)
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        out = _maybe_checkpoint(self.recompute_core, self._core, q, k, v, positions, doc_ids)
+        return self.rope(q, positions), self.rope(k, positions), v
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
+             doc_ids: Tensor | None) -> Tensor:
+        """The attention core (recomputed in backward with ``--recompute selective``)."""
+        return _maybe_checkpoint(self.recompute_core, self._core, q, k, v, positions, doc_ids)
+
+    def output(self, out: Tensor) -> Tensor:
+        batch, seq = out.shape[:2]
         return self.tp.leave(self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim)))
 
     @graph_break
@@ -241,7 +253,9 @@ class TransformerBlock(nn.Module):
         if self.is_moe:
             return run_steps(self.forward_steps(x, torch.zeros((), device=x.device),
                                                 positions, doc_ids))
-        return _maybe_checkpoint(self.recompute, self._forward, x, positions, doc_ids)
+        if self.recompute:
+            return _maybe_checkpoint(True, self._forward_by_parts, x, positions, doc_ids)
+        return self._forward(x, positions, doc_ids)
 
     def forward_steps(self, x: Tensor, aux: Tensor | None, positions: Tensor,
                       doc_ids: Tensor | None):
@@ -255,8 +269,19 @@ class TransformerBlock(nn.Module):
     def _attend(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
         return x + self.attention(self.attention_norm(x), positions, doc_ids)
 
-    def _forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+    def _forward_by_parts(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+        """``_forward`` through the attention module whole: what a recomputed block runs,
+        whose parts are compiled one by one (``models.compile.regions``)."""
         x = self._attend(x, positions, doc_ids)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def _forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+        """A dense block, written out in one function: compiled, its one graph break (the
+        attention core, called from here) cuts it into two graphs, where a break inside a
+        nested call would cut every enclosing function around that call (five graphs)."""
+        attention = self.attention
+        q, k, v = attention.project(self.attention_norm(x), positions)
+        x = x + attention.output(attention.core(q, k, v, positions, doc_ids))
         return x + self.mlp(self.mlp_norm(x))
 
 

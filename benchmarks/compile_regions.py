@@ -1,0 +1,112 @@
+"""How a compiled block's number of graphs shows in a step: the reference blocks eager, compiled
+by parts (norms, attention, MLP: five graphs a block, as ``--compile`` did before) and whole
+(two graphs, cut at the attention core: ``--compile`` now), forward + backward of one chunk in
+one process, inductor, one thread, in alternating order.
+
+    .venv/bin/python benchmarks/compile_regions.py                 # small and medium sizes
+    .venv/bin/python benchmarks/compile_regions.py --sizes 64:64 --rounds 30
+
+Each call of a compiled graph costs host time (guards, the autograd wrapper), which a small
+model's step is made of; a large one's is its matrix products. Writes
+``<out>/compile_regions.json`` and ``.md`` (default ``benchmarks/results``). A benchmark
+records times; it never asserts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from harness import load_average, write_results
+from meshpipe import graph_breaks
+from meshpipe.models import Transformer, TransformerConfig, split
+
+WAYS = ("eager", "by parts", "whole")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["64:64", "256:256"], metavar="DIM:SEQ")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    return parser.parse_args(argv)
+
+
+def build(way: str, dim: int, layers: int, seq: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=256, dim=dim, n_layers=layers, n_heads=dim // 32,
+                               max_seq_len=seq)
+    (chunk,) = split(Transformer(config), 1)
+    for block in chunk.layers.values():
+        if way == "whole":
+            block.compile()
+        elif way == "by parts":
+            block._forward = block._forward_by_parts
+            for part in (block.attention_norm, block.attention, block.mlp_norm, block.mlp):
+                part.compile()
+    return chunk
+
+
+def measure(dim: int, seq: int, args) -> dict:
+    chunks = {way: build(way, dim, args.layers, seq) for way in WAYS}
+    tokens = torch.randint(0, 256, (1, seq))
+
+    def step(chunk) -> None:
+        chunk(tokens).float().sum().backward()
+
+    for chunk in chunks.values():
+        for _ in range(3):  # compiles, then warm
+            step(chunk)
+    times: dict[str, list[float]] = {way: [] for way in WAYS}
+    for round_index in range(args.rounds):
+        order = WAYS if round_index % 2 == 0 else WAYS[::-1]
+        for way in order:
+            start = time.perf_counter()
+            step(chunks[way])
+            times[way].append(time.perf_counter() - start)
+    medians = {way: statistics.median(t) * 1e3 for way, t in times.items()}
+    row = {"dim": dim, "seq": seq, "layers": args.layers, "ms": medians}
+    print(row, flush=True)
+    return row
+
+
+def to_markdown(result: dict) -> str:
+    lines = [f"# Compiled blocks by parts and whole ({result['machine']}, torch "
+             f"{result['torch']}, inductor, 1 thread)", "",
+             f"Forward + backward of a {result['layers']}-layer chunk of the reference "
+             f"transformer, batch 1; median of {result['rounds']} rounds in alternating "
+             f"order. Load average before {result['load_before']}, after "
+             f"{result['load_after']}.", "",
+             "| dim | seq | eager ms | by parts (5 graphs a block) ms | whole (2 graphs) ms "
+             "| whole vs by parts |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in result["rows"]:
+        ms = row["ms"]
+        lines.append(f"| {row['dim']} | {row['seq']} | {ms['eager']:.1f} | "
+                     f"{ms['by parts']:.1f} | {ms['whole']:.1f} | "
+                     f"{ms['whole'] / ms['by parts']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    graph_breaks.install()
+    before = load_average()
+    rows = [measure(*map(int, size.split(":")), args) for size in args.sizes]
+    result = {"machine": platform.machine(), "torch": torch.__version__,
+              "layers": args.layers, "rounds": args.rounds, "load_before": before,
+              "load_after": load_average(), "rows": rows}
+    table = to_markdown(result)
+    print(table)
+    write_results(args.out, "compile_regions", result, table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
