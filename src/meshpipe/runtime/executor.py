@@ -76,6 +76,10 @@ class PeerFailedError(ExecutorError):
 # A rank stopped by a peer waits at most this long (and at most its receive timeout) for its
 # own stop notices to be received before raising.
 _STOP_NOTICE_DELIVERY_S = 5.0
+# The rank whose error started a stop keeps its process this long after its notices were
+# taken: torchrun's agent terminates every rank as soon as one exits, which could cut off a
+# stopped peer's report of the failure (each rank prints the first failure's line).
+_REPORT_GRACE_S = 2.0
 _STOP_REASON_CHARS = 2000
 
 
@@ -132,18 +136,24 @@ class _PeerStopped(Exception):
         self.reason = reason
 
 
-def _await_stop_notices(first_notices: dict[int, Any], skip: set[int], patience: float) -> None:
+def _await_stop_notices(first_notices: dict[int, Any], skip: set[int], patience: float,
+                        linger: float = 0.0) -> None:
     """Wait, up to ``patience`` seconds in all, until the peers other than ``skip`` took their
-    first stop notice (the handles keep the transport, and so the connections, alive). A wait
-    that runs out closes that connection (gloo): the peer then finds it closed."""
+    first stop notice (the handles keep the transport, and so the connections, alive), then
+    ``linger`` seconds more if one did. A wait that runs out closes that connection (gloo):
+    the peer then finds it closed."""
     deadline = time.monotonic() + patience
+    taken = False
     for peer, handle in first_notices.items():
         if peer in skip:
             continue
         try:
             handle.wait(max(deadline - time.monotonic(), 0.001))
+            taken = True
         except Exception:  # noqa: BLE001 - the peer is gone or not listening
             continue
+    if taken:
+        time.sleep(linger)
 
 
 class _Message(NamedTuple):
@@ -446,7 +456,8 @@ class Executor:
         first_notices = self._post_stop_notices(notice)
         if first_notices:
             threading.Thread(target=_await_stop_notices, name="meshpipe-stop-notices",
-                             args=(first_notices, set(), self._stop_notice_patience()),
+                             args=(first_notices, set(), self._stop_notice_patience(),
+                                   _REPORT_GRACE_S),
                              daemon=False).start()
 
     def _post_stop_notices(self, notice: dict) -> dict[int, Any]:
