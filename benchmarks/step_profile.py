@@ -29,6 +29,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import gpu_bench
+from gpu_attention import sync
 from meshpipe.train.data import load_corpus
 from meshpipe.train.trainer import Trainer
 
@@ -54,7 +55,7 @@ def profile_variant(variant: str, args, device: torch.device, scratch: str,
     trainer = Trainer(config)
     for step in range(args.warmup):
         trainer.train_step(step)
-    gpu_bench._sync(device)
+    sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if device.type == "cuda" else [])
     walls = []
@@ -62,7 +63,7 @@ def profile_variant(variant: str, args, device: torch.device, scratch: str,
         for step in range(args.warmup, args.warmup + args.profiled_steps):
             start = time.perf_counter()
             trainer.train_step(step)
-            gpu_bench._sync(device)
+            sync(device)
             walls.append(time.perf_counter() - start)
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # not their ops too
