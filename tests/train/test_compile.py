@@ -10,6 +10,7 @@ building C++ (20 s a model here); ``benchmarks/compile.py`` runs inductor itself
 import os
 
 import pytest
+import torch
 
 from hf_models import save_tiny_model, write_documents
 from meshpipe.models.compile import BACKEND_VARIABLE, compile_blocks, regions
@@ -112,6 +113,31 @@ def test_a_second_step_and_another_pack_compile_nothing(monkeypatch):
     assert step([10, 14]) == first
     assert step([3, 9, 12]) == first
 
+
+
+def test_a_hugging_face_layer_is_two_graphs_cut_at_its_attention(monkeypatch, tmp_path):
+    """transformers' layers call their attention module, whose core (meshpipe's attention)
+    is the graph break: with the break resumed inside the nested call (TorchDynamo's nested
+    graph breaks, where the torch has them) a layer is two graphs, not four."""
+    import torch._dynamo
+    from torch._dynamo import config as dynamo_config
+
+    from meshpipe.context import LocalAttention
+    from meshpipe.models import hf
+
+    if not hasattr(dynamo_config, "nested_graph_breaks"):
+        pytest.skip(f"torch {torch.__version__} has no nested graph breaks: four graphs")
+    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
+    monkeypatch.setattr(dynamo_config, "nested_graph_breaks", False)  # compile_blocks sets it
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    directory = save_tiny_model(tmp_path, "llama")
+    skeleton = hf.build_skeleton(directory)
+    (chunk,) = hf.split_model(skeleton, [skeleton.config.num_hidden_layers], LocalAttention())
+    hf.materialize(skeleton, [chunk], directory)
+    compile_blocks([chunk])
+    chunk(torch.randint(0, 64, (1, 16))).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 def test_a_run_without_compile_never_imports_dynamo():
     """The graph-break marks cost nothing until --compile: importing TorchDynamo would add

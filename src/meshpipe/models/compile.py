@@ -103,10 +103,16 @@ def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False) ->
 
     A split backward keeps the autograd graph from its input half to its weight half, which
     AOTAutograd's donated buffers (backward freeing saved tensors early) forbid: they are
-    turned off, process-wide."""
+    turned off, process-wide. Where the torch has them, TorchDynamo's nested graph breaks
+    are turned on, process-wide: a break inside a nested call (a Hugging Face layer calls
+    its attention module, whose core breaks) then resumes there instead of cutting every
+    enclosing function around the call, so such a layer is two graphs, not four."""
+    from torch._dynamo import config as dynamo_config
     from torch._functorch import config as functorch_config
 
     functorch_config.donated_buffer = False
+    if hasattr(dynamo_config, "nested_graph_breaks"):
+        dynamo_config.nested_graph_breaks = True
     graph_breaks.install()
     compiled: dict[int, nn.Module] = {}
     for chunk in chunks:
