@@ -45,9 +45,9 @@ def test_layout_readers_read_a_host_copy_instead_of_the_device():
     assert token_runs(*on_device) == token_runs(positions, doc_ids)
     assert is_plain_sequence(*on_device) is False
     assert window_applies(4, on_device[0], 24) is True
-    assert on_host(on_device[0]) is positions
-    on_device[0].add_(1)
-    assert on_host(on_device[0]) is on_device[0]
+    assert on_host(on_device[0], None) == (positions, None)
+    on_device[0].add_(1)  # modified: its copy is no longer its values
+    assert on_host(*on_device) == tuple(on_device)  # and the pair is read together
     with pytest.raises(Exception):
         token_runs(*on_device)  # no copy any more: the device would be read
 

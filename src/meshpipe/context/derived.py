@@ -73,10 +73,18 @@ def keep_host_copy(tensor: Tensor, host: Tensor) -> Tensor:
     return tensor
 
 
-def on_host(tensor: Tensor | None) -> Tensor | None:
-    """``tensor``'s host copy (``keep_host_copy``) if it has one and is unchanged since,
-    else ``tensor``: what a reader of its values reads without waiting for the device."""
-    entry = None if tensor is None else _HOST_COPIES.get(id(tensor))
+def on_host(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The host copies of ``tensors`` (``keep_host_copy``) if each one (None aside) has one
+    and is unchanged since, else ``tensors`` as they are (never a mix, whose devices would
+    differ): what a reader of their values reads without waiting for the device."""
+    copies = tuple(None if tensor is None else _host_copy(tensor) for tensor in tensors)
+    if any(copy is None and tensor is not None for copy, tensor in zip(copies, tensors)):
+        return tensors
+    return copies
+
+
+def _host_copy(tensor: Tensor) -> Tensor | None:
+    entry = _HOST_COPIES.get(id(tensor))
     if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
         return entry[2]
-    return tensor
+    return None

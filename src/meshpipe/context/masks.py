@@ -37,7 +37,7 @@ def window_applies(window: int | None, positions: Tensor | None, length: int) ->
     after another (``positions`` None: the plain sequence ``0..length-1``)."""
     if window is None:
         return False
-    positions = on_host(positions)
+    (positions,) = on_host(positions)
     span = length if positions is None or positions.numel() == 0 else int(
         positions.max() - positions.min()) + 1
     return span > window
@@ -45,7 +45,7 @@ def window_applies(window: int | None, positions: Tensor | None, length: int) ->
 
 def is_plain_sequence(positions: Tensor | None, doc_ids: Tensor | None) -> bool:
     """True when the tokens are one document in order ``0..n-1``: the plain causal mask applies."""
-    positions, doc_ids = on_host(positions), on_host(doc_ids)
+    positions, doc_ids = on_host(positions, doc_ids)
     if positions is not None:
         expected = torch.arange(positions.shape[0], device=positions.device)
         if not torch.equal(positions.to(expected.dtype), expected):
@@ -134,7 +134,7 @@ def token_runs(positions: Tensor, doc_ids: Tensor | None,
     count = positions.shape[0]
     if count == 0:
         return []
-    positions, doc_ids = on_host(positions), on_host(doc_ids)
+    positions, doc_ids = on_host(positions, doc_ids)
     breaks = positions[1:] != positions[:-1] + 1
     if doc_ids is not None:
         breaks |= doc_ids[1:] != doc_ids[:-1]

@@ -67,7 +67,8 @@ def check_mode() -> None:
 
 def regions(block: nn.Module, split_backward: bool = False) -> list[nn.Module]:
     """The parts of ``block`` that are compiled. A dense reference block and a Hugging Face
-    layer whole: two graphs, cut at the attention core. Each call of a compiled region costs
+    layer whole: two graphs, cut at the attention core (a Hugging Face layer four where the
+    torch has no nested graph breaks: ``compile_blocks``). Each call of a compiled region costs
     host time (0.3-0.45 ms forward or backward on an H100 host, more than the kernels it
     fuses at a 740M model's sizes), so the fewer regions the better. A reference block that
     recomputes (``--recompute full``: its forward under activation checkpointing, which a

@@ -303,7 +303,7 @@ def default_positions(tokens_or_hidden: Tensor, positions: Tensor | None, *,
         raise ValueError(f"positions must have shape [{seq}] (one per token of the local "
                          f"sequence); got {tuple(positions.shape)}")
     if check_values and seq and derived("lowest position", (positions,),
-                                        lambda: int(on_host(positions).min())) < 0:
+                                        lambda: int(on_host(positions)[0].min())) < 0:
         raise ValueError(f"positions must be >= 0 (a token's position inside its document); "
                          f"got {int(positions.min())}")
     return positions
