@@ -24,9 +24,9 @@ Face Llama of the same sizes through ``--model`` (``--no-hf`` skips it), beside 
 model stepped by plain PyTorch: step time, tokens/s, model FLOPs utilisation and peak
 memory, over ``--rounds`` rounds in alternating order (on an H100 the rows measured later in
 one process ran up to 1.5x slower than the first, whatever they were), each round's time
-with the GPU's SM clock, temperature and power after it. MFU counts PaLM's model FLOPs, 6 x parameters + 12 x layers x dim x seq per token
-(the attention scores as if not causal), against the GPU's dense bf16 peak
-(``PEAK_BF16_TFLOPS``, by name; none on other devices). Pipelines across GPUs are timed
+with the GPU's SM clock, temperature and power after it. MFU counts PaLM's model FLOPs,
+6 x parameters + 12 x layers x dim x seq per token (the attention scores as if not causal),
+against the GPU's dense bf16 peak (``PEAK_BF16_TFLOPS``, by name; none on other devices). Pipelines across GPUs are timed
 by ``benchmarks/gpu_check.py`` (small model).
 
 Single process, one GPU. Without a CUDA device it says so and exits 0. Writes
