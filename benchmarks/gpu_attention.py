@@ -24,31 +24,31 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn: Callable[[], object], device: torch.device, warmup: int,
-                    iters: int) -> float:
+def _timed_calls(fn: Callable[[], object], device: torch.device, calls: int) -> list[float]:
     times = []
-    for i in range(warmup + iters):
+    for _ in range(calls):
         sync(device)
         start = time.perf_counter()
         fn()
         sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def measure(fn: Callable[[], object], device: torch.device, args) -> dict:
-    """Median seconds and peak memory of ``fn``, or ``status: OOM``."""
+    """Median seconds after the warm-up calls, the first call's seconds (a compiled step's
+    includes compiling) and peak memory of ``fn``, or ``status: OOM``."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        seconds = _median_seconds(fn, device, args.warmup, args.iters)
+        times = _timed_calls(fn, device, args.warmup + args.iters)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
-        return {"status": "OOM", "seconds": None, "peak_gib": None}
+        return {"status": "OOM", "seconds": None, "first_seconds": None, "peak_gib": None}
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return {"status": "ok", "seconds": seconds, "peak_gib": peak}
+    return {"status": "ok", "seconds": statistics.median(times[args.warmup:]),
+            "first_seconds": times[0], "peak_gib": peak}
 
 
 def attention_rows(args, device: torch.device) -> list[dict]:

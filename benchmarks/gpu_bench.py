@@ -24,10 +24,11 @@ Face Llama of the same sizes through ``--model`` (``--no-hf`` skips it), beside 
 model stepped by plain PyTorch: step time, tokens/s, model FLOPs utilisation and peak
 memory, over ``--rounds`` rounds in alternating order (on an H100 the rows measured later in
 one process ran up to 1.5x slower than the first, whatever they were), each round's time
-with the GPU's SM clock, temperature and power after it. MFU counts PaLM's model FLOPs,
-6 x parameters + 12 x layers x dim x seq per token (the attention scores as if not causal),
-against the GPU's dense bf16 peak (``PEAK_BF16_TFLOPS``, by name; none on other devices). Pipelines across GPUs are timed
-by ``benchmarks/gpu_check.py`` (small model).
+with the GPU's SM clock, temperature and power after it, and the first step's time (with
+``--compile``, compiling included). MFU counts PaLM's model FLOPs, 6 x parameters + 12 x
+layers x dim x seq per token (the attention scores as if not causal), against the GPU's
+dense bf16 peak (``PEAK_BF16_TFLOPS``, by name; none on other devices). Pipelines across
+GPUs are timed by ``benchmarks/gpu_check.py`` (small model).
 
 Single process, one GPU. Without a CUDA device it says so and exits 0. Writes
 ``<out>/gpu_bench.json`` and ``.md`` (default ``benchmarks/results``) when run on a GPU; a
@@ -189,7 +190,7 @@ def _measure_runner(build: Callable[[], tuple[Callable[[], None], int]],
     except Exception as error:  # a benchmark row, not a test: record it and go on
         traceback.print_exc()
         return {"status": f"failed: {type(error).__name__}: {str(error)[:160]}",
-                "seconds": None, "peak_gib": None}, None
+                "seconds": None, "first_seconds": None, "peak_gib": None}, None
     finally:
         gc.collect()  # this runner's memory, before the next one's
 
@@ -251,6 +252,7 @@ def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpu
         tokens_per_s = tokens / seconds if seconds else None
         row = {"part": "train step", "runner": name,
                "status": failed["status"] if failed else "ok", "seconds": seconds,
+               "first_step_s": rounds[0]["first_seconds"],
                "peak_gib": max((r["peak_gib"] for r in rounds if r["peak_gib"] is not None),
                                default=None),
                "rounds": rounds, "seq": seq_len, "parameters": parameters,
@@ -305,9 +307,9 @@ def to_markdown(result: dict) -> str:
     if train:
         lines += ["", f"Training step: {train[0]['parameters'] / 1e6:.0f}M parameters, "
                       f"{result['sequences']} sequences per step, bf16 autocast, AdamW:",
-                  "", "| runner | seq | ms/step | tokens/s | MFU % | peak GiB | rounds: ms "
-                      "(SM MHz, temp, power) |",
-                  "|---|---:|---:|---:|---:|---:|---|"]
+                  "", "| runner | seq | ms/step | first step s | tokens/s | MFU % | peak GiB | "
+                      "rounds: ms (SM MHz, temp, power) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
         for row in train:
             ms = figure(row["seconds"] and row["seconds"] * 1e3, ".1f") \
                 if row["status"] == "ok" else row["status"]
@@ -316,6 +318,7 @@ def to_markdown(result: dict) -> str:
                 f"{figure(r['seconds'] and r['seconds'] * 1e3, '.1f')}"
                 + (f" ({r['gpu']})" if r.get("gpu") else "") for r in row.get("rounds", []))
             lines.append(f"| {row['runner']} | {row['seq']} | {ms} | "
+                         f"{figure(row.get('first_step_s'), '.1f')} | "
                          f"{figure(row['tokens_per_s'], ',.0f')} | "
                          f"{mfu} | {figure(row['peak_gib'], '.1f')} | {rounds} |")
     return "\n".join(lines) + "\n"
