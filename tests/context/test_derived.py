@@ -35,7 +35,6 @@ def test_a_value_is_kept_for_the_same_tensors_while_they_live_unchanged():
     assert held() == before  # every value went with its tensors
 
 
-
 def test_layout_readers_read_a_host_copy_instead_of_the_device():
     """A layout kept with its host copy is read from it: these tensors are on the 'meta'
     device, which has no values to read (as a read of a CUDA tensor would wait), and the
@@ -74,6 +73,7 @@ def test_a_packed_batch_reaches_attention_with_its_host_copies(monkeypatch):
         assert model(tokens, positions=positions, doc_ids=doc_ids).device.type == "meta"
     with pytest.raises(Exception):
         model(inputs[0][0], positions=inputs[0][1].clone(), doc_ids=inputs[0][2].clone())
+
 
 def _packed_batch(seq: int = 24):
     lengths = torch.tensor([5, 11, 8])

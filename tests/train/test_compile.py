@@ -114,7 +114,6 @@ def test_a_second_step_and_another_pack_compile_nothing(monkeypatch):
     assert step([3, 9, 12]) == first
 
 
-
 def test_a_hugging_face_layer_is_two_graphs_cut_at_its_attention(monkeypatch, tmp_path):
     """transformers' layers call their attention module, whose core (meshpipe's attention)
     is the graph break: with the break resumed inside the nested call (TorchDynamo's nested
@@ -138,6 +137,7 @@ def test_a_hugging_face_layer_is_two_graphs_cut_at_its_attention(monkeypatch, tm
     compile_blocks([chunk])
     chunk(torch.randint(0, 64, (1, 16))).sum().backward()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
 
 def test_a_run_without_compile_never_imports_dynamo():
     """The graph-break marks cost nothing until --compile: importing TorchDynamo would add
