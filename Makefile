@@ -33,10 +33,11 @@ clean:
 # itself is never installed: the source tree goes on PYTHONPATH, so no package index is
 # touched on a machine that has what it needs (a missing package is one line naming it).
 # Then pytest -m gpu, benchmarks/gpu_check.py $(GPU_CHECK_ARGS) and, with GPU_BENCH=1 (the
-# default), benchmarks/gpu_bench.py. Exit status 1 if any of them failed.
+# default), benchmarks/gpu_bench.py $(GPU_BENCH_ARGS). Exit status 1 if any of them failed.
 GPU_VENV ?= .venv-gpu
 TORCH_INDEX_URL ?= https://pypi.org/simple
 GPU_CHECK_ARGS ?=
+GPU_BENCH_ARGS ?=
 GPU_BENCH ?= 1
 GPU_STAMP := $(GPU_VENV)/.meshpipe-installed
 SEES_CUDA := import sys, torch; sys.exit(0 if torch.cuda.is_available() and tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 6) else 1)
@@ -76,5 +77,5 @@ gpu-check:
 	status=0; \
 	$$py -m pytest -q -m gpu -rs -p no:cacheprovider || status=1; \
 	$$py benchmarks/gpu_check.py $(GPU_CHECK_ARGS) || status=1; \
-	if [ "$(GPU_BENCH)" = 1 ]; then $$py benchmarks/gpu_bench.py || status=1; fi; \
+	if [ "$(GPU_BENCH)" = 1 ]; then $$py benchmarks/gpu_bench.py $(GPU_BENCH_ARGS) || status=1; fi; \
 	exit $$status
