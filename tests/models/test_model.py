@@ -387,3 +387,34 @@ def test_rms_norm_is_torchs_one_call_and_equals_the_formula(monkeypatch, dtype):
     formula = normed.type_as(x) * norm.weight
     assert torch.equal(norm(x), formula)
     assert calls == [torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_turns_each_pair_in_two_products(dtype):
+    """RoPE turns each pair (first, second) into (first cos - second sin, second cos + first
+    sin), bit for bit, values and gradients, with two elementwise products where the pairs
+    written out take four (kernel launches bound a GPU step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshpipe.models.transformer import RotaryEmbedding
+
+    class CountProducts(TorchDispatchMode):
+        products = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mul.Tensor:
+                self.products += 1
+            return func(*args, **(kwargs or {}))
+
+    rope = RotaryEmbedding(16, 10000.0, 64)
+    x = torch.randn(2, 24, 3, 16).to(dtype).requires_grad_()
+    positions = torch.randint(0, 64, (24,))
+    grad = torch.randn(2, 24, 3, 16).to(dtype)
+    with CountProducts() as counted:
+        out = rope(x, positions)
+    assert counted.products == 2
+    cos, sin = (t[positions, :8][None, :, None, :] for t in (rope.cos, rope.sin))
+    first, second = x.float().chunk(2, dim=-1)
+    pairs = torch.cat((first * cos - second * sin, second * cos + first * sin), -1).type_as(x)
+    assert torch.equal(out, pairs)
+    assert torch.equal(*(torch.autograd.grad(y, x, grad)[0] for y in (out, pairs)))
