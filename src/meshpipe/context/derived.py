@@ -20,6 +20,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable, Hashable, TypeVar
 
+import torch
 from torch import Tensor
 
 T = TypeVar("T")
@@ -71,6 +72,17 @@ def keep_host_copy(tensor: Tensor, host: Tensor) -> Tensor:
         _HOST_COPIES[key] = (weakref.ref(tensor, lambda _: _HOST_COPIES.pop(key, None)),
                              tensor._version, host)
     return tensor
+
+
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` on ``device``, keeping ``host`` as its host copy. To CUDA through pinned
+    memory without waiting: a copy from pageable memory holds the host until the device has
+    done the work queued before it."""
+    if device.type == "cuda":
+        moved = host.pin_memory().to(device, non_blocking=True)
+    else:
+        moved = host.to(device)
+    return keep_host_copy(moved, host)
 
 
 def on_host(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:

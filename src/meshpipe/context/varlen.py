@@ -30,6 +30,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from .derived import to_device
 from .masks import Piece
 
 
@@ -52,9 +53,9 @@ class Segments:
            causal: bool, window: int | None = None) -> Segments:
         """The segments of ``rows`` batch rows that are each cut into ``q_lengths`` queries
         against ``k_lengths`` keys."""
-        return Segments(_cumulative(q_lengths, rows, device),
-                        _cumulative(k_lengths, rows, device), max(q_lengths), max(k_lengths),
-                        causal, window)
+        cu_q = _cumulative(q_lengths, rows, device)
+        cu_k = cu_q if k_lengths == q_lengths else _cumulative(k_lengths, rows, device)
+        return Segments(cu_q, cu_k, max(q_lengths), max(k_lengths), causal, window)
 
     def window_sizes(self) -> dict[str, int]:
         """The kernel's window arguments: keys up to ``window - 1`` positions before a query
@@ -70,7 +71,7 @@ def _cumulative(lengths: list[int], rows: int, device: torch.device) -> Tensor:
     row_starts = torch.arange(rows) * sum(lengths)
     cumulative = torch.cat([torch.zeros(1, dtype=torch.int64),
                             (row_starts[:, None] + ends).flatten()])
-    return cumulative.to(device, torch.int32)
+    return to_device(cumulative.to(torch.int32), device)
 
 
 def no_rng_state() -> Tensor:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from meshpipe.context.derived import keep_host_copy
+from meshpipe.context.derived import to_device
 from meshpipe.context.shards import hybrid_positions, packed_hybrid_positions
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
@@ -69,16 +69,3 @@ class RankBatches:
                            to_device(doc_ids, device)))
             targets.append(to_device(row_targets[:, held], device))
         return inputs, targets
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` (on the host) on ``device``, keeping the host tensor as its host copy:
-    attention reads a pack's layout from that copy instead of waiting for the device once
-    per microbatch (``context.derived``). To CUDA through pinned memory without waiting: a
-    copy from pageable memory would hold the host until the device finished the previous
-    step's optimizer, when it could already queue this step's forwards."""
-    if device.type == "cuda":
-        moved = tensor.pin_memory().to(device, non_blocking=True)
-    else:
-        moved = tensor.to(device)
-    return keep_host_copy(moved, tensor)
