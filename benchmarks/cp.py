@@ -206,6 +206,9 @@ def _attention_cases(world: int) -> list[tuple[str, str, Callable[[int], tuple]]
     def ulysses_unaligned(seq: int) -> tuple:
         return UlyssesAttention(), contiguous_positions(seq + 1, world, rank)
 
+    def ulysses_head_groups(seq: int) -> tuple:
+        return UlyssesAttention(head_groups=2), contiguous_positions(seq, world, rank)
+
     def hybrid(seq: int) -> tuple:
         topology = Topology.build(ParallelLayout(cp_ring=2, cp_ulysses=world // 2))
         coords = topology.coords
@@ -216,6 +219,7 @@ def _attention_cases(world: int) -> list[tuple[str, str, Callable[[int], tuple]]
         return [("ring kernel, 1 rank", "whole sequence", ring("contiguous"))]
     cases = [("ulysses", "contiguous", ulysses),
              ("ulysses", "contiguous, sequence + 1 (uneven shards)", ulysses_unaligned),
+             ("ulysses, 2 head groups", "contiguous", ulysses_head_groups),
              ("ring", "zigzag", ring("zigzag")),
              ("ring", "contiguous", ring("contiguous"))]
     if world >= 4 and world % 2 == 0:

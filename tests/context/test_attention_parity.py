@@ -39,6 +39,7 @@ class Case:
     window: int | None = None  # a sliding window: keys fewer than this many positions back
     scale: float | None = None
     softcap: float | None = None  # scores capped at c * tanh(score / c) (Gemma 2)
+    head_groups: int | None = None  # Ulysses: heads in groups whose exchanges overlap
 
 
 CASES_2 = [
@@ -59,6 +60,13 @@ CASES_2 = [
     Case("ulysses-packed3-window3-scaled", "ulysses", "contiguous", (5, 9, 4), 4, 4, True,
          window=3, scale=0.3),
     Case("ring-zigzag-softcap", "ring", "zigzag", (16,), 4, 2, True, ring=2, softcap=1.5),
+    Case("ulysses-groups2-causal", "ulysses", "contiguous", (16,), 4, 4, True, head_groups=2),
+    Case("ulysses-groups2-seq13-gqa", "ulysses", "contiguous", (13,), 8, 4, True,
+         pass_positions=False, head_groups=2),
+    Case("ulysses-groups2-packed3-window3-softcap", "ulysses", "contiguous", (5, 9, 4), 8, 4,
+         True, window=3, softcap=1.5, head_groups=2),
+    Case("ulysses-groups2-noncausal", "ulysses", "contiguous", (12,), 4, 4, False,
+         head_groups=2),
     Case("ring-packed3-window4-softcap", "ring", "packed", (5, 9, 4), 4, 2, True, ring=2,
          window=4, scale=0.5, softcap=1.5),
 ]
@@ -75,6 +83,8 @@ CASES_4 = [
          pass_positions=False),
     Case("ulysses4-heads9-gqa3-causal", "ulysses", "contiguous", (11,), 9, 3, True),
     Case("ulysses4-packed3-causal", "ulysses", "contiguous", (7, 12, 5), 4, 2, True),
+    Case("ulysses4-groups2-packed3-uneven", "ulysses", "contiguous", (7, 12, 4), 8, 8, True,
+         head_groups=2),
     Case("hybrid2x2-zigzag-causal", "hybrid", "zigzag", (16,), 4, 2, True, ring=2),
     Case("hybrid2x2-zigzag-noncausal-gqa", "hybrid", "zigzag", (12,), 4, 1, False, ring=2),
     Case("hybrid2x2-packed3-causal", "hybrid", "packed", (6, 11, 5), 4, 4, True, ring=2),
@@ -121,7 +131,7 @@ def _attention(case: Case, world: int):
     if case.strategy == "ring":
         return RingAttention()
     if case.strategy == "ulysses":
-        return UlyssesAttention()
+        return UlyssesAttention(head_groups=case.head_groups)
     ring_group, ulysses_group = _grid_groups(case.ring, world // case.ring)
     return HybridAttention(ring_group, ulysses_group)
 

@@ -1,7 +1,8 @@
 """Collectives with autograd that context and expert parallelism build on.
 
 - ``all_to_all`` scatters one dimension over a group and gathers another (Ulysses), its
-  backward the reverse all-to-all;
+  backward the reverse all-to-all; ``start_all_to_all`` starts one without autograd and
+  returns at once;
 - ``post_transfers`` posts point-to-point sends and receives at once (ring attention,
   Ulysses' tiles), on one ``batch_isend_irecv``;
 - ``exchange_counts``, ``exchange_rows`` and ``all_to_all_rows`` move expert-parallel
@@ -32,8 +33,9 @@ from .checks import (CHECK_ENV, CollectiveShapeError, checks_enabled, exchange_i
                      require_sizes_along)
 
 __all__ = [
-    "CHECK_ENV", "COMM_LABEL", "CollectiveShapeError", "PendingTransfers", "all_to_all",
-    "all_to_all_rows", "exchange_counts", "exchange_rows", "post_transfers", "split_sizes",
+    "CHECK_ENV", "COMM_LABEL", "CollectiveShapeError", "PendingAllToAll", "PendingTransfers",
+    "all_to_all", "all_to_all_rows", "exchange_counts", "exchange_rows", "post_transfers",
+    "split_sizes", "start_all_to_all",
 ]
 
 COMM_LABEL = "meshpipe.comm."
@@ -54,9 +56,39 @@ def split_sizes(total: int, parts: int) -> list[int]:
 # ---------------------------------------------------------------------------- all-to-all
 
 
-def _all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gather_dim: int,
-                gather_size: int | None) -> Tensor:
-    """Scatter ``scatter_dim`` over the group and gather ``gather_dim``, exactly."""
+class PendingAllToAll:
+    """An all-to-all in flight (``start_all_to_all``); ``wait()`` gives the gathered tensor."""
+
+    def __init__(self, work: Any, received: Tensor, sent: Tensor | None,
+                 block_shape: list[int], gather_dim: int, gather_sizes: list[int]):
+        self._work, self._received, self._sent = work, received, sent
+        self._block_shape, self._gather_dim = block_shape, gather_dim
+        self._gather_sizes = gather_sizes
+        self._result: Tensor | None = None
+
+    @classmethod
+    def finished(cls, result: Tensor) -> "PendingAllToAll":
+        """An all-to-all over one rank: its result is ``x`` itself."""
+        pending = cls(None, result, None, [], 0, [])
+        pending._result = result
+        return pending
+
+    def wait(self) -> Tensor:
+        if self._result is None:
+            if self._work is not None:
+                with record_function(COMM_LABEL + "all_to_all"):
+                    self._work.wait()
+            self._result = _joined_blocks(self._received, self._block_shape,
+                                          self._gather_dim, self._gather_sizes)
+            self._work = self._sent = None
+        return self._result
+
+
+def start_all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int,
+                     gather_dim: int, gather_size: int | None = None) -> PendingAllToAll:
+    """Start ``all_to_all`` (without autograd) and return at once: on NCCL the exchange runs
+    on the communicator's stream while the caller's stream goes on with other work, on gloo
+    in its worker thread. ``x`` must not change until ``wait()``."""
     what = "all_to_all"
     if x.dim() < 2:
         raise ValueError(f"{what}: needs distinct scatter and gather dims, got a "
@@ -77,7 +109,7 @@ def _all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, ga
             f"dim {gather_dim}, but a gathered size of {total_gather} gives it "
             f"{gather_sizes[rank]} (split {gather_sizes}); pass gather_size = the total size")
     if world == 1:
-        return x
+        return PendingAllToAll.finished(x)
     scatter_sizes = split_sizes(x.size(scatter_dim), world)
     send, send_counts = _peer_blocks(x, scatter_dim, scatter_sizes)
     block_shape = list(x.shape)
@@ -86,10 +118,16 @@ def _all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, ga
     received = torch.empty(sum(receive_counts), dtype=x.dtype, device=x.device)
     aligned = x.size(scatter_dim) % world == 0 and total_gather % world == 0
     with record_function(COMM_LABEL + "all_to_all"):
-        ops.all_to_all_single(
+        work = ops.all_to_all_single_started(
             received, send, output_split_sizes=None if aligned else receive_counts,
             input_split_sizes=None if aligned else send_counts, group=group)
-    return _joined_blocks(received, block_shape, gather_dim, gather_sizes)
+    return PendingAllToAll(work, received, send, block_shape, gather_dim, gather_sizes)
+
+
+def _all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gather_dim: int,
+                gather_size: int | None) -> Tensor:
+    """Scatter ``scatter_dim`` over the group and gather ``gather_dim``, exactly."""
+    return start_all_to_all(x, group, scatter_dim, gather_dim, gather_size).wait()
 
 
 class PendingTransfers:

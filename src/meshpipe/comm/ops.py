@@ -14,8 +14,9 @@ Two things are decided in this one place instead of at every call:
 
 The functions take the arguments of their ``torch.distributed`` namesakes (synchronous
 calls); the ``*_started`` ones start the collective and return what to ``wait()`` on (where
-a host copy is needed they finish before returning). The pipeline transport does not come through here: it sends from host buffers
-itself when ranks share a GPU (``P2PTransport(device="cpu", deliver_to=...)``).
+a host copy is needed they finish before returning). The pipeline transport does not come
+through here: it sends from host buffers itself when ranks share a GPU
+(``P2PTransport(device="cpu", deliver_to=...)``).
 """
 
 from __future__ import annotations
@@ -121,6 +122,17 @@ def all_gather_started(output: Tensor, tensor: Tensor,
                        group: dist.ProcessGroup | None = None) -> Any:
     """Start ``all_gather_into``."""
     return _started(_gather_into, output, tensor, group)
+
+
+def all_to_all_single_started(output: Tensor, tensor: Tensor,
+                              output_split_sizes: list[int] | None = None,
+                              input_split_sizes: list[int] | None = None,
+                              group: dist.ProcessGroup | None = None) -> Any:
+    """Start ``dist.all_to_all_single``; on NCCL it runs on the communicator's own stream
+    and ``wait()`` makes the current stream (not the host) wait for it."""
+    return _started(lambda out, inp, **options: dist.all_to_all_single(
+        out, inp, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+        **options), output, tensor, group)
 
 
 def all_to_all_single(output: Tensor, tensor: Tensor,

@@ -13,6 +13,9 @@ are on CPU in a float32/bf16/fp16 dtype and the sequence is plain (no documents)
 ``_PipelinedUlysses`` runs on the blockwise kernel: the tiles of a rank's own rows and
 columns run while the exchange is still on its way in (they need nothing from the other
 ranks), and the rows the other ranks get back are computed and sent first.
+
+On CUDA around local attention the heads run in groups (``head_groups``, automatic by
+default, ``context.head_groups``): one group's exchange travels while another attends.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .heads import HeadPlan, plan_heads
 from .interface import Attention, AttentionError
 from .blockwise import BlockKernel, heads_first, kernel_for
 from .derived import derived
+from .head_groups import HeadGroupUlysses, automatic_head_groups, by_peer
 from .layout import GroupLayout, attention_layout
 from .local import LocalAttention
 from .masks import Piece, is_plain_sequence, split_causal, window_applies
@@ -62,10 +66,15 @@ class UlyssesAttention(nn.Module):
     own positions and documents are free (zigzag, packed), they only feed the mask.
     """
 
-    def __init__(self, inner: Attention | None = None, group: dist.ProcessGroup | None = None):
+    def __init__(self, inner: Attention | None = None, group: dist.ProcessGroup | None = None,
+                 head_groups: int | None = None):
         super().__init__()
+        if head_groups is not None and (not isinstance(head_groups, int) or head_groups < 1):
+            raise ValueError(f"UlyssesAttention: head_groups must be a positive int or None "
+                             f"(automatic), got {head_groups!r}")
         self.inner = inner if inner is not None else LocalAttention()
         self.group = group
+        self.head_groups = head_groups
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None, causal: bool = True, window: int | None = None,
@@ -87,6 +96,19 @@ class UlyssesAttention(nn.Module):
         windowed = window is not None and derived(
             ("window", window, layout.total), (everywhere,),
             lambda: window_applies(window, everywhere, layout.total))
+        groups = self._head_groups(q, k, ranks, fused, where)
+
+        def attend(q_heads: Tensor, k_heads: Tensor, v_heads: Tensor) -> Tensor:
+            return self.inner(
+                q_heads, k_heads, v_heads,
+                positions=None if positions is None else layout.gathered_positions(),
+                doc_ids=layout.gathered_doc_ids(), causal=causal, window=window, scale=scale,
+                softcap=softcap)
+
+        if groups > 1:
+            wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+            return HeadGroupUlysses.apply(q, k, v, attend, self.group, layout.total, groups,
+                                          wants_grad)
         if (fused and not windowed and softcap is None
                 and self._pipelines(q, layout, positions, doc_ids)):
             scale = next(s for s in (scale, self.inner.scale, q.shape[-1] ** -0.5)
@@ -99,14 +121,25 @@ class UlyssesAttention(nn.Module):
                                  scatter_dim=_HEAD_DIM, gather_dim=_SEQ_DIM,
                                  gather_size=layout.total)
             k_heads, v_heads = self._gather_kv(k, v, plan, rank, layout.total)
-        out_heads = self.inner(
-            q_heads, k_heads, v_heads,
-            positions=None if positions is None else layout.gathered_positions(),
-            doc_ids=layout.gathered_doc_ids(), causal=causal, window=window, scale=scale,
-            softcap=softcap)
+        out_heads = attend(q_heads, k_heads, v_heads)
         out = all_to_all(out_heads, self.group, scatter_dim=_SEQ_DIM, gather_dim=_HEAD_DIM,
                          gather_size=heads_q)
         return _take_heads(out, _inverse(query_order), _HEAD_DIM)
+
+    def _head_groups(self, q: Tensor, k: Tensor, ranks: int, fused: bool, where: str) -> int:
+        """How many head groups this call runs in (``head_groups``): as asked, or
+        ``automatic_head_groups``; one where the heads cannot share an exchange."""
+        kv_per_rank = k.shape[_HEAD_DIM] // ranks
+        if self.head_groups is None:
+            return automatic_head_groups(q.device.type, type(self.inner) is LocalAttention,
+                                         kv_per_rank) if fused else 1
+        if self.head_groups > 1 and (not fused or kv_per_rank % self.head_groups):
+            raise AttentionError(
+                f"{where}: head_groups={self.head_groups} needs every rank to get an equal, "
+                f"contiguous share of the heads whose {kv_per_rank} key/value heads split in "
+                f"{self.head_groups} ({q.shape[_HEAD_DIM]} query and {k.shape[_HEAD_DIM]} "
+                f"key/value heads over {ranks} ranks); choose a divisor or head_groups=1")
+        return self.head_groups
 
     def _pipelines(self, q: Tensor, layout: GroupLayout, positions: Tensor | None,
                    doc_ids: Tensor | None) -> bool:
@@ -130,7 +163,7 @@ class UlyssesAttention(nn.Module):
         all-to-all and one copy of each gradient back into its place.
         """
         per_rank = [x.shape[_HEAD_DIM] // ranks for x in (q, k, v)]
-        packed = torch.cat([_by_peer(x, ranks) for x in (q, k, v)], dim=_HEAD_DIM + 1)
+        packed = torch.cat([by_peer(x, ranks) for x in (q, k, v)], dim=_HEAD_DIM + 1)
         gathered = all_to_all(packed, self.group, scatter_dim=0, gather_dim=_SEQ_DIM + 1,
                               gather_size=total).squeeze(0)
         q_heads, k_heads, v_heads = gathered.split(per_rank, dim=_HEAD_DIM)
@@ -179,13 +212,6 @@ def _as_grouped_query_heads(kv: Tensor, kv_of_query: list[int]) -> Tensor:
 
 _EXCHANGE_TAG = 13  # ring attention uses 11 and 12
 _EXCHANGE_LABEL = COMM_LABEL + "ulysses"
-
-
-def _by_peer(x: Tensor, ranks: int) -> Tensor:
-    """``[b, s, heads, d]`` -> ``[ranks, b, s, heads_per_rank, d]``: every rank's share of
-    the heads, peer-major (a view of a contiguous ``x``)."""
-    batch, seq, heads, head_dim = x.shape
-    return x.reshape(batch, seq, ranks, heads // ranks, head_dim).movedim(2, 0)
 
 
 def _write_side_by_side(into: Tensor, parts: list[Tensor]) -> Tensor:
@@ -326,7 +352,7 @@ class _PipelinedUlysses(torch.autograd.Function):
         sizes = [x.shape[_HEAD_DIM] // ranks for x in (q, k, v)]
         gathered = q.new_empty((q.shape[0], total, sum(sizes), q.shape[-1]),
                                dtype=torch.float32)
-        incoming = _post_gather(gathered, [_by_peer(x, ranks) for x in (q, k, v)], plan,
+        incoming = _post_gather(gathered, [by_peer(x, ranks) for x in (q, k, v)], plan,
                                 group, q.dtype)
         q_heads, k_heads, v_heads = gathered.split(sizes, dim=_HEAD_DIM)
         queries, kv = heads_first(q_heads), (k_heads, v_heads)
@@ -337,7 +363,7 @@ class _PipelinedUlysses(torch.autograd.Function):
         if out is None:
             out, lse = empty_output(queries)
         result = q.new_empty(q.shape)
-        places = _by_peer(result, ranks)
+        places = by_peer(result, ranks)
         outgoing = _Exchange(
             group, {peer: _side_by_side([_rows_of(out, plan.rows[peer])], q.dtype)
                     for peer in plan.peers()},
@@ -356,7 +382,7 @@ class _PipelinedUlysses(torch.autograd.Function):
         gathered = grad_output.new_empty((grad_output.shape[0], plan.rows[-1].stop,
                                           grad_output.shape[_HEAD_DIM] // ranks,
                                           grad_output.shape[-1]), dtype=torch.float32)
-        incoming = _post_gather(gathered, [_by_peer(grad_output, ranks)], plan, ctx.group,
+        incoming = _post_gather(gathered, [by_peer(grad_output, ranks)], plan, ctx.group,
                                 grad_output.dtype)
         queries, kv, out, lse = ctx.saved
         gradients = _Gradients(ctx.kernel, queries, heads_first(gathered), out, lse, ctx.scale,
@@ -366,7 +392,7 @@ class _PipelinedUlysses(torch.autograd.Function):
         incoming.wait()
         gradients.run(plan.peer_rows + plan.own_rows)
         grads = [grad_output.new_empty(shape) for shape in ctx.shapes]
-        places = [_by_peer(whole, ranks) for whole in grads]
+        places = [by_peer(whole, ranks) for whole in grads]
         outgoing = _Exchange(
             ctx.group, {peer: _side_by_side(gradients.at(plan.rows[peer]), grad_output.dtype)
                         for peer in plan.peers()},
