@@ -313,6 +313,24 @@ def test_a_reused_positions_tensor_is_read_back_once(monkeypatch):
         model(_tokens(), positions=positions)
 
 
+def test_a_model_without_positions_derives_its_plain_sequence_once(monkeypatch):
+    """Without positions every forward of one length uses one ``0..seq-1`` tensor (with a
+    host copy), so attention works out that the sequence is plain once, not per microbatch
+    (on a GPU each time would read the device back)."""
+    from meshpipe.context import local
+    from meshpipe.models import transformer
+
+    transformer._plain_positions.cache_clear()  # a tensor that no earlier test derived from
+    calls = []
+    plain = local.is_plain_sequence
+    monkeypatch.setattr(local, "is_plain_sequence",
+                        lambda *args: calls.append(1) or plain(*args))
+    model = Transformer(SMALL)
+    for _ in range(3):
+        model(_tokens())
+    assert len(calls) == 1
+
+
 def _zigzag(seq, rank, world):
     """Chunks ``rank`` and ``2 * world - 1 - rank`` of ``2 * world`` equal chunks."""
     chunk = seq // (2 * world)

@@ -24,6 +24,7 @@ same full model, cuts out its tensor-parallel shards, and keeps only its pipelin
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from meshpipe.context.derived import derived, on_host
+from meshpipe.context.derived import derived, on_host, to_device
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
 from meshpipe.graph_breaks import graph_break
@@ -304,7 +305,7 @@ def default_positions(tokens_or_hidden: Tensor, positions: Tensor | None, *,
     """
     seq = tokens_or_hidden.shape[1] * sequence_shards
     if positions is None:
-        return torch.arange(seq, device=tokens_or_hidden.device)
+        return _plain_positions(seq, tokens_or_hidden.device)
     if positions.dim() != 1 or positions.shape[0] != seq:
         raise ValueError(f"positions must have shape [{seq}] (one per token of the local "
                          f"sequence); got {tuple(positions.shape)}")
@@ -313,6 +314,14 @@ def default_positions(tokens_or_hidden: Tensor, positions: Tensor | None, *,
         raise ValueError(f"positions must be >= 0 (a token's position inside its document); "
                          f"got {int(positions.min())}")
     return positions
+
+
+@functools.lru_cache(maxsize=16)
+def _plain_positions(seq: int, device: torch.device) -> Tensor:
+    """``0..seq-1`` on ``device``, one tensor per length and device with its host copy: what
+    attention derives from it (a plain sequence) is derived once, not read back from the
+    device for every microbatch."""
+    return to_device(torch.arange(seq), device)
 
 
 def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
