@@ -408,6 +408,54 @@ def _ring_equals_sdpa(rank: int, world_size: int, device: torch.device, backend:
                                    msg=name)
 
 
+def _ulysses_head_groups(rank: int, world_size: int, device: torch.device,
+                         backend: str) -> None:
+    """Ulysses on CUDA runs two head groups by itself (their all-to-alls started at once) and
+    equals one group and local attention on the whole sequence: bf16, a pack of three
+    documents (the variable-length kernel inside), output and q/k/v gradients."""
+    from meshpipe.context import UlyssesAttention
+    from meshpipe.context import head_groups
+
+    generator = torch.Generator().manual_seed(0)
+    seq, heads, heads_kv, head_dim = 384, 8, 4, 64
+    q = torch.randn(1, seq, heads, head_dim, generator=generator)
+    k, v = (torch.randn(1, seq, heads_kv, head_dim, generator=generator) for _ in range(2))
+    grad = torch.randn(1, seq, heads, head_dim, generator=generator)
+    q, k, v, grad = (t.to(device, torch.bfloat16) for t in (q, k, v, grad))
+    lengths = torch.tensor([100, 200, 84])
+    doc_ids = torch.repeat_interleave(torch.arange(3), lengths).to(device)
+    starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    positions = (torch.arange(seq) - starts).to(device)
+    mine = slice(rank * seq // world_size, (rank + 1) * seq // world_size)
+    groups_run = []
+    original = head_groups.HeadGroupUlysses.apply
+    head_groups.HeadGroupUlysses.apply = lambda *args: groups_run.append(args[6]) or \
+        original(*args)
+    results = []
+    try:
+        for attention in (UlyssesAttention(), UlyssesAttention(head_groups=1)):
+            local = [t[:, mine].clone().requires_grad_() for t in (q, k, v)]
+            out = attention(*local, positions=positions[mine], doc_ids=doc_ids[mine])
+            out.backward(grad[:, mine])
+            results.append([out.detach(), *(t.grad for t in local)])
+    finally:
+        head_groups.HeadGroupUlysses.apply = original
+    assert groups_run == [2], groups_run
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = LocalAttention()(*full, positions=positions, doc_ids=doc_ids)
+    expected.backward(grad)
+    wanted = [expected.detach()[:, mine], *(t.grad[:, mine] for t in full)]
+    for name, grouped, one_group, want in zip(("out", "q", "k", "v"), *results, wanted):
+        tolerance = low_precision_tolerance("bf16", want.float())
+        torch.testing.assert_close(grouped.float(), one_group.float(), **tolerance, msg=name)
+        torch.testing.assert_close(grouped.float(), want.float(), **tolerance, msg=name)
+
+
+@pytest.mark.distributed
+def test_ulysses_on_the_gpu_overlaps_two_head_groups_and_equals_local_attention():
+    _run_on_gpus(2, _ulysses_head_groups)
+
+
 @pytest.mark.distributed
 def test_p2p_pytrees_travel_between_two_ranks_on_the_gpu():
     _run_on_gpus(2, _p2p_both_ways)
