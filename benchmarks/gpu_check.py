@@ -110,6 +110,9 @@ LAYOUTS = [
            "packed documents: one variable-length call per ring step"),
     Layout("packed-hybrid2x2-fp16", ("--pp", "1", "--cp-ring", "2", "--cp-ulysses", "2",
                                      "--dtype", "fp16", *PACKED)),
+    Layout("packed-cp-ulysses2-bf16", ("--pp", "1", "--cp-ulysses", "2", "--dtype", "bf16",
+                                       "--heads", "8", "--kv-heads", "4", *PACKED),
+           "Ulysses in two head groups around the variable-length kernel"),
     Layout("packed-pp1-bf16", ("--pp", "1", "--dtype", "bf16", *PACKED),
            "a pack as one variable-length flash call per layer"),
     # torch.compile (inductor) of each block; under ZB-V only the weightless pieces.
