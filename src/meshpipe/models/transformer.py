@@ -125,7 +125,8 @@ class TransformerConfig:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned gain, computed in float32."""
+    """Root-mean-square norm with a learned gain, computed in float32 (the gain included)
+    and returned in the input's dtype."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -133,10 +134,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # torch's rms_norm: one fused kernel on CUDA where the formula written out launches
-        # five (a step's kernel launches are what bound it there).
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return normed.type_as(x) * self.weight
+        # torch's rms_norm with the gain: float32 inside, one fused kernel on CUDA where the
+        # formula written out launches five and casts around them (a step's kernel launches
+        # are what bound it there). `.to`: autocast may count it among its float32 ops.
+        shape = (x.shape[-1],)
+        if self.weight.dtype != x.dtype:  # a float32 gain on low-precision activations
+            return F.rms_norm(x.float(), shape, self.weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x, shape, self.weight, self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
