@@ -1,8 +1,9 @@
 """Mixed precision: autocast contexts, a dynamic loss scaler that pipeline ranks agree on,
 and the tolerance a low-precision parity check uses.
 
-Parameters and their ``.grad`` stay float32; ``autocast`` runs matmuls (and whatever else
-torch's autocast lists cover) in bfloat16 or float16. float16 gradients underflow without
+``autocast`` runs matmuls (and whatever else torch's autocast lists cover) in bfloat16 or
+float16. Under fp16 the parameters and their ``.grad`` stay float32; under bf16 the trainer
+makes them bfloat16 with float32 masters (``weights_dtype``, ``runtime.master_weights``). float16 gradients underflow without
 loss scaling, so an fp16 run multiplies the loss by ``DynamicLossScaler.scale`` (the last
 stage's ``grad_scale_fn``) and divides the gradients back before the optimizer step::
 
@@ -60,6 +61,14 @@ def autocast(dtype_name: str, device_type: str) -> ContextManager[Any]:
     if dtype is torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=dtype)
+
+
+def weights_dtype(dtype_name: str) -> torch.dtype:
+    """The dtype of the model's weights at precision ``dtype_name``: bfloat16 for bf16 (with
+    float32 masters for everything after the backward: ``runtime.master_weights``), float32
+    otherwise (fp16 keeps float32 weights under autocast: its loss scaling unscales float32
+    gradients)."""
+    return torch.bfloat16 if _dtype(dtype_name) is torch.bfloat16 else torch.float32
 
 
 def weights_cast_once(dtype_name: str, device_type: str) -> ContextManager[Any]:

@@ -396,8 +396,8 @@ FIELD_HELP = {
                            "share (0: no limit); picks beyond it are dropped and counted",
     "ep": "expert-parallel ranks: experts sharded over ranks of the data x context ranks "
           "of a stage",
-    "dtype": "compute precision: fp32, bf16 (autocast, fp32 master weights) or fp16 (autocast "
-             "with dynamic loss scaling)",
+    "dtype": "compute precision: fp32, bf16 (bf16 weights with fp32 masters, under autocast) "
+             "or fp16 (autocast on fp32 weights, with dynamic loss scaling)",
     "recompute": "activation recompute: none, full (each block) or selective (attention core)",
     "compile": "compile each decoder block with torch.compile (one compiled code for all "
                "blocks; attention cores and communication stay eager: docs/parallelism.md)",

@@ -25,7 +25,7 @@ from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, ca
 from meshpipe.models.compile import compile_blocks
 from meshpipe.models.transformer import check_tensor_parallel_sizes
 from meshpipe.parallel import TensorParallelRegion
-from meshpipe.runtime import DynamicLossScaler, autocast
+from meshpipe.runtime import DynamicLossScaler, MasterWeights, autocast, weights_dtype
 from meshpipe.schedules.builders import SCHEDULE_SPECS
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, encode, load_corpus
@@ -240,9 +240,11 @@ def _hf_parts(config: TrainConfig, layers: list[int], attention, my_stages, *,
 
 def reference_step(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and gradients of step 0 computed by one process on the whole global batch, in
-    the run's precision (fp16 with the loss scale the run starts with). For a ``--model``
+    the run's precision (fp16 with the loss scale the run starts with; bf16 with bfloat16
+    weights, the gradients of their float32 masters). For a ``--model``
     the process runs the unmodified transformers model, its own forward and loss."""
     model = _reference_model(config)
+    named = MasterWeights(model.named_parameters(), weights_dtype(config.dtype)).named
     scale = DynamicLossScaler().scale if config.dtype == "fp16" else 1.0
     losses = []
     with autocast(config.dtype, "cpu"):
@@ -251,7 +253,7 @@ def reference_step(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]
             losses.append(_replica_loss(config, model, batch))
     loss = torch.stack(losses).mean()
     (loss * scale).backward()
-    grads = {name: p.grad / scale for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: p.grad / scale for name, p in named if p.grad is not None}
     if config.model and model_info(config.model).experts:
         grads = _in_file_names(config, grads)
     return loss.item(), grads

@@ -41,15 +41,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from meshpipe.comm import ops
-from meshpipe.comm.p2p import P2PTransport
-from meshpipe.comm.transport import Transport
-from meshpipe.comm.vtp import FanoutTransport, VTPTransport
 from meshpipe.context import make_attention
 from meshpipe.models import causal_lm_loss
 from meshpipe.parallel import vocab_parallel_cross_entropy
-from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, Stage, StageHooks,
-                              StepResult, activity, weights_cast_once)
-from meshpipe.topology import Topology, new_groups
+from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, MasterWeights, Stage,
+                              StageHooks, StepResult, activity, weights_cast_once,
+                              weights_dtype)
+from meshpipe.topology import Topology
 from meshpipe.train import checkpoint, faults, parity, reporting, sources
 from meshpipe.train.batches import RankBatches
 from meshpipe.train.config import TrainConfig
@@ -60,6 +58,7 @@ from meshpipe.train.learning_rate import LearningRate
 from meshpipe.train.metrics import MetricsLog
 from meshpipe.train.plan import CHECK_TIMEOUT_S, RunPlan, plan_for_rank, plan_run
 from meshpipe.train.resume import ResumePlan
+from meshpipe.train.transports import pipeline_transport
 
 # Names that lived here before the run's plan, --check and reporting got modules of their own.
 from meshpipe.train.parity import (GradientPiece, compare_with_single_process,  # noqa: F401,E402
@@ -178,14 +177,19 @@ class Trainer:
                                              sources.num_experts(config))
         self.aux_coef = sources.aux_coefficient(config)
         # This rank's parameters once each, under their full-model names (a tied head is the
-        # embedding): the names key checkpoints and --check.
-        self.parameters = list({id(param): (parts.names[id(param)], param)
-                                for stage in self.stages.values()
-                                for param in stage.module.parameters()}.values())
-        self.gradients = Gradients(config, self.topology, self.parameters, tied_groups(
-            parts.shared, parts.chunks, self.stages, self.schedule.placement, config,
-            self.rank), self.device, stage_params={
-                index: list(stage.module.parameters()) for index, stage in self.stages.items()})
+        # embedding): the names key checkpoints and --check. In bf16 the stages' own are
+        # bfloat16 and these are their float32 masters.
+        self.masters = MasterWeights({
+            id(param): (parts.names[id(param)], param) for stage in self.stages.values()
+            for param in stage.module.parameters()}.values(), weights_dtype(config.dtype))
+        self.parameters = self.masters.named
+        tied = tied_groups(parts.shared, parts.chunks, self.stages, self.schedule.placement,
+                           config, self.rank)
+        self.gradients = Gradients(
+            config, self.topology, self.parameters,
+            [(self.masters.master_of(param), group) for param, group in tied], self.device,
+            stage_params={index: self.masters.masters_of(stage.module.parameters())
+                          for index, stage in self.stages.items()})
         self.learning_rate = (plan.resume.learning_rate if plan.resume is not None
                               else LearningRate.of(config))
         # The fused kernel, on CUDA and CPU alike: one pass over every parameter (3x the
@@ -194,14 +198,15 @@ class Trainer:
                                            weight_decay=config.weight_decay, fused=True)
         executor_args = dict(pp_rank=self.topology.pp_rank,
                              pipeline_ranks=self.topology.pipeline_ranks,
-                             transport=self._transport(),
+                             transport=pipeline_transport(config, plan, self.topology,
+                                                          self.device),
                              recv_timeout=plan.process_group_timeout)
         # A stage's gradients start reducing once its last backward of the step is done; its
         # weights (gathered under --zero 1/2) are awaited before its first forward.
         self._overlap = True
         self.executor = Executor(self.schedule, self.stages, **executor_args,
                                  stage_hooks=StageHooks(
-                                     before_first_forward=self.gradients.weights_of,
+                                     before_first_forward=self._weights_of,
                                      after_last_backward=self._gradients_final))
         self.eval_executor = Executor(plan.eval_schedule, self.stages, **executor_args)
         self.train_data, self.val_data = sources.samplers(config, coords["dp"])
@@ -229,40 +234,28 @@ class Trainer:
                          grad_scale_fn=grad_scale_fn if s == last else None)
                 for s in my_stages}
 
+    def _weights_of(self, stage: int) -> None:
+        """Before ``stage``'s first forward of a step: its weights gathered (``--zero``) and,
+        in bf16, copied from their masters where those changed."""
+        self.gradients.weights_of(stage)
+        self.masters.refresh(self.stages[stage].module.parameters())
+
+    def _all_weights(self) -> None:
+        """Every weight current (before an evaluation, a save, the end)."""
+        self.gradients.all_weights()
+        self.masters.refresh(p for stage in self.stages.values()
+                             for p in stage.module.parameters())
+
     def _fire_fault(self, place: str) -> None:
         if self.fault is not None and self.fault.at == place and self.fault.due(self.step):
             self.fault.fire()
 
     def _in_precision(self, chunk: torch.nn.Module) -> torch.nn.Module:
-        """The chunk, its forward under autocast for bf16/fp16 (weights stay float32)."""
+        """The chunk, its forward under autocast for bf16/fp16 (its weights become bfloat16
+        in bf16 once the stages exist: ``MasterWeights``)."""
         if self.config.dtype == "fp32":
             return chunk
         return AutocastChunk(chunk, self.config.dtype, self.device.type)
-
-    def _transport(self) -> Transport:
-        """The pipeline transport of the layout: each tp rank's own pipeline (uniform tp), or
-        stages of different sizes linked through their roots or fanned out to every rank.
-
-        Payloads through NCCL need a CPU (gloo) group for headers and metadata, and a second
-        NCCL group for the messages to lower ranks (one stream per direction). Ranks sharing
-        a GPU over gloo send from host buffers and receive onto the GPU.
-        """
-        on_nccl = self.plan.devices.backend == "nccl"
-        meta_group = dist.new_group(backend="gloo") if on_nccl else None
-        reverse_group = dist.new_group(backend="nccl") if on_nccl else None
-        options = dict(reverse_group=reverse_group, meta_group=meta_group,
-                       device=self.device if on_nccl else "cpu", deliver_to=self.device,
-                       timeout=self.plan.process_group_timeout, mode=self.config.p2p)
-        layout = self.config.layout
-        if self.config.link is None:
-            return P2PTransport(**options)
-        stage_ranks = layout.stage_ranks(self.rank)
-        if self.config.link == "fanout":
-            return FanoutTransport(stage_ranks, **options)
-        intra_meta_group = (new_groups(layout.group_ranks(["tp"]), self.rank, backend="gloo")
-                            if on_nccl else None)
-        return VTPTransport(stage_ranks, self.topology.tp_group,
-                            intra_meta_group=intra_meta_group, **options)
 
     @property
     def is_main(self) -> bool:
@@ -375,6 +368,7 @@ class Trainer:
         if not (overflow or nonfinite):
             self.gradients.clip(grad_norm)
             self.optimizer.step()
+            self.masters.updated()
             self.gradients.start_gathers()
         self.gradients.zero()
         return StepStats(loss, grad_norm, time.perf_counter() - start, overflow or nonfinite,
@@ -409,7 +403,7 @@ class Trainer:
                        f"row, --skip-nonfinite {allowed})")
 
     def evaluate(self, step: int) -> float:
-        self.gradients.all_weights()
+        self._all_weights()
         with activity.doing(f"evaluation after step {step}"):
             result = self._run(self.eval_executor, self.val_data, step)
             return self._global_loss(result.loss)[0]
@@ -431,6 +425,7 @@ class Trainer:
         resume = self.plan.resume
         if resume is not None:
             self.checkpointer.load(resume.checkpoint.directory, resume.start_step)
+            self.masters.updated()
             start_step = resume.start_step
         log = (MetricsLog(out, start_step, tensorboard=config.tensorboard) if self.is_main
                else None)
@@ -453,12 +448,12 @@ class Trainer:
                 if self._stop_requested():
                     metrics["stopped_at_step"] = step
                     if config.checkpoint_on_signal and self.checkpointer.saved_step < step - 1:
-                        self.gradients.all_weights()
+                        self._all_weights()
                         self.checkpointer.save(step - 1)
                     break
                 self._run_step(step, out, bar, log, metrics)
         bar.close()
-        self.gradients.all_weights()
+        self._all_weights()
         if log is not None:
             log.close()
             reporting.write_metrics(out, metrics)
@@ -494,5 +489,5 @@ class Trainer:
                 log.append(metrics["eval"][-1])
         if step == config.steps - 1 or (config.checkpoint_every
                                          and (step + 1) % config.checkpoint_every == 0):
-            self.gradients.all_weights()
+            self._all_weights()
             self.checkpointer.save(step)

@@ -1,0 +1,60 @@
+"""``--dtype bf16`` trains bfloat16 weights with float32 masters: the stages compute in
+bfloat16, the optimizer, checkpoints and ``--check`` see the masters, and a resumed run
+continues exactly."""
+
+import pytest
+import torch
+
+from meshpipe.testing import run_distributed
+from meshpipe.train.config import TrainConfig
+from meshpipe.train.trainer import Trainer
+
+from trainer_cases import SMALL, check_first_step, train
+
+pytestmark = pytest.mark.distributed
+
+
+def _weights_after_steps(rank, world_size, config):
+    trainer = Trainer(config)
+    stage_dtypes = {p.dtype for stage in trainer.stages.values()
+                    for p in stage.module.parameters()}
+    optimized = {p.dtype for group in trainer.optimizer.param_groups for p in group["params"]}
+    for step in range(2):
+        trainer.train_step(step)
+    trainer._all_weights()
+    stale = [name for name, master in trainer.parameters
+             if not torch.equal(trainer.masters.model_of(master),
+                                master.to(torch.bfloat16))]
+    model_grads = [p.grad for stage in trainer.stages.values()
+                   for p in stage.module.parameters() if p.grad is not None]
+    return stage_dtypes, optimized, stale, len(model_grads)
+
+
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=2, dp=2, zero=2)],
+                         ids=["pp2", "pp2-dp2-zero2"])
+def test_bf16_stages_compute_in_bfloat16_and_step_float32_masters(layout):
+    config = TrainConfig(**{**SMALL, **layout, "dtype": "bf16"})
+    for stage_dtypes, optimized, stale, model_grads in run_distributed(
+            config.world_size, _weights_after_steps, config):
+        assert stage_dtypes == {torch.bfloat16}
+        assert optimized == {torch.float32}
+        assert stale == []  # every stage holds its masters, rounded, after the steps
+        assert model_grads == 0  # each gradient moved on to its master
+
+
+@pytest.mark.parametrize("layout", [dict(pp=2, vpp=2, schedule="zb-v"),
+                                    dict(pp=2, dp=2, zero=1, tie_embeddings=True)],
+                         ids=["zb-v", "dp2-zero1-tied"])
+def test_bf16_check_passes_with_master_weights(layout):
+    config = TrainConfig(**{**SMALL, **layout, "dtype": "bf16"})
+    report = run_distributed(config.world_size, check_first_step, config)[0]
+    assert report["passed"], report
+    assert report["dtype"] == "bf16"
+
+
+def test_a_bf16_run_resumes_exactly(tmp_path):
+    base = dict(SMALL, out_dir=str(tmp_path), checkpoint_every=2, pp=2, dtype="bf16", steps=4)
+    straight = run_distributed(2, train, TrainConfig(**base))[0]
+    resumed = run_distributed(2, train, TrainConfig(**base, resume=True),
+                              rewind_to="step-000001")[0]
+    assert resumed == straight  # the history of the whole run, the steps before the resume too
