@@ -76,7 +76,7 @@ CASES = [
                                                     "2", "--steps", "3"),
          "kind=hang,at=step,rank=1,step=1", rank=1, says=r"rank 1 hangs: runs step 1"),
     Case("stages disagree on the message", (*PP2,), "kind=mismatch,at=forward,rank=0,step=1",
-         rank=1, says=r"failed at step 1, stage 1.*size of tensor a \(31\)"),
+         rank=1, says=r"failed at step 1, stage 1, microbatch 0.*\[31\]"),
     Case("non-finite loss", (*PP2,), "kind=nan,at=loss,rank=1,step=1",
          rank=1, says=r"NonFiniteError: step 1: the loss is nan.*rank 1"),
     Case("non-finite loss, skipped", (*PP2, "--skip-nonfinite", "1"),
