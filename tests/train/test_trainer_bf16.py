@@ -58,3 +58,15 @@ def test_a_bf16_run_resumes_exactly(tmp_path):
     resumed = run_distributed(2, train, TrainConfig(**base, resume=True),
                               rewind_to="step-000001")[0]
     assert resumed == straight  # the history of the whole run, the steps before the resume too
+
+
+def test_a_tied_hugging_face_model_in_bf16_matches_transformers_with_masters(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_models import save_tiny_model
+    from trainer_cases import for_a_model
+
+    directory = save_tiny_model(tmp_path / "model", "llama", tie_word_embeddings=True)
+    config = TrainConfig(**for_a_model(SMALL), pp=2, dtype="bf16", model=str(directory),
+                         out_dir=str(tmp_path / "run"))
+    report = run_distributed(config.world_size, check_first_step, config)[0]
+    assert report["passed"], report
