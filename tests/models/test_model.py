@@ -412,6 +412,28 @@ def test_rms_norm_is_torchs_one_call_and_equals_the_formula(monkeypatch, dtype, 
     assert calls == [dtype if gain_dtype == dtype else torch.float32]
 
 
+def test_rotary_tables_are_looked_up_once_per_positions_tensor():
+    """Every query and key of every layer rotates by the same rows of the tables: two lookups
+    (cos and sin) per positions tensor, not four a layer; a reused tensor none again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountLookups(TorchDispatchMode):
+        lookups = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountLookups.lookups += func.overloadpacket is torch.ops.aten.index
+            return func(*args, **(kwargs or {}))
+
+    model, positions = Transformer(SMALL), torch.arange(12)
+    with CountLookups():
+        first = model(_tokens(), positions=positions)
+        again = model(_tokens(), positions=positions)
+        other = model(_tokens(), positions=torch.arange(12))
+    assert SMALL.n_layers > 1 and CountLookups.lookups == 4
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    torch.testing.assert_close(other, first, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_embedding_turns_each_pair_in_two_products(dtype):
     """RoPE turns each pair (first, second) into (first cos - second sin, second cos + first

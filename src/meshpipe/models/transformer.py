@@ -159,14 +159,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float().repeat(1, 2), persistent=False)
         self.register_buffer("sin", angles.sin().float().repeat(1, 2), persistent=False)
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The cos and sin rows of ``positions``, ``[1, seq, 1, head_dim]``: looked up once
+        per positions tensor and reused by every query and key of every layer sharing this
+        module (a microbatch's, or a loader's reused tensor's, for the whole run), except
+        inside a compiled graph, which fuses the lookup into the rotation."""
+        if torch.compiler.is_compiling():
+            return self._look_up(positions)
+        return derived("rotary tables", (self.cos, self.sin, positions),
+                       lambda: self._look_up(positions))
+
+    def _look_up(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         try:
-            cos = self.cos[positions][None, :, None, :]
-            sin = self.sin[positions][None, :, None, :]
+            return self.cos[positions][None, :, None, :], self.sin[positions][None, :, None, :]
         except IndexError as exc:
             raise ValueError(f"a token position is outside the RoPE table of "
                              f"{self.cos.shape[0]} positions ({exc}); raise "
                              f"TransformerConfig.max_seq_len") from exc
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        cos, sin = self.tables(positions)
         # (first, second) -> (first cos - second sin, second cos + first sin), in three
         # products where it took four and two more kernels: on GPUs the launches bound a step.
         x32 = x.float()
