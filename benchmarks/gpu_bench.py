@@ -16,7 +16,8 @@ causal over the same row unpacked, which is what a pack should approach (TFLOP/s
 one's live work). A configuration that runs out of memory is recorded as OOM.
 
 Part 2 times training steps of the reference transformer (default dim 2048, 16 layers,
-seq 2048 or each ``--seq-len``, bf16 autocast, 8 microbatches of 1 sequence, AdamW)
+seq 2048 or each ``--seq-len``, bf16: the trainer's bf16 weights with float32 masters, the
+plain loop's autocast on float32 weights; 8 microbatches of 1 sequence, AdamW)
 through meshpipe's trainer on one GPU (``Trainer.train_step``: the 1F1B executor with one
 stage, gradient clipping, optimizer), eager and with ``--compile``, on random tokens and
 ``--pack``ed from the shipped corpus (documents of a few hundred tokens), also as a Hugging
@@ -306,7 +307,8 @@ def to_markdown(result: dict) -> str:
     train = result["train"]
     if train:
         lines += ["", f"Training step: {train[0]['parameters'] / 1e6:.0f}M parameters, "
-                      f"{result['sequences']} sequences per step, bf16 autocast, AdamW:",
+                      f"{result['sequences']} sequences per step, bf16 (the trainer: bf16 "
+                      f"weights, fp32 masters; the plain loop: autocast), AdamW:",
                   "", "| runner | seq | ms/step | first step s | tokens/s | MFU % | peak GiB | "
                       "rounds: ms (SM MHz, temp, power) |",
                   "|---|---:|---:|---:|---:|---:|---:|---|"]

@@ -80,7 +80,8 @@ class Run:
 LAYOUTS = [
     # One rank.
     Layout("pp1-1f1b", ("--pp", "1"), "device placement, no p2p"),
-    Layout("pp1-bf16", ("--pp", "1", "--dtype", "bf16"), "CUDA autocast"),
+    Layout("pp1-bf16", ("--pp", "1", "--dtype", "bf16"),
+           "bf16 weights with fp32 masters, CUDA autocast"),
     Layout("pp1-moe4-combined-1f1b", ("--pp", "1", "--moe-experts", "4", "--moe-top-k", "2",
                                       "--schedule", "combined-1f1b"),
            "expert exchanges on the comm thread's CUDA stream"),
