@@ -12,7 +12,6 @@ from meshpipe.runtime.stage import Stage, StageError
 from meshpipe.runtime.substeps import Exchange, run_steps
 
 __all__ = ["AutocastChunk", "DynamicLossScaler", "Exchange", "Executor", "ExecutorError",
-           "MasterWeights", "OverlapHooks", "PeerFailedError", "SplitBackward", "Stage", "StageError", "StageHooks",
-           "StepResult",
-           "all_reduce_gradients", "autocast", "low_precision_tolerance", "run_steps",
-           "weights_cast_once", "weights_dtype"]
+           "MasterWeights", "OverlapHooks", "PeerFailedError", "SplitBackward", "Stage",
+           "StageError", "StageHooks", "StepResult", "all_reduce_gradients", "autocast",
+           "low_precision_tolerance", "run_steps", "weights_cast_once", "weights_dtype"]

@@ -3,9 +3,10 @@ and the tolerance a low-precision parity check uses.
 
 ``autocast`` runs matmuls (and whatever else torch's autocast lists cover) in bfloat16 or
 float16. Under fp16 the parameters and their ``.grad`` stay float32; under bf16 the trainer
-makes them bfloat16 with float32 masters (``weights_dtype``, ``runtime.master_weights``). float16 gradients underflow without
-loss scaling, so an fp16 run multiplies the loss by ``DynamicLossScaler.scale`` (the last
-stage's ``grad_scale_fn``) and divides the gradients back before the optimizer step::
+makes them bfloat16 with float32 masters (``weights_dtype``, ``runtime.master_weights``).
+float16 gradients underflow without loss scaling, so an fp16 run multiplies the loss by
+``DynamicLossScaler.scale`` (the last stage's ``grad_scale_fn``) and divides the gradients
+back before the optimizer step::
 
     scaler = DynamicLossScaler()
     stage = Stage(AutocastChunk(chunk, "fp16"), index, num_stages, loss_fn=loss,
