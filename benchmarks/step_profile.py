@@ -6,10 +6,10 @@
     python benchmarks/step_profile.py --variants pack --layers 4
 
 Prints, per variant, the median wall time of the profiled steps, the summed time of the
-GPU's kernels (wall minus that is time the GPU waited for the host) and the operators with
-the most self time on the host and on the GPU. Writes ``<out>/step_profile.md`` when
-``--out`` is given. Single process, one GPU (``--cpu-rehearsal`` tries it on the CPU). A
-benchmark records times; it never asserts them.
+GPU's kernels (wall minus that is time the GPU waited for the host), the kernel launches and
+dtype casts per step, and the operators with the most self time on the host and on the GPU.
+Writes ``<out>/step_profile.md`` when ``--out`` is given. Single process, one GPU
+(``--cpu-rehearsal`` tries it on the CPU). A benchmark records times; it never asserts them.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from meshpipe.train.data import load_corpus
 from meshpipe.train.trainer import Trainer
 
 VARIANTS = ("eager", "pack", "compile")
+# The CUDA driver and runtime calls that launch a kernel, as the profiler names them.
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaLaunchKernelExC")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,9 +71,13 @@ def profile_variant(variant: str, args, device: torch.device, scratch: str,
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # not their ops too
     gpu_us = sum(e.self_device_time_total for e in kernels) / args.profiled_steps
     wall_ms = statistics.median(walls) * 1e3
+    launches = sum(e.count for e in events if e.key in LAUNCHES) / args.profiled_steps
+    casts = sum(e.count for e in events if e.key == "aten::_to_copy") / args.profiled_steps
     lines = [f"## {variant}", "",
              f"wall {wall_ms:.1f} ms/step (median of {args.profiled_steps} profiled), GPU "
-             f"kernels {gpu_us / 1e3:.1f} ms/step", "", "Host self time:", "", "```",
+             f"kernels {gpu_us / 1e3:.1f} ms/step, {launches:,.0f} kernel launches/step, "
+             f"{casts:,.0f} dtype casts (`aten::_to_copy`)/step", "", "Host self time:", "",
+             "```",
              events.table(sort_by="self_cpu_time_total", row_limit=args.top,
                           max_name_column_width=60),
              "```"]
