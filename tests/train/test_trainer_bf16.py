@@ -1,6 +1,6 @@
 """``--dtype bf16`` trains bfloat16 weights with float32 masters: the stages compute in
 bfloat16, the optimizer, checkpoints and ``--check`` see the masters, and a resumed run
-continues exactly."""
+continues exactly. Ulysses in head groups (CUDA's default) trains as one process too."""
 
 import pytest
 import torch
@@ -70,3 +70,32 @@ def test_a_tied_hugging_face_model_in_bf16_matches_transformers_with_masters(tmp
                          out_dir=str(tmp_path / "run"))
     report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["passed"], report
+
+
+def _check_with_two_head_groups(rank, world_size, config):
+    """``--check`` with Ulysses running two head groups, as it does by itself on CUDA; the
+    report and how many attention calls ran in groups on this rank."""
+    from meshpipe.context import head_groups, ulysses
+
+    calls = []
+    original = head_groups.HeadGroupUlysses.apply
+    ulysses.automatic_head_groups = lambda *args: 2
+    head_groups.HeadGroupUlysses.apply = lambda *args: calls.append(args[6]) or original(*args)
+    try:
+        return Trainer(config).check_first_step(), calls
+    finally:
+        ulysses.automatic_head_groups = head_groups.automatic_head_groups
+        head_groups.HeadGroupUlysses.apply = original
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_ulysses_head_groups_train_as_one_process(dtype):
+    """The trainer's Ulysses in two head groups (their exchanges overlapping each other's
+    attention on CUDA), through a ZB-V pipeline, against one process."""
+    config = TrainConfig(**{**SMALL, "heads": 8, "kv_heads": 4}, pp=2, vpp=2, schedule="zb-v",
+                         cp_ulysses=2, dtype=dtype)
+    results = run_distributed(config.world_size, _check_with_two_head_groups, config)
+    report = results[0][0]
+    assert report["passed"], report
+    for _, calls in results:  # every layer of every microbatch, in two groups
+        assert calls and set(calls) == {2}
