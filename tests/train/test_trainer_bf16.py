@@ -15,6 +15,8 @@ pytestmark = pytest.mark.distributed
 
 
 def _weights_after_steps(rank, world_size, config):
+    from meshpipe.parallel.zero import OptimizerMoments
+
     trainer = Trainer(config)
     stage_dtypes = {p.dtype for stage in trainer.stages.values()
                     for p in stage.module.parameters()}
@@ -22,24 +24,31 @@ def _weights_after_steps(rank, world_size, config):
     for step in range(2):
         trainer.train_step(step)
     trainer._all_weights()
+    values = OptimizerMoments(trainer.optimizer, trainer.gradients.buckets)  # whole, gathered
     stale = [name for name, master in trainer.parameters
              if not torch.equal(trainer.masters.model_of(master),
-                                master.to(torch.bfloat16))]
+                                values.value_of(master).to(torch.bfloat16))]
     model_grads = [p.grad for stage in trainer.stages.values()
                    for p in stage.module.parameters() if p.grad is not None]
-    return stage_dtypes, optimized, stale, len(model_grads)
+    held = sum(master.untyped_storage().nbytes() for _, master in trainer.parameters)
+    whole = sum(4 * master.numel() for _, master in trainer.parameters)
+    return stage_dtypes, optimized, stale, len(model_grads), held / whole
 
 
-@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=2, dp=2, zero=2)],
+@pytest.mark.parametrize(("layout", "masters_held"), [(dict(pp=2), 1.0),
+                                                      (dict(pp=2, dp=2, zero=2), 0.0)],
                          ids=["pp2", "pp2-dp2-zero2"])
-def test_bf16_stages_compute_in_bfloat16_and_step_float32_masters(layout):
+def test_bf16_stages_compute_in_bfloat16_and_step_float32_masters(layout, masters_held):
     config = TrainConfig(**{**SMALL, **layout, "dtype": "bf16"})
-    for stage_dtypes, optimized, stale, model_grads in run_distributed(
+    for stage_dtypes, optimized, stale, model_grads, held in run_distributed(
             config.world_size, _weights_after_steps, config):
         assert stage_dtypes == {torch.bfloat16}
         assert optimized == {torch.float32}
         assert stale == []  # every stage holds its masters, rounded, after the steps
         assert model_grads == 0  # each gradient moved on to its master
+        # Under --zero the replicas hold a shard of the masters each (in the buckets), the
+        # masters themselves nothing.
+        assert held == pytest.approx(masters_held, abs=1e-3)
 
 
 @pytest.mark.parametrize("layout", [dict(pp=2, vpp=2, schedule="zb-v"),
@@ -52,10 +61,14 @@ def test_bf16_check_passes_with_master_weights(layout):
     assert report["dtype"] == "bf16"
 
 
-def test_a_bf16_run_resumes_exactly(tmp_path):
-    base = dict(SMALL, out_dir=str(tmp_path), checkpoint_every=2, pp=2, dtype="bf16", steps=4)
-    straight = run_distributed(2, train, TrainConfig(**base))[0]
-    resumed = run_distributed(2, train, TrainConfig(**base, resume=True),
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=1, schedule="none", dp=2, zero=1)],
+                         ids=["pp2", "dp2-zero1-sharded-masters"])
+def test_a_bf16_run_resumes_exactly(tmp_path, layout):
+    base = dict(SMALL, **layout, out_dir=str(tmp_path), checkpoint_every=2, dtype="bf16",
+                steps=4)
+    world = TrainConfig(**base).world_size
+    straight = run_distributed(world, train, TrainConfig(**base))[0]
+    resumed = run_distributed(world, train, TrainConfig(**base, resume=True),
                               rewind_to="step-000001")[0]
     assert resumed == straight  # the history of the whole run, the steps before the resume too
 

@@ -13,6 +13,11 @@ multiple of the group size. Each rank of the group *owns* one contiguous shard o
   the rank's own slice of the weights in place); after the update, ``start_gather``
   all-gathers the shards into every rank's weights.
 - ``zero=2``: as 1, and the whole gradients are freed as soon as the bucket is reduced.
+- With ``twins`` (``--dtype bf16``: the parameters are float32 masters of the bfloat16
+  weights the model computes with), a sharded bucket holds the masters' values of its own
+  shard only and the masters none (Megatron's distributed optimizer): the update writes
+  that shard, and the all-gather sends it in bfloat16 straight into the twins; a
+  checkpoint gathers the whole values (``OptimizerMoments.value_of``).
 
 ``start`` only starts the bucket's collectives (asynchronously), so the pipeline can start
 a stage's buckets as soon as its gradients are final and go on with its remaining work;
@@ -60,7 +65,8 @@ class Bucket:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None,
                  *, scale: float, zero: int, stage: int, deferred: bool = False,
-                 before: Callable[[], None] | None = None):
+                 before: Callable[[], None] | None = None,
+                 twins: Sequence[torch.nn.Parameter] | None = None):
         self.params = list(params)
         self.group = group
         self.scale = scale
@@ -81,8 +87,14 @@ class Bucket:
         self.numel = numel
         self.shard_numel = -(-numel // self.size)
         self.pieces = self._pieces(rank * self.shard_numel) if self.zero else []
-        self.piece_params = [torch.nn.Parameter(piece.param.detach().view(-1).narrow(
-            0, piece.start, piece.length)) for piece in self.pieces]
+        # With twins (bf16 weights the model computes with, one per float32 master in
+        # ``params``) a sharded bucket keeps the masters' values of its own shard only.
+        self.twins = list(twins) if twins is not None and self.zero else None
+        self._values = self._own_values() if self.twins is not None else None
+        self.piece_params = [torch.nn.Parameter(
+            self._values.narrow(0, piece.offset, piece.length) if self._values is not None
+            else piece.param.detach().view(-1).narrow(0, piece.start, piece.length))
+            for piece in self.pieces]
         # (the sum's handle, the counts' handle, the result, the counts, whether the result
         # is this rank's shard) while a reduction is under way
         self._reduction: tuple[Any, ...] | None = None
@@ -97,9 +109,24 @@ class Bucket:
                 pieces.append(Piece(param, first - offset, last - first, first - begin))
         return pieces
 
+    def _own_values(self) -> torch.Tensor:
+        """This rank's shard of the parameters' values (float32 masters), padding zeroed."""
+        param = self.params[0]
+        values = torch.zeros(self.shard_numel, dtype=param.dtype, device=param.device)
+        for piece in self.pieces:
+            values.narrow(0, piece.offset, piece.length).copy_(
+                piece.param.detach().view(-1).narrow(0, piece.start, piece.length))
+        return values
+
     @property
     def sharded(self) -> bool:
         return self.zero > 0
+
+    @property
+    def owns_values(self) -> bool:
+        """Whether the values of ``params`` live here, a shard per rank (``twins``): the
+        parameters themselves then hold none (``MasterWeights.release``)."""
+        return self._values is not None
 
     @property
     def update_parameters(self) -> list[torch.nn.Parameter]:
@@ -176,12 +203,16 @@ class Bucket:
             param.grad = flat[offset:offset + param.numel()].view_as(param) if had else None
 
     def start_gather(self) -> None:
-        """After the optimizer updated this rank's shard: start all-gathering the shards."""
+        """After the optimizer updated this rank's shard: start all-gathering the shards
+        (into the twins, in their dtype, where there are twins)."""
         if not self.sharded:
             return
-        held = sum(piece.length for piece in self.pieces)
-        shard = torch.cat([view.detach() for view in self.piece_params]
-                          + [self.params[0].new_zeros(self.shard_numel - held)])
+        if self._values is not None:
+            shard = self._values.to(self.twins[0].dtype)
+        else:
+            held = sum(piece.length for piece in self.pieces)
+            shard = torch.cat([view.detach() for view in self.piece_params]
+                              + [self.params[0].new_zeros(self.shard_numel - held)])
         whole = torch.empty(self.shard_numel * self.size, dtype=shard.dtype, device=shard.device)
         self._gather = (ops.all_gather_started(whole, shard, group=self.group), whole)
 
@@ -192,9 +223,28 @@ class Bucket:
         work, whole = self._gather
         self._gather = None
         work.wait()
+        targets = self.twins if self.twins is not None else self.params
         with torch.no_grad():
-            for param, offset in zip(self.params, self.offsets):
-                param.view(-1).copy_(whole[offset:offset + param.numel()])
+            for target, offset in zip(targets, self.offsets):
+                target.view(-1).copy_(whole[offset:offset + target.numel()])
+
+    def whole_values(self) -> dict[int, torch.Tensor]:
+        """Every parameter's value whole, gathered from the shards this bucket owns:
+        ``id(param)`` -> tensor. A collective over the group."""
+        whole = torch.empty(self.shard_numel * self.size, dtype=self._values.dtype,
+                            device=self._values.device)
+        ops.all_gather_into(whole, self._values, group=self.group)
+        return {id(param): whole[offset:offset + param.numel()].view(param.shape).clone()
+                for param, offset in zip(self.params, self.offsets)}
+
+    def load_values(self, whole: dict[int, torch.Tensor]) -> None:
+        """Set this rank's shard and the twins from whole per-parameter values."""
+        with torch.no_grad():
+            for piece in self.pieces:
+                self._values.narrow(0, piece.offset, piece.length).copy_(
+                    whole[id(piece.param)].reshape(-1).narrow(0, piece.start, piece.length))
+            for param, twin in zip(self.params, self.twins):
+                twin.copy_(whole[id(param)])
 
     def whole_moments(self, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
         """Every parameter's AdamW state, whole (gathered from the shards): ``id(param)`` ->
@@ -247,21 +297,36 @@ def adam_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[st
 
 
 class OptimizerMoments:
-    """Every parameter's whole AdamW state, for a checkpoint: ``of(param)``.
+    """Every parameter's whole AdamW state, for a checkpoint: ``of(param)``; and its whole
+    value, ``value_of(param)``.
 
-    Unsharded parameters give their live state. With sharded buckets, saving gathers the
-    whole states of their parameters first (a collective), and loading gives zeroed whole
-    states to read into, which ``loaded()`` then cuts into this rank's shard pieces."""
+    Unsharded parameters give their live state and data. With sharded buckets, saving
+    gathers the whole states (and the values a bucket owns) of their parameters first (a
+    collective), and loading gives zeroed whole tensors to read into, which ``loaded()`` then
+    cuts into this rank's shard pieces (and the values' twins)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: Sequence[Bucket] = (), *,
                  for_loading: bool = False):
         self.optimizer = optimizer
         self.sharded = [bucket for bucket in buckets if bucket.sharded]
         self._of_sharded = {id(p): p for bucket in self.sharded for p in bucket.params}
+        self._owning = [bucket for bucket in self.sharded if bucket.owns_values]
+        self._valued = {id(p) for bucket in self._owning for p in bucket.params}
         self.whole: dict[int, dict[str, Any]] = {}
+        self.values: dict[int, torch.Tensor] = {}
         if not for_loading:
             for bucket in self.sharded:
                 self.whole.update(bucket.whole_moments(optimizer))
+            for bucket in self._owning:
+                self.values.update(bucket.whole_values())
+
+    def value_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        if id(param) not in self._valued:
+            return param.data
+        if id(param) not in self.values:
+            self.values[id(param)] = torch.zeros(param.shape, dtype=param.dtype,
+                                                 device=param.device)
+        return self.values[id(param)]
 
     def of(self, param: torch.nn.Parameter) -> dict[str, Any]:
         if id(param) not in self._of_sharded:
@@ -272,17 +337,23 @@ class OptimizerMoments:
         return self.whole[id(param)]
 
     def loaded(self) -> None:
-        """After a checkpoint filled the states ``of`` gave: set the shards' from them."""
+        """After a checkpoint filled the states ``of`` (and ``value_of``) gave: set the
+        shards' from them."""
         for bucket in self.sharded:
             bucket.load_moments(self.optimizer, self.whole)
+        for bucket in self._owning:
+            bucket.load_values(self.values)
 
 
 def buckets_of(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None, *,
                scale: float, zero: int, stage: int, deferred: bool = False,
                before: Callable[[], None] | None = None,
-               bucket_bytes: int = BUCKET_BYTES) -> list[Bucket]:
+               bucket_bytes: int = BUCKET_BYTES,
+               twin_of: Callable[[torch.nn.Parameter], torch.nn.Parameter] | None = None
+               ) -> list[Bucket]:
     """``params`` (of one stage and group) cut into buckets of one dtype and about
-    ``bucket_bytes`` each, in the order given."""
+    ``bucket_bytes`` each, in the order given; ``twin_of`` gives each one's twin (the
+    weight the model computes with, when ``params`` are its float32 masters)."""
     by_dtype: dict[torch.dtype, list[list[torch.nn.Parameter]]] = {}
     for param in params:
         runs = by_dtype.setdefault(param.dtype, [[]])
@@ -290,5 +361,5 @@ def buckets_of(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | 
             runs.append([])
         runs[-1].append(param)
     return [Bucket(run, group, scale=scale, zero=zero, stage=stage, deferred=deferred,
-                   before=before)
+                   before=before, twins=None if twin_of is None else [twin_of(p) for p in run])
             for runs in by_dtype.values() for run in runs if run]

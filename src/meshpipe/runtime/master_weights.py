@@ -12,7 +12,9 @@ so a step's gradients accumulate in float32 (Megatron's mixed precision).
 Everything after the backward works on the masters: the reductions over replicas, the norm,
 clipping, the optimizer and its moments, checkpoints, ``--check``. After the masters change
 (an optimizer step, a checkpoint loaded) each stage's parameters are copied from them before
-its next forward (``refresh``)::
+its next forward (``refresh``). Under ``--zero 1/2`` a sharded bucket keeps the values of
+its shard of the masters instead, and gathers them into the parameters itself: the masters
+are released (``release``) and each replica holds a shard of them::
 
     masters = MasterWeights(model.named_parameters(), torch.bfloat16)
     optimizer = torch.optim.AdamW(masters.params)
@@ -69,6 +71,8 @@ class MasterWeights:
             self._model_of[id(master)] = param
             self.named.append((name, master))
         self._stale: set[int] = set()
+        self._released: set[int] = set()
+        self.dtype = dtype
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -86,10 +90,20 @@ class MasterWeights:
         unique = {id(param): param for param in params}
         return [self._master_of[key] for key in unique]
 
+    def release(self, masters: Iterable[nn.Parameter]) -> None:
+        """Free the values of ``masters``, which a sharded bucket now holds a shard of and
+        writes into their parameters itself (``parallel.zero``, twins): each keeps its shape,
+        for its ``.grad``, over no memory."""
+        with torch.no_grad():
+            for master in masters:
+                master.data = master.new_zeros(()).expand(master.shape)
+                self._released.add(id(self._model_of[id(master)]))
+
     def updated(self) -> None:
         """The masters changed (an optimizer step, a load): every parameter with a master
-        of its own is stale."""
-        self._stale = {key for key, master in self._master_of.items() if id(master) != key}
+        of its own that holds its values is stale."""
+        self._stale = {key for key, master in self._master_of.items()
+                       if id(master) != key and key not in self._released}
 
     def refresh(self, params: Iterable[nn.Parameter]) -> None:
         """Copy the masters into those of ``params`` that are stale (before a forward)."""

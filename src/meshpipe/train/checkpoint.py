@@ -78,7 +78,7 @@ def _state_dict(parameters: NamedParameters, moments: OptimizerMoments, step: in
     for name, param in parameters:
         adam = moments.of(param)
         state[f"optim.{name}.step"] = adam["step"]
-        tensors = {f"model.{name}": param.data,
+        tensors = {f"model.{name}": moments.value_of(param),
                    **{f"optim.{name}.{key}": adam[key] for key in _ADAM_STATE}}
         whole = _whole_shape(param, tp_size)
         for key, tensor in tensors.items():
@@ -100,7 +100,7 @@ def _keep_own_slices(state: dict[str, torch.Tensor], parameters: NamedParameters
             continue
         dim = shard_dim(param)
         adam = moments.of(param)
-        targets = {f"model.{name}": param.data,
+        targets = {f"model.{name}": moments.value_of(param),
                    **{f"optim.{name}.{key}": adam[key] for key in _ADAM_STATE}}
         for key, target in targets.items():
             target.copy_(own_shard(state[key], dim, tp_rank, tp_size, shard_parts(param)))

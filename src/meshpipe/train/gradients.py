@@ -14,7 +14,7 @@ expert-parallel ranks.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,8 @@ NamedParameters = Sequence[tuple[str, torch.nn.Parameter]]
 class Gradients:
     """The gradients of ``parameters`` (this rank's, once each) in the run's ``topology``,
     in buckets per stage (``parallel.zero``): ``--zero 0`` all-reduces them, 1 and 2
-    reduce-scatter them and shard the optimizer states over the replicas.
+    reduce-scatter them and shard the optimizer states over the replicas (and, where
+    ``twin_of`` gives the bfloat16 weight of each float32 master, the masters' values).
 
     ``stage_params`` maps each stage on this rank to its parameters; ``tied`` are the tied
     weights held by this rank and other pipeline ranks, each with the group of the ranks
@@ -44,7 +45,8 @@ class Gradients:
 
     def __init__(self, config: TrainConfig, topology: Topology, parameters: NamedParameters,
                  tied: list[tuple[torch.nn.Parameter, Any]], device: torch.device,
-                 stage_params: dict[int, list[torch.nn.Parameter]]):
+                 stage_params: dict[int, list[torch.nn.Parameter]],
+                 twin_of: Callable[[torch.nn.Parameter], torch.nn.Parameter] | None = None):
         self.config = config
         self.topology = topology
         self.parameters = list(parameters)
@@ -54,6 +56,7 @@ class Gradients:
         # Tied weights held on several ranks: only the group's first rank counts in the norm.
         self._tied_copies = {id(p) for p, group in tied if dist.get_rank(group) != 0}
         self._tied_group = {id(p): group for p, group in tied}
+        self._twin_of = twin_of
         self.buckets = self._buckets(stage_params)
         bucketed = {id(p) for bucket in self.buckets for p in bucket.params}
         self._unbucketed = [p for p in self.params if id(p) not in bucketed]
@@ -108,7 +111,7 @@ class Gradients:
                 before = (lambda run=run: self._sum_first(run)) if deferred else None
                 buckets += buckets_of(run, group, scale=1.0 / self.config.dp,
                                       zero=self.config.zero, stage=stage, deferred=deferred,
-                                      before=before)
+                                      before=before, twin_of=self._twin_of)
         return buckets
 
     def _sum_first(self, params: list[torch.nn.Parameter]) -> None:
