@@ -1,5 +1,6 @@
-"""--zero 0/1/2 at dp 1, 2 and 4 (and pp 2 x dp 2): optimizer-state and gradient bytes per
-rank beside the memory model's prediction, peak resident memory, and the step time.
+"""--zero 0/1/2 at dp 1, 2 and 4 (and pp 2 x dp 2): weight, optimizer-state and gradient
+bytes per rank beside the memory model's prediction, peak resident memory, and the step time
+(``--dtype bf16``: bfloat16 weights with float32 masters, sharded at --zero 1/2).
 
     .venv/bin/python benchmarks/zero.py                  # ~3 min on 2 cores
     .venv/bin/python benchmarks/zero.py --dim 512 --steps 8
@@ -7,6 +8,8 @@ rank beside the memory model's prediction, peak resident memory, and the step ti
 Each case trains the reference transformer on ``pp x dp`` local gloo processes (one thread
 each) through ``Trainer`` and measures on rank 0:
 
+- weight bytes: the weights the stages compute with, plus (bf16) the float32 masters or the
+  shard of them a rank keeps;
 - state bytes: the AdamW moments the rank's optimizer holds (every state tensor's bytes),
   per parameter of the model, beside ``schedules.ranking.state_bytes``'s share for them
   (8 B whole, 8/dp B sharded);
@@ -50,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: bfloat16 weights with float32 masters, sharded under "
+                             "--zero 1/2 (written to zero_bf16.*)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     return parser.parse_args(argv)
 
@@ -81,15 +87,34 @@ def measure(rank: int, world_size: int, init_file: str, result_file: str, config
     if rank == 0:
         report(result_file, {
             "parameters": parameters, "state_bytes": state_bytes,
-            "gradient_bytes": gradient_bytes,
+            "gradient_bytes": gradient_bytes, "weight_bytes": _weight_bytes(trainer),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "median_step_ms": 1000 * statistics.median(seconds[1:])})
 
 
-def row(pp: int, dp: int, zero: int, overlap: bool, measured: dict) -> dict:
+def _weight_bytes(trainer) -> int:
+    """The weights the stages compute with, their float32 masters where they have their own
+    (``--dtype bf16``: whatever memory the masters still hold) and the masters' shards the
+    gradient buckets keep (under ``--zero 1/2``)."""
+    model = {id(p): p for stage in trainer.stages.values() for p in stage.module.parameters()}
+    masters = [m for _, m in trainer.parameters if id(m) not in model]
+    return (_held_bytes(model.values()) + sum(m.untyped_storage().nbytes() for m in masters)
+            + sum(4 * bucket.shard_numel for bucket in trainer.gradients.buckets
+                  if bucket.owns_values))
+
+
+def _predicted_weight_bytes(dtype: str, replicas: int) -> float:
+    """fp32: the weights; bf16: bfloat16 weights and float32 masters (a shard of them each
+    under --zero 1/2)."""
+    return 4.0 if dtype == "fp32" else 2.0 + 4.0 / replicas
+
+
+def row(pp: int, dp: int, zero: int, overlap: bool, measured: dict, dtype: str) -> dict:
     replicas = dp if zero else 1
     parameters = measured["parameters"]
     return {"pp": pp, "dp": dp, "zero": zero, "overlap": overlap, **measured,
+            "weight_bytes_per_parameter": measured["weight_bytes"] / parameters,
+            "predicted_weight_bytes_per_parameter": _predicted_weight_bytes(dtype, replicas),
             "state_bytes_per_parameter": measured["state_bytes"] / parameters,
             "predicted_state_bytes_per_parameter": MOMENT_BYTES / replicas,
             "gradient_bytes_per_parameter": measured["gradient_bytes"] / parameters,
@@ -99,16 +124,18 @@ def row(pp: int, dp: int, zero: int, overlap: bool, measured: dict) -> dict:
 
 def markdown(rows: list[dict], args: argparse.Namespace, loads: list) -> str:
     lines = [f"# --zero 0/1/2: memory and step time ({platform.machine()}, torch "
-             f"{torch.__version__}, CPU, gloo)", "",
+             f"{torch.__version__}, CPU, gloo, --dtype {args.dtype})", "",
              f"Reference transformer dim {args.dim}, {args.layers} layers, seq-len "
              f"{args.seq_len}; {args.steps} steps, median after the first; bytes of rank 0's "
              f"stage. Load average before {loads[0]}, after {loads[1]}.", "",
-             "| pp | dp | zero | overlap | state B/param (predicted) | gradient B/param "
-             "(predicted) | peak RSS MiB | step ms |",
-             "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "| pp | dp | zero | overlap | weight B/param (predicted) | state B/param "
+             "(predicted) | gradient B/param (predicted) | peak RSS MiB | step ms |",
+             "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(
             f"| {r['pp']} | {r['dp']} | {r['zero']} | {'yes' if r['overlap'] else 'no'} | "
+            f"{r['weight_bytes_per_parameter']:.3f} "
+            f"({r['predicted_weight_bytes_per_parameter']:.3f}) | "
             f"{r['state_bytes_per_parameter']:.3f} ({r['predicted_state_bytes_per_parameter']:.3f})"
             f" | {r['gradient_bytes_per_parameter']:.3f} "
             f"({r['predicted_gradient_bytes_per_parameter']:.3f}) | {r['peak_rss_mib']:.0f} | "
@@ -125,14 +152,16 @@ def main(argv: list[str] | None = None) -> None:
                              dim=args.dim,
                              layers=args.layers, heads=8, seq_len=args.seq_len,
                              microbatches=4, steps=args.steps, warmup_steps=1, eval_every=0,
-                             timeline_step=0, progress=False, out_dir=tempfile.mkdtemp())
+                             timeline_step=0, progress=False, out_dir=tempfile.mkdtemp(),
+                             dtype=args.dtype)
         measured = spawn_ranks(measure, config.world_size, config, overlap)
-        rows.append(row(pp, dp, zero, overlap, measured))
+        rows.append(row(pp, dp, zero, overlap, measured, args.dtype))
         print(rows[-1], flush=True)
     loads.append(load_average())
     table = markdown(rows, args, loads)
     print(table)
-    write_results(args.out, "zero", {"rows": rows, "load_average": loads, "args": {
+    name = "zero" if args.dtype == "fp32" else f"zero_{args.dtype}"
+    write_results(args.out, name, {"rows": rows, "load_average": loads, "args": {
         key: str(value) for key, value in vars(args).items()}}, table)
 
 
