@@ -61,14 +61,19 @@ def test_bf16_check_passes_with_master_weights(layout):
     assert report["dtype"] == "bf16"
 
 
-@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=1, schedule="none", dp=2, zero=1)],
-                         ids=["pp2", "dp2-zero1-sharded-masters"])
-def test_a_bf16_run_resumes_exactly(tmp_path, layout):
+ZERO1 = dict(pp=1, schedule="none", dp=2, zero=1)
+
+
+@pytest.mark.parametrize(("layout", "resumed_as"), [
+    (dict(pp=2), {}), (ZERO1, {}), (ZERO1, dict(zero=0)), (dict(ZERO1, zero=0), dict(zero=2))],
+    ids=["pp2", "dp2-zero1-sharded-masters", "zero1-as-zero0", "zero0-as-zero2"])
+def test_a_bf16_run_resumes_exactly(tmp_path, layout, resumed_as):
+    """Also across zero levels: the masters are saved whole whether they were sharded."""
     base = dict(SMALL, **layout, out_dir=str(tmp_path), checkpoint_every=2, dtype="bf16",
                 steps=4)
     world = TrainConfig(**base).world_size
     straight = run_distributed(world, train, TrainConfig(**base))[0]
-    resumed = run_distributed(world, train, TrainConfig(**base, resume=True),
+    resumed = run_distributed(world, train, TrainConfig(**{**base, **resumed_as}, resume=True),
                               rewind_to="step-000001")[0]
     assert resumed == straight  # the history of the whole run, the steps before the resume too
 
