@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from harness import join_ranks, load_average, report, spawn_ranks, write_results
-from meshpipe.schedules.ranking import GRADIENT_BYTES, MOMENT_BYTES
+from meshpipe.schedules.ranking import (GRADIENT_BYTES, LOW_PRECISION_WEIGHT_BYTES,
+                                       MASTER_BYTES, MOMENT_BYTES, WEIGHT_BYTES)
 from meshpipe.train.config import TrainConfig
 
 # (pp, dp, zero, overlap)
@@ -106,7 +107,9 @@ def _weight_bytes(trainer) -> int:
 def _predicted_weight_bytes(dtype: str, replicas: int) -> float:
     """fp32: the weights; bf16: bfloat16 weights and float32 masters (a shard of them each
     under --zero 1/2)."""
-    return 4.0 if dtype == "fp32" else 2.0 + 4.0 / replicas
+    if dtype == "fp32":
+        return WEIGHT_BYTES
+    return LOW_PRECISION_WEIGHT_BYTES + MASTER_BYTES / replicas
 
 
 def row(pp: int, dp: int, zero: int, overlap: bool, measured: dict, dtype: str) -> dict:

@@ -80,6 +80,9 @@ def test_zero_levels_are_tried_where_a_stage_has_replicas_and_priced_by_memory()
     assert {layout.zero for layout in found if layout.dp * layout.cp > 1} == {0, 1, 2}
     assert state_bytes(0, 4) == 16 and state_bytes(1, 4) == 4 + 4 + 2
     assert state_bytes(2, 4) == 4 + 1 + 2
+    # bf16: 2 B weights and 4 B float32 masters, shared out like the moments.
+    assert state_bytes(0, 4, masters=True) == 2 + 4 + 4 + 8
+    assert state_bytes(1, 4, masters=True) == 2 + 1 + 4 + 2
     plain = Layout(pp=1, vpp=1, dp=4, cp=1, microbatches=2, microbatch_size=1, schedule="none")
     peaks = [predict(replace(plain, zero=zero), profile).peak_bytes for zero in (0, 1, 2)]
     assert peaks[0] > peaks[1] > peaks[2]
@@ -308,6 +311,8 @@ def test_measurement_on_processes_prices_the_profile(tmp_path) -> None:
     config = TrainConfig(dim=16, layers=2, heads=2, kv_heads=1, seq_len=16, microbatch_size=2,
                          microbatches=2, timeline_step=0)
     profile = tune_profile.model_profile(config)
+    assert not profile.masters
+    assert tune_profile.model_profile(replace(config, dtype="bf16")).masters
     layout = tune_runs.base_layout(2, profile, 4, 2)
     assert (layout.pp, layout.schedule) == (2, "1f1b")
     sizes = tune_runs.measured_sizes(rank_layouts(2, profile, 4), layout, profile)

@@ -45,7 +45,8 @@ The model of one layout:
   update a ``1/replicas`` shard, so the optimizer's time is divided by the replicas.
 - memory per rank: ``state_bytes`` for each parameter of its stages (fp32 weights 4 B,
   gradients 4 B, AdamW's two moments 8 B; ``--zero 1`` shares the moments out over the
-  replicas, 2 the gradients too), plus the schedule's peak of live
+  replicas, 2 the gradients too; bf16: 2 B weights and 4 B masters, shared out at 1 and 2
+  like the moments), plus the schedule's peak of live
   activations, each (stage, microbatch) pair weighing its pieces' saved bytes per token
   times the tokens. Not modelled: temporaries inside one action, allocator slack, the
   process's own baseline (torch, data).
@@ -69,6 +70,9 @@ ZERO_LEVELS = (0, 1, 2)
 WEIGHT_BYTES = 4.0  # fp32
 GRADIENT_BYTES = 4.0
 MOMENT_BYTES = 8.0  # AdamW's exp_avg and exp_avg_sq
+# --dtype bf16: bfloat16 weights beside float32 masters (sharded like the moments).
+LOW_PRECISION_WEIGHT_BYTES = 2.0
+MASTER_BYTES = 4.0
 from meshpipe.schedules.costs import CostModel
 from meshpipe.schedules.placement import balanced_layers
 from meshpipe.schedules.simulator import simulate
@@ -137,6 +141,7 @@ class Profile:
     message: Link
     all_reduce: Link
     optimizer_s_per_parameter: float = 0.0
+    masters: bool = False  # bf16 weights with float32 masters (``state_bytes``)
     step_overhead_s: float = 0.0
     message_overhead_s: float = 0.0
     action_overhead_s: float = 0.0
@@ -354,19 +359,23 @@ def predict(layout: Layout, profile: Profile) -> Prediction:
     sync = max(all_reduce_s(profile.all_reduce, GRADIENT_BYTES * held, replicas)
                + profile.optimizer_s_per_parameter * held / updated for held in parameters)
     sync += profile.step_overhead_s
-    peak = max(state_bytes(layout.zero, replicas) * held + live for held, live in
+    peak = max(state_bytes(layout.zero, replicas, profile.masters) * held + live for held, live in
                zip(parameters, simulation.peak_activation_bytes))
     return Prediction(layout, simulation.makespan + sync, simulation.makespan, sync,
                       simulation.bubble_ratio, peak)
 
 
-def state_bytes(zero: int, replicas: int) -> float:
+def state_bytes(zero: int, replicas: int, masters: bool = False) -> float:
     """Bytes a rank holds per parameter of its stages at ``zero`` with ``replicas`` replicas
     of each weight: the weights, the gradients (shared out at 2) and the AdamW moments
+    (shared out at 1 and 2); with ``masters`` (bf16) bfloat16 weights and float32 masters
     (shared out at 1 and 2)."""
     gradients = GRADIENT_BYTES / replicas if zero >= 2 else GRADIENT_BYTES
     moments = MOMENT_BYTES / replicas if zero >= 1 else MOMENT_BYTES
-    return WEIGHT_BYTES + gradients + moments
+    if not masters:
+        return WEIGHT_BYTES + gradients + moments
+    shared_masters = MASTER_BYTES / replicas if zero >= 1 else MASTER_BYTES
+    return LOW_PRECISION_WEIGHT_BYTES + shared_masters + gradients + moments
 
 
 def _parameters_per_rank(schedule: Schedule, profile: Profile) -> list[int]:

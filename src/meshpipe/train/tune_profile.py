@@ -20,6 +20,7 @@ import torch
 from meshpipe.models import causal_lm_loss
 from meshpipe.models.transformer import Transformer
 from meshpipe.schedules.ranking import Link, Piece, Profile, layouts
+from meshpipe.runtime import weights_dtype
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.launch import device_for_this_rank
@@ -57,7 +58,8 @@ def model_profile(config: TrainConfig, device: torch.device | None = None) -> Pr
     return Profile(layers=config.layers, heads=config.heads, seq_len=config.seq_len,
                    embedding=piece("embedding"), layer=piece("layer"), head=piece("head"),
                    hidden_bytes_per_token=4.0 * config.dim, message=UNMEASURED_LINK,
-                   all_reduce=UNMEASURED_LINK)
+                   all_reduce=UNMEASURED_LINK,
+                   masters=weights_dtype(config.dtype) != torch.float32)
 
 
 def _pieces(model: Transformer, config: TrainConfig,
