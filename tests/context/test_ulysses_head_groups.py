@@ -103,7 +103,7 @@ def test_automatic_groups_only_where_exchanges_can_run_beside_the_kernels():
     assert automatic_head_groups("cpu", True, 4) == 1
 
 
-def test_head_groups_are_chosen_once_per_call_from_the_heads():
+def test_head_groups_follow_what_is_asked_and_what_the_heads_allow():
     q, k = torch.empty(1, 8, 8, 4, device="meta"), torch.empty(1, 8, 4, 4, device="meta")
     assert UlyssesAttention()._head_groups(q, k, 2, True, "here") == 1  # not on CUDA
     assert UlyssesAttention(head_groups=2)._head_groups(q, k, 2, True, "here") == 2
