@@ -115,11 +115,13 @@ def _staged_collectives(rank, world_size):
         uneven = torch.empty(3 if rank == 0 else 5)
         ops.all_to_all_single(uneven, x, output_split_sizes=[1, 2] if rank == 0 else [3, 2],
                               input_split_sizes=[1, 3] if rank == 0 else [2, 2])
+        started = torch.empty(4)  # Ulysses' head groups start theirs and wait later
+        ops.all_to_all_single_started(started, x).wait()
         peer = 1 - rank
         received = torch.empty(4)
         (shifted,) = post_transfers([(peer, x)], [(peer, received)], None, tag=7).wait()
         return [t.tolist() for t in (reduced, broadcast, gathered, *listed, scattered,
-                                     exchanged, uneven, shifted)]
+                                     exchanged, uneven, started, shifted)]
 
     direct = run_all()
     original = ops.through_host

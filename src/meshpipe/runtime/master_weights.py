@@ -26,7 +26,7 @@ are released (``release``) and each replica holds a shard of them::
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -84,6 +84,12 @@ class MasterWeights:
     def model_of(self, master: nn.Parameter) -> nn.Parameter:
         """The parameter the model computes with for ``master``."""
         return self._model_of[id(master)]
+
+    @property
+    def twin_of(self) -> Callable[[nn.Parameter], nn.Parameter] | None:
+        """``model_of`` where the masters are not the model's own parameters, else None:
+        what a sharded bucket writes its gathered shards into (``parallel.zero``)."""
+        return self.model_of if self.dtype != torch.float32 else None
 
     def masters_of(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """The masters of ``params`` in their order, each once."""

@@ -190,7 +190,7 @@ class Trainer:
             [(self.masters.master_of(param), group) for param, group in tied], self.device,
             stage_params={index: self.masters.masters_of(stage.module.parameters())
                           for index, stage in self.stages.items()},
-            twin_of=self.masters.model_of if self.masters.dtype != torch.float32 else None)
+            twin_of=self.masters.twin_of)
         self.masters.release(p for bucket in self.gradients.buckets if bucket.owns_values
                              for p in bucket.params)
         self.learning_rate = (plan.resume.learning_rate if plan.resume is not None
