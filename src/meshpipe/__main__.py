@@ -1,7 +1,5 @@
 """``python -m meshpipe``: the command line (see ``meshpipe.cli``)."""
 
-import sys
+from meshpipe.cli import entry
 
-from meshpipe.cli import main
-
-sys.exit(main())
+entry()

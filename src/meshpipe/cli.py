@@ -26,6 +26,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import NoReturn, TextIO
 
+from meshpipe.process_exit import exit_process
 from meshpipe.schedules.builders import SCHEDULES, build
 from meshpipe.schedules.builders import schedule_spec
 from meshpipe.schedules.compare import Comparison, compare
@@ -519,5 +520,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return 0
 
 
+def entry() -> NoReturn:
+    """The ``meshpipe`` command: ``main``'s exit status, without the interpreter's teardown
+    (``meshpipe.process_exit``)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

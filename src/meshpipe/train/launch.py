@@ -44,6 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from meshpipe.process_exit import exit_process, under_torchrun
 from meshpipe.runtime import activity
 from meshpipe.runtime.executor import PeerFailedError
 from meshpipe.runtime.host_cores import bind_to_own_cores
@@ -90,10 +91,6 @@ class Supervision:
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
     log_dir: Path | None = None
     checkpoint_on_signal: bool = False
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def reports_for_the_job() -> bool:
@@ -382,3 +379,5 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str |
     reporter.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if control is not None:  # a process of our own: its teardown would only delay the job
+        exit_process(0)
