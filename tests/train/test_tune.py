@@ -344,6 +344,23 @@ def test_measurement_on_processes_prices_the_profile(tmp_path) -> None:
     assert priced.ulysses == measurement.ulysses
 
 
+def test_a_bf16_run_is_profiled_in_bf16() -> None:
+    """The activations a layer saves and the messages between stages are measured in the
+    run's precision: bfloat16 weights and hidden states halve the messages, and a layer
+    of this model saves 0.6 of its float32 bytes (RoPE computes in float32 inside)."""
+    config = TrainConfig(dim=32, layers=2, heads=2, kv_heads=1, seq_len=32, microbatch_size=2)
+    fp32 = tune_profile.model_profile(config, torch.device("cpu"))
+    bf16 = tune_profile.model_profile(replace(config, dtype="bf16"), torch.device("cpu"))
+    assert (fp32.hidden_bytes_per_token, bf16.hidden_bytes_per_token) == (4.0 * 32, 2.0 * 32)
+    assert 0.4 < bf16.layer.activation_bytes / fp32.layer.activation_bytes < 0.7
+    assert bf16.layer.parameters == fp32.layer.parameters
+    layer = tune_profile.timed_layer(replace(config, dtype="bf16"), torch.device("cpu"))
+    assert {p.dtype for p in layer.parameters()} == {torch.bfloat16}
+    ((_, per_token),) = tune_profile.layer_curve(replace(config, dtype="bf16"), [64],
+                                                 torch.device("cpu"))
+    assert per_token > 0
+
+
 def test_measured_ulysses_overhead_prices_context_parallel_layers() -> None:
     layout = Layout(1, 1, 1, 2, 2, 2, "none")  # cp 2: 64 tokens of 256 bytes per rank
     estimated = stage_costs(layout, _profile(), 1).a2a[0]

@@ -6,6 +6,12 @@ only sets the pieces' relative weights; and a layer's forward + backward per tok
 thread, at every token count a layout gives a rank (the shape of cost against size). Timed
 calls take turns (``clocked``, ``TURNS`` x ``CALLS_PER_TURN``) after a CUDA synchronize on
 GPUs. Step 1 of ``meshpipe.train.tuner``.
+
+Everything is measured in the run's precision (``--dtype``), as the trainer computes: the
+weights in ``weights_dtype`` (bfloat16 with float32 masters in bf16), the forwards under
+autocast, the hidden states between the pieces, and so the messages between stages, in
+the weights' dtype. In bf16 a layer of the tests' model (dim 32) saves 0.6 of the
+bytes it saves in fp32, and a message is half as large.
 """
 
 from __future__ import annotations
@@ -13,14 +19,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
 from meshpipe.models import causal_lm_loss
 from meshpipe.models.transformer import Transformer
 from meshpipe.schedules.ranking import Link, Piece, Profile, layouts
-from meshpipe.runtime import weights_dtype
+from meshpipe.runtime import MasterWeights, autocast, weights_dtype
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.launch import device_for_this_rank
@@ -38,11 +44,13 @@ def model_profile(config: TrainConfig, device: torch.device | None = None) -> Pr
     and overheads are placeholders until ``calibrate``."""
     device = device_for_this_rank() if device is None else device
     torch.manual_seed(config.seed)
-    model = Transformer(sources.model_config(config), recompute=config.recompute).to(device)
+    model = in_training_precision(
+        Transformer(sources.model_config(config), recompute=config.recompute).to(device), config)
     tokens = config.microbatch_size * config.seq_len
     pieces = _pieces(model, config, device)
     with torch.no_grad():
         seconds = _seconds_in_turn(pieces, device)
+        sent = pieces["layer"]()
     measured = {name: (_saved_bytes(run, model) / tokens,
                        statistics.median(seconds[name]) / tokens)
                 for name, run in pieces.items()}
@@ -57,27 +65,64 @@ def model_profile(config: TrainConfig, device: torch.device | None = None) -> Pr
 
     return Profile(layers=config.layers, heads=config.heads, seq_len=config.seq_len,
                    embedding=piece("embedding"), layer=piece("layer"), head=piece("head"),
-                   hidden_bytes_per_token=4.0 * config.dim, message=UNMEASURED_LINK,
+                   hidden_bytes_per_token=float(sent.element_size() * config.dim),
+                   message=UNMEASURED_LINK,
                    all_reduce=UNMEASURED_LINK,
                    masters=weights_dtype(config.dtype) != torch.float32)
 
 
 def _pieces(model: Transformer, config: TrainConfig,
             device: torch.device) -> dict[str, Callable[[], torch.Tensor]]:
-    """One microbatch's forward through each piece, as a function returning its output."""
+    """One microbatch's forward through each piece in the run's precision, as a function
+    returning its output."""
     vocab = model.config.vocab_size
     shape = (config.microbatch_size, config.seq_len)
     tokens = torch.randint(vocab, shape, device=device)
     targets = torch.randint(vocab, shape, device=device)
     positions = torch.arange(config.seq_len, device=device)
-    hidden = torch.randn(*shape, config.dim, requires_grad=True, device=device)
+    hidden = hidden_states(config, shape, device)
 
     def head() -> torch.Tensor:
         return causal_lm_loss(model.head(model.norm(hidden)), targets, reduction="sum")[0]
 
-    return {"embedding": lambda: model.embedding(tokens),
-            "layer": lambda: model.layers[0](hidden, positions, None),
-            "head": head}
+    def in_precision(run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def run_in_precision() -> torch.Tensor:
+            with forward_precision(config, device):
+                return run()
+        return run_in_precision
+
+    return {"embedding": in_precision(lambda: model.embedding(tokens)),
+            "layer": in_precision(lambda: model.layers[0](hidden, positions, None)),
+            "head": in_precision(head)}
+
+
+def in_training_precision(module: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
+    """``module`` with the weights the trainer computes with at ``config.dtype``: made
+    bfloat16 in place in bf16, each gradient moved into a float32 master as it lands, as in
+    training (the masters live on in those hooks)."""
+    MasterWeights(module.named_parameters(), weights_dtype(config.dtype))
+    return module
+
+
+def forward_precision(config: TrainConfig, device: torch.device) -> ContextManager[Any]:
+    """The context the trainer runs a forward in at ``config.dtype``."""
+    return autocast(config.dtype, device.type)
+
+
+def layer_step(layer: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor,
+               config: TrainConfig, device: torch.device) -> None:
+    """One forward of ``layer`` in the run's precision, and its backward."""
+    with forward_precision(config, device):
+        out = layer(hidden, positions, None)
+    out.sum().backward()
+
+
+def hidden_states(config: TrainConfig, shape: tuple[int, ...],
+                  device: torch.device) -> torch.Tensor:
+    """Random hidden states ``[*shape, dim]`` in the dtype a stage receives them in (the
+    weights' dtype: the residual stream keeps it), requiring grad."""
+    return torch.randn(*shape, config.dim, dtype=weights_dtype(config.dtype), device=device,
+                       requires_grad=True)
 
 
 def _saved_bytes(run: Callable[[], torch.Tensor], model: torch.nn.Module) -> float:
@@ -147,9 +192,11 @@ def ulysses_sizes(profile: Profile, world_size: int, global_batch: int) -> dict[
 
 
 def timed_layer(config: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """A transformer layer on ``device`` in the run's precision (``in_training_precision``;
+    call it under ``forward_precision``)."""
     torch.manual_seed(config.seed)
     model = Transformer(sources.model_config(config), recompute=config.recompute)
-    return model.layers[0].to(device)
+    return in_training_precision(model.layers[0].to(device), config)
 
 
 def priced_shape(config: TrainConfig, tokens: int) -> tuple[int, int]:
@@ -169,9 +216,10 @@ def layer_curve(config: TrainConfig, counts: list[int], device: torch.device | N
 
     def step(tokens: int) -> Callable[[], None]:
         rows, length = priced_shape(config, tokens)
-        hidden = torch.randn(rows, length, config.dim, requires_grad=True, device=device)
+        hidden = hidden_states(config, (rows, length), device)
         positions = torch.arange(length, device=device)
-        return lambda: layer(hidden, positions, None).sum().backward()
+
+        return lambda: layer_step(layer, hidden, positions, config, device)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

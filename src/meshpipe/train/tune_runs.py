@@ -39,7 +39,8 @@ from meshpipe.schedules.simulator import mean_speeds
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.devices import local_ranks, plan_devices
 from meshpipe.train.launch import Supervision, device_for_this_rank, launch, under_torchrun
-from meshpipe.train.tune_profile import UNMEASURED_LINK, clocked, priced_shape, timed_layer
+from meshpipe.train.tune_profile import (UNMEASURED_LINK, clocked, hidden_states, layer_step,
+                                         priced_shape, timed_layer)
 
 # Training steps of the measured run; the first is a warm-up and not used.
 MEASURE_STEPS = 6
@@ -275,35 +276,36 @@ def _ulysses_times(config: TrainConfig, sizes: dict[int, list[int]],
                       "local": LocalAttention()}
         for size in microbatch_sizes:
             inputs = {"ulysses": (
-                torch.randn(size, share, config.dim, requires_grad=True, device=device),
+                hidden_states(config, (size, share), device),
                 torch.arange(place * share, (place + 1) * share, device=device))}
             rows, length = priced_shape(config, size * share)
-            inputs["local"] = (
-                torch.randn(rows, length, config.dim, requires_grad=True, device=device),
-                torch.arange(length, device=device))
+            inputs["local"] = (hidden_states(config, (rows, length), device),
+                               torch.arange(length, device=device))
             for turn in range(len(groups)):
                 if turn == member:
                     medians = _medians_in_turn(layer, attentions, inputs, groups[member],
-                                               device)
+                                               config, device)
                 dist.barrier()
-            results.append((cp, 4.0 * config.dim * size * share,
+            hidden = inputs["ulysses"][0]
+            results.append((cp, hidden.element_size() * hidden.numel(),
                             medians["ulysses"], medians["local"]))
     return results
 
 
 def _medians_in_turn(layer: torch.nn.Module, attentions: dict[str, torch.nn.Module],
                      inputs: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                     group: dist.ProcessGroup, device: torch.device) -> dict[str, float]:
-    """Median seconds of ``layer``'s forward + backward with each of ``attentions`` on its
-    ``inputs``, the attentions taken in turn, ``REPEATS`` times after a warm-up round; the
+                     group: dist.ProcessGroup, config: TrainConfig,
+                     device: torch.device) -> dict[str, float]:
+    """Median seconds of ``layer``'s forward + backward (in ``config``'s precision) with
+    each of ``attentions`` on its ``inputs``, the attentions taken in turn, ``REPEATS`` times after a warm-up round; the
     ranks of ``group`` start each call together."""
     seconds: dict[str, list[float]] = {name: [] for name in attentions}
     for repeat in range(REPEATS + 1):
         for name, attention in attentions.items():
             layer.attention.core_attention = attention
             hidden, positions = inputs[name]
-            call_s = clocked(lambda: layer(hidden, positions, None).sum().backward(), device,
-                              lambda: dist.barrier(group))
+            call_s = clocked(lambda: layer_step(layer, hidden, positions, config, device),
+                             device, lambda: dist.barrier(group))
             if repeat:
                 seconds[name].append(call_s)
     return {name: statistics.median(times) for name, times in seconds.items()}
