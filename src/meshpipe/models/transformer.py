@@ -337,7 +337,7 @@ def _plain_positions(seq: int, device: torch.device) -> Tensor:
     """``0..seq-1`` on ``device``, one tensor per length and device with its host copy: what
     attention derives from it (a plain sequence) is derived once, not read back from the
     device for every microbatch."""
-    return to_device(torch.arange(seq), device)
+    return to_device(torch.arange(seq, device="cpu"), device)
 
 
 def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
