@@ -151,18 +151,22 @@ class Gradients:
         return self.params if self._whole else self.update_params
 
     def norm(self) -> float:
-        """The global gradient norm over the whole model (each weight counted once)."""
-        def zero() -> torch.Tensor:
-            return torch.zeros(1, dtype=torch.float64, device=self.device)
+        """The global gradient norm over the whole model (each weight counted once).
 
+        Each gradient's norm comes from one ``_foreach_norm`` over all of them (a few kernels
+        a step, where a norm per tensor launched four for each and copied it to float64);
+        their squares are summed in float64."""
         # [expert?, from a shard?]: shards are summed over their replicas first.
-        sums = {(e, s): zero() for e in (False, True) for s in (False, True)}
+        grads: dict[tuple[bool, bool], list[torch.Tensor]] = {
+            (e, s): [] for e in (False, True) for s in (False, True)}
         if self._whole:
             for param in self.params:
-                self._add_square(sums, param, param.grad, from_shard=False)
+                self._add_grad(grads, param, param.grad, from_shard=False)
         else:
             for bucket in self.buckets:
-                self._add_squares(sums, bucket)
+                self._add_bucket_grads(grads, bucket)
+        sums = {key: _sum_of_squares(found, self.device) for key, found in grads.items()}
+        if not self._whole:
             for expert in (False, True):
                 if any(b.sharded and self._replicas(b.params[0])[1] == expert
                        for b in self.buckets):
@@ -177,20 +181,20 @@ class Gradients:
         ops.all_reduce(total, group=self.topology.model_group)
         return math.sqrt(total.item())
 
-    def _add_squares(self, sums: dict, bucket: Bucket) -> None:
+    def _add_bucket_grads(self, grads: dict, bucket: Bucket) -> None:
         if not bucket.sharded:
             for param in bucket.params:
-                self._add_square(sums, param, param.grad, from_shard=False)
+                self._add_grad(grads, param, param.grad, from_shard=False)
             return
         for piece, view in zip(bucket.pieces, bucket.piece_params):
-            self._add_square(sums, piece.param, view.grad, from_shard=True)
+            self._add_grad(grads, piece.param, view.grad, from_shard=True)
 
-    def _add_square(self, sums: dict, param: torch.nn.Parameter, grad: torch.Tensor | None,
-                    *, from_shard: bool) -> None:
+    def _add_grad(self, grads: dict, param: torch.nn.Parameter, grad: torch.Tensor | None,
+                  *, from_shard: bool) -> None:
         if grad is None or not self._counts_in_norm(param):
             return
         expert = self.config.ep > 1 and is_expert_param(param)
-        sums[expert, from_shard] += grad.detach().double().pow(2).sum()
+        grads[expert, from_shard].append(grad)
 
     def _counts_in_norm(self, param: torch.nn.Parameter) -> bool:
         if id(param) in self._tied_copies:
@@ -198,12 +202,13 @@ class Gradients:
         return shard_dim(param) is not None or self.topology.tp_rank == 0
 
     def clip(self, norm: float) -> None:
-        """Scale the gradients down to ``--grad-clip`` where the norm is above it."""
+        """Scale the gradients down to ``--grad-clip`` where the norm is above it (one
+        ``_foreach_mul_``)."""
         limit = self.config.grad_clip
         if limit > 0 and norm > limit:
-            for p in self.held:
-                if p.grad is not None:
-                    p.grad.mul_(limit / (norm + 1e-6))
+            grads = [p.grad for p in self.held if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, limit / (norm + 1e-6))
 
     def start_gathers(self) -> None:
         """After the optimizer updated the shards: start all-gathering the weights."""
@@ -233,6 +238,15 @@ class Gradients:
         if not grads:
             return True
         return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squared norms of ``grads`` in float64, shape ``[1]`` (zero if none)."""
+    if not grads:
+        return torch.zeros(1, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        norms = torch.stack(torch._foreach_norm(grads)).double()
+        return norms.pow(2).sum().reshape(1)
 
 
 def tied_groups(shared_parameters, chunks: dict[int, torch.nn.Module], held_stages,

@@ -1,0 +1,84 @@
+"""The global gradient norm: the same as one process's in every layout (tied copies, tensor
+shards and experts counted once, ZeRO shards summed over replicas), and computed with a
+fixed number of ops whatever the number of parameters (on GPUs each op is a launch); so is
+clipping."""
+
+import collections
+from dataclasses import replace
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshpipe.testing import run_distributed
+from meshpipe.train import sources
+from meshpipe.train.config import TrainConfig
+from meshpipe.train.trainer import Trainer
+from trainer_cases import SMALL
+
+pytestmark = pytest.mark.distributed
+
+LAYOUTS = {
+    "pp2-tied": dict(pp=2, tie_embeddings=True),
+    "dp2-zero2": dict(pp=1, schedule="none", dp=2, zero=2),
+    "tp2": dict(pp=1, schedule="none", tp=2),
+    "ep2-dp2": dict(pp=1, schedule="none", dp=2, moe_experts=4, moe_top_k=2, ep=2),
+}
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counted(fn):
+    """``fn()`` and the number of ops it ran."""
+    counter = _CountOps()
+    with counter:
+        value = fn()
+    return value, sum(counter.ops.values())
+
+
+def _norm_of_step_zero(rank, world_size, config):
+    """Step 0's gradient norm and its op count; the op count of clipping to a tenth of it,
+    and the norm after."""
+    trainer = Trainer(config)
+    inputs, targets = trainer.microbatches(trainer.train_data, 0)
+    trainer.executor.step(inputs, targets)
+    trainer.gradients.reduce()
+    norm, norm_ops = _counted(trainer.gradients.norm)
+    trainer.gradients.config = replace(config, grad_clip=norm / 10)
+    _, clip_ops = _counted(lambda: trainer.gradients.clip(norm))
+    return norm, norm_ops, clip_ops, trainer.gradients.norm()
+
+
+def _config(flags: dict) -> TrainConfig:
+    return TrainConfig(**{**SMALL, "steps": 1, **flags})
+
+
+def _norm(flags: dict) -> tuple[float, int, int, float]:
+    config = _config(flags)
+    found = run_distributed(config.world_size, _norm_of_step_zero, config)
+    assert len({norm for norm, *_ in found}) == 1  # every rank gets the same
+    return found[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_every_layout_has_the_norm_of_one_process(layout):
+    _, grads = sources.reference_step(_config(layout))  # the global batch, one process
+    expected = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+    norm, _, _, clipped = _norm(layout)
+    assert norm == pytest.approx(expected, rel=1e-5)
+    assert clipped == pytest.approx(norm / 10, rel=1e-5)
+
+
+def test_norm_and_clip_take_as_many_ops_for_many_parameters_as_for_few():
+    _, norm_few, clip_few, _ = _norm(dict(pp=1, schedule="none", layers=2))
+    _, norm_many, clip_many, _ = _norm(dict(pp=1, schedule="none", layers=8))
+    assert (norm_many, clip_many) == (norm_few, clip_few)
