@@ -112,9 +112,11 @@ class MasterWeights:
                        if id(master) != key and key not in self._released}
 
     def refresh(self, params: Iterable[nn.Parameter]) -> None:
-        """Copy the masters into those of ``params`` that are stale (before a forward)."""
+        """Copy the masters into those of ``params`` that are stale (before a forward), in
+        one ``_foreach_copy_`` (a few kernels, not one per parameter)."""
+        stale = list({id(p): p for p in params if id(p) in self._stale}.values())
+        if not stale:
+            return
         with torch.no_grad():
-            for param in params:
-                if id(param) in self._stale:
-                    param.copy_(self._master_of[id(param)])
-                    self._stale.discard(id(param))
+            torch._foreach_copy_(stale, [self._master_of[id(param)] for param in stale])
+        self._stale.difference_update(id(param) for param in stale)
