@@ -434,32 +434,45 @@ def test_rotary_tables_are_looked_up_once_per_positions_tensor():
     torch.testing.assert_close(other, first, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rotary_embedding_turns_each_pair_in_two_products(dtype):
     """RoPE turns each pair (first, second) into (first cos - second sin, second cos + first
-    sin), bit for bit, values and gradients, with two elementwise products where the pairs
-    written out take four (kernel launches bound a GPU step)."""
+    sin) in the input's dtype, bit for bit, values and gradients, with two elementwise
+    products where the pairs written out take four and no cast of the input forward or
+    backward (kernel launches bound a GPU step); in low precision it stays within that
+    precision's rounding of the float32 rotation."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from meshpipe.models.transformer import RotaryEmbedding
 
-    class CountProducts(TorchDispatchMode):
-        products = 0
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.products = self.casts = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.mul.Tensor:
-                self.products += 1
+            self.products += func is torch.ops.aten.mul.Tensor
+            self.casts += func.overloadpacket is torch.ops.aten._to_copy and \
+                args[0].dim() == 4  # the queries, not the table rows
             return func(*args, **(kwargs or {}))
 
     rope = RotaryEmbedding(16, 10000.0, 64)
     x = torch.randn(2, 24, 3, 16).to(dtype).requires_grad_()
     positions = torch.randint(0, 64, (24,))
     grad = torch.randn(2, 24, 3, 16).to(dtype)
-    with CountProducts() as counted:
+    with CountOps() as counted:
         out = rope(x, positions)
-    assert counted.products == 2
-    cos, sin = (t[positions, :8][None, :, None, :] for t in (rope.cos, rope.sin))
-    first, second = x.float().chunk(2, dim=-1)
-    pairs = torch.cat((first * cos - second * sin, second * cos + first * sin), -1).type_as(x)
+        (rotated_grad,) = torch.autograd.grad(out, x, grad)
+    assert (counted.products, counted.casts) == (2 + 2, 0)  # forward and backward
+    cos, sin = (t[positions, :8][None, :, None, :].to(dtype) for t in (rope.cos, rope.sin))
+    first, second = x.chunk(2, dim=-1)
+    pairs = torch.cat((first * cos - second * sin, second * cos + first * sin), -1)
     assert torch.equal(out, pairs)
-    assert torch.equal(*(torch.autograd.grad(y, x, grad)[0] for y in (out, pairs)))
+    assert torch.equal(rotated_grad, torch.autograd.grad(pairs, x, grad)[0])
+    exact = rope(x.detach().float(), positions)
+    torch.testing.assert_close(out.float(), exact, **_ROUNDING[dtype])
+
+
+# Elementwise relative error of a few roundings at each dtype's precision.
+_ROUNDING = {torch.float32: dict(rtol=0, atol=0), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+             torch.float16: dict(rtol=3e-3, atol=3e-3)}

@@ -149,6 +149,10 @@ class RotaryEmbedding(nn.Module):
     The rotation of each token is looked up by its position (not by its local offset), so
     any slice of a sequence (zigzag, packed documents) rotates correctly. The cos/sin table
     covers ``max_seq_len`` positions; dimension ``i`` is paired with ``i + head_dim / 2``.
+    The rotation computes in the dtype of its input, the table rows rounded to it (as
+    Megatron-Core's unfused path and transformers' Llama do): in bf16 or fp16 an eager
+    step casts no query or key to float32 and back, four kernels a layer and microbatch
+    forward and four backward.
     """
 
     def __init__(self, head_dim: int, theta: float, max_seq_len: int):
@@ -159,32 +163,33 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float().repeat(1, 2), persistent=False)
         self.register_buffer("sin", angles.sin().float().repeat(1, 2), persistent=False)
 
-    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """The cos and sin rows of ``positions``, ``[1, seq, 1, head_dim]``: looked up once
-        per positions tensor and reused by every query and key of every layer sharing this
-        module (a microbatch's, or a loader's reused tensor's, for the whole run), except
-        inside a compiled graph, which fuses the lookup into the rotation."""
+    def tables(self, positions: Tensor, dtype: torch.dtype = torch.float32
+               ) -> tuple[Tensor, Tensor]:
+        """The cos and sin rows of ``positions`` in ``dtype``, ``[1, seq, 1, head_dim]``:
+        looked up once per positions tensor and dtype and reused by every query and key of
+        every layer sharing this module (a microbatch's, or a loader's reused tensor's, for
+        the whole run), except inside a compiled graph, which fuses the lookup into the
+        rotation."""
         if torch.compiler.is_compiling():
-            return self._look_up(positions)
-        return derived("rotary tables", (self.cos, self.sin, positions),
-                       lambda: self._look_up(positions))
+            return self._look_up(positions, dtype)
+        return derived(("rotary tables", dtype), (self.cos, self.sin, positions),
+                       lambda: self._look_up(positions, dtype))
 
-    def _look_up(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def _look_up(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         try:
-            return self.cos[positions][None, :, None, :], self.sin[positions][None, :, None, :]
+            rows = self.cos[positions], self.sin[positions]
         except IndexError as exc:
             raise ValueError(f"a token position is outside the RoPE table of "
                              f"{self.cos.shape[0]} positions ({exc}); raise "
                              f"TransformerConfig.max_seq_len") from exc
+        return tuple(row.to(dtype)[None, :, None, :] for row in rows)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        cos, sin = self.tables(positions)
-        # (first, second) -> (first cos - second sin, second cos + first sin), in three
-        # products where it took four and two more kernels: on GPUs the launches bound a step.
-        x32 = x.float()
-        first, second = x32.chunk(2, dim=-1)
-        rotated = x32 * cos + torch.cat((-second, first), dim=-1) * sin
-        return rotated.type_as(x)
+        cos, sin = self.tables(positions, x.dtype)
+        # (first, second) -> (first cos - second sin, second cos + first sin), in two
+        # products where the pairs written out take four (on GPUs launches bound a step).
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
 _NO_TENSOR_PARALLELISM = TensorParallelRegion()

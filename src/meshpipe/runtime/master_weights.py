@@ -4,8 +4,8 @@ Under autocast alone the weights are float32: every matrix product casts its wei
 bfloat16 (once a step, ``precision.weights_cast_once``) and its float32 input activations,
 and every weight gradient goes back to float32 before it accumulates, microbatch after
 microbatch. Here the model's parameters themselves are bfloat16, so the forward casts no
-weight, and the activations between the products stay bfloat16 (norms and rotary still
-compute in float32 inside). Each parameter has a float32 master: as a microbatch's gradient
+weight, and the activations between the products stay bfloat16 (norms still compute in
+float32 inside). Each parameter has a float32 master: as a microbatch's gradient
 lands in the parameter's ``.grad``, a hook adds it into the master's ``.grad`` and drops it,
 so a step's gradients accumulate in float32 (Megatron's mixed precision).
 
