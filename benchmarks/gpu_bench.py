@@ -158,7 +158,8 @@ def _trainer_runner(config: TrainConfig) -> Callable[[], tuple[Callable[[], None
 
 def _plain_runner(config: TrainConfig, device: torch.device
                   ) -> Callable[[], tuple[Callable[[], None], int]]:
-    """The same model stepped by a plain PyTorch loop (autocast, clipping, AdamW)."""
+    """The same model stepped by a plain PyTorch loop (autocast at ``config.dtype`` on float32
+    weights, clipping, AdamW)."""
     def build() -> tuple[Callable[[], None], int]:
         model = Transformer(model_config(config)).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
@@ -169,7 +170,7 @@ def _plain_runner(config: TrainConfig, device: torch.device
 
         def plain_step() -> None:
             for microbatch in batch:
-                with autocast("bf16", device.type):
+                with autocast(config.dtype, device.type):
                     logits = model(microbatch[:, :-1])
                 (causal_lm_loss(logits, microbatch[:, 1:]) / config.microbatches).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
