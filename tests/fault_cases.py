@@ -16,8 +16,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,11 +164,17 @@ def run_case(case: Case, workdir: Path, timeout: float = 240) -> Outcome:
 
 
 _BEFORE_RUNS: dict[tuple[str, ...], Path] = {}
+_BEFORE_RUNS_LOCK = threading.Lock()
 
 
 def _before_run(args: tuple[str, ...], env: dict[str, str], timeout: float) -> Path:
     """The out-dir of a finished run of ``args``, made once per process for every case that
-    starts from it (each case gets a copy)."""
+    starts from it (each case gets a copy; cases run on several threads wait for it)."""
+    with _BEFORE_RUNS_LOCK:
+        return _made_before_run(args, env, timeout)
+
+
+def _made_before_run(args: tuple[str, ...], env: dict[str, str], timeout: float) -> Path:
     done = _BEFORE_RUNS.get(args)
     if done is None or not done.exists():
         scratch = tempfile.mkdtemp(prefix="meshpipe-fault-before-")
@@ -176,6 +184,14 @@ def _before_run(args: tuple[str, ...], env: dict[str, str], timeout: float) -> P
                        check=True)
         _BEFORE_RUNS[args] = done
     return done
+
+
+def run_cases(cases: list[Case], workdir: Path, at_once: int = 2) -> dict[str, Outcome]:
+    """Every case of ``cases`` (names unique), ``at_once`` at a time: a case spends most of
+    its time starting processes or waiting out a hang timeout, so two share the cores."""
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        futures = {case.name: pool.submit(run_case, case, workdir) for case in cases}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def wait_for_training(metrics: Path, process: subprocess.Popen, timeout: float) -> None:

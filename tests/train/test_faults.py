@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from fault_cases import CASES, PP2, wait_for_training, command, run_case
+from fault_cases import CASES, PP2, wait_for_training, command, run_case, run_cases
 from meshpipe.train import checkpoint
 
 pytestmark = pytest.mark.distributed
@@ -28,9 +28,15 @@ OWN_TESTS = ("kill during a checkpoint save", "non-finite loss, skipped")
 SHARED = [c for c in CASES if c.name not in OWN_TESTS]
 
 
+@pytest.fixture(scope="module")
+def shared_outcomes(tmp_path_factory):
+    """The shared cases' outcomes, the cases run two at a time (``run_cases``)."""
+    return run_cases(SHARED, tmp_path_factory.mktemp("faults"))
+
+
 @pytest.mark.parametrize("case", SHARED, ids=[c.name for c in SHARED])
-def test_fault_stops_the_job_with_one_line(case, tmp_path):
-    _check_stopped(case, run_case(case, tmp_path))
+def test_fault_stops_the_job_with_one_line(case, shared_outcomes):
+    _check_stopped(case, shared_outcomes[case.name])
 
 
 def _case(name: str):
