@@ -1,7 +1,7 @@
 """The global gradient norm: the same as one process's in every layout (tied copies, tensor
 shards and experts counted once, ZeRO shards summed over replicas), and computed with a
 fixed number of ops whatever the number of parameters (on GPUs each op is a launch); so is
-clipping."""
+clipping. Non-finite gradients are blamed on the replica they came from."""
 
 import collections
 from dataclasses import replace
@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from meshpipe.testing import run_distributed
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.trainer import Trainer
+from meshpipe.train.trainer import NonFiniteError, Trainer
 from trainer_cases import SMALL
 
 pytestmark = pytest.mark.distributed
@@ -82,3 +82,26 @@ def test_norm_and_clip_take_as_many_ops_for_many_parameters_as_for_few():
     _, norm_few, clip_few, _ = _norm(dict(pp=1, schedule="none", layers=2))
     _, norm_many, clip_many, _ = _norm(dict(pp=1, schedule="none", layers=8))
     assert (norm_many, clip_many) == (norm_few, clip_few)
+
+
+def _nan_gradients_on_rank_one(rank, world_size, config):
+    """Step 0 with one of rank 1's weight gradients made NaN in its backward (its loss
+    stays finite): what the run reports."""
+    trainer = Trainer(config)
+    if rank == 1:
+        weight = next(p for stage in trainer.stages.values()
+                      for p in stage.module.parameters())
+        weight.register_hook(lambda grad: grad * float("nan"))
+    try:
+        trainer.train_step(0)
+    except NonFiniteError as error:
+        return error.blamed_rank, str(error)
+    return None
+
+
+def test_gradients_that_are_not_finite_on_one_replica_are_blamed_on_it():
+    """Each rank's own gradients are checked before the reduction mixes them (a flag read
+    only when the step is not finite), so the report names the replica they came from."""
+    config = _config(dict(pp=1, schedule="none", dp=2))
+    for blamed, message in run_distributed(2, _nan_gradients_on_rank_one, config):
+        assert blamed == 1 and "the gradient norm is nan (first seen on rank 1" in message

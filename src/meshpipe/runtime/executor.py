@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
+import torch
+
 from meshpipe.comm.p2p import P2PConnectionError
 from meshpipe.comm.transport import Transport, is_stop_notice, stop_notice, stopped_by
 from meshpipe.runtime import activity
@@ -104,10 +106,15 @@ class _StepState:
         self.result.origin = self.t0
 
     def read_losses(self) -> None:
-        """The microbatches' losses into the result as numbers, read at the step's end:
-        reading each as it is computed would make the host wait for the device's forward
-        before it queues the backward, microbatch after microbatch."""
-        self.result.losses = [float(loss) for loss in self.losses]
+        """The microbatches' losses into the result as numbers, read at the step's end in
+        one read: reading each as it is computed would make the host wait for the device's
+        forward before it queues the backward, microbatch after microbatch."""
+        if not self.losses:
+            self.result.losses = []
+            return
+        together = torch.stack([torch.as_tensor(loss).reshape(()).double()
+                                for loss in self.losses])
+        self.result.losses = together.tolist()
 
     @classmethod
     def idle(cls) -> _StepState:

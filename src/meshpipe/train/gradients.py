@@ -231,13 +231,15 @@ class Gradients:
         for param in self.params + self.update_params:
             param.grad = None
 
-    def all_finite(self) -> bool:
+    def all_finite(self) -> torch.Tensor:
         """Whether this rank's own gradients are finite (before the reductions mix every
-        rank's in, so a report can say where a NaN came from)."""
+        rank's in, so a report can say where a NaN came from), as a bool tensor on the
+        device: read only when a step turns out non-finite, since reading it would make the
+        host wait for the device every step."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
-            return True
-        return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
+            return torch.ones((), dtype=torch.bool, device=self.device)
+        return torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -316,7 +316,8 @@ class Trainer:
                              device=self.device)
         with self._collective("the loss all-reduce"):
             ops.all_reduce(value)
-        return value[0].item() / self.config.dp, value[1].item() > 0
+        total, flagged = value.tolist()  # one read of the device, not two
+        return total / self.config.dp, flagged > 0
 
     def _gradients_final(self, stage: int) -> None:
         if self._overlap:
@@ -377,12 +378,13 @@ class Trainer:
         return StepStats(loss, grad_norm, time.perf_counter() - start, overflow or nonfinite,
                          moe, nonfinite)
 
-    def _skip_or_stop(self, step: int, locally_finite: tuple[bool, bool], loss: float,
-                      grad_norm: float | None) -> None:
+    def _skip_or_stop(self, step: int, locally_finite: tuple[bool, bool | torch.Tensor],
+                      loss: float, grad_norm: float | None) -> None:
         """A non-finite step: every rank learns where it showed first; skip the step, or
         stop the run once more than ``--skip-nonfinite`` happened in a row."""
-        flags = torch.tensor([not locally_finite[0], not locally_finite[1]],
-                             dtype=torch.int32, device=self.device)
+        loss_finite, grads_finite = locally_finite
+        flags = torch.stack([torch.tensor(not loss_finite, device=self.device),
+                             ~torch.as_tensor(grads_finite, device=self.device)]).int()
         gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
         with self._collective("the non-finite report"):
             ops.all_gather(gathered, flags)
