@@ -297,8 +297,8 @@ def _medians_in_turn(layer: torch.nn.Module, attentions: dict[str, torch.nn.Modu
                      group: dist.ProcessGroup, config: TrainConfig,
                      device: torch.device) -> dict[str, float]:
     """Median seconds of ``layer``'s forward + backward (in ``config``'s precision) with
-    each of ``attentions`` on its ``inputs``, the attentions taken in turn, ``REPEATS`` times after a warm-up round; the
-    ranks of ``group`` start each call together."""
+    each of ``attentions`` on its ``inputs``, the attentions taken in turn, ``REPEATS``
+    times after a warm-up round; the ranks of ``group`` start each call together."""
     seconds: dict[str, list[float]] = {name: [] for name in attentions}
     for repeat in range(REPEATS + 1):
         for name, attention in attentions.items():
