@@ -112,8 +112,7 @@ class _StepState:
         if not self.losses:
             self.result.losses = []
             return
-        together = torch.stack([torch.as_tensor(loss).reshape(()).double()
-                                for loss in self.losses])
+        together = torch.stack([loss.reshape(()).double() for loss in self.losses])
         self.result.losses = together.tolist()
 
     @classmethod
