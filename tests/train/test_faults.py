@@ -72,6 +72,9 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint_exactly(tmp_pat
     """Acceptance: kill -9 of one worker during a save, then --resume, equals a straight
     run, bit for bit; the torn save is not used."""
     kill = _case("kill during a checkpoint save")
+    straight_dir = tmp_path / "straight"  # runs beside the killed run and its resume
+    straight = subprocess.Popen(command(kill.args, straight_dir), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
     killed = run_case(kill, tmp_path / "killed")
     _check_stopped(kill, killed)
     saved = [c.step for c in checkpoint.complete_checkpoints(killed.out_dir / "checkpoint")]
@@ -80,10 +83,8 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint_exactly(tmp_pat
                              capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr
     assert "step-000001" in resumed.stdout
-    straight_dir = tmp_path / "straight"
-    straight = subprocess.run(command(kill.args, straight_dir), capture_output=True,
-                              text=True, timeout=240)
-    assert straight.returncode == 0, straight.stderr
+    _, straight_stderr = straight.communicate(timeout=240)
+    assert straight.returncode == 0, straight_stderr
     assert _losses(killed.out_dir) == _losses(straight_dir)
     assert len(_losses(straight_dir)) == 4
 
