@@ -171,18 +171,14 @@ def _before_run(args: tuple[str, ...], env: dict[str, str], timeout: float) -> P
     """The out-dir of a finished run of ``args``, made once per process for every case that
     starts from it (each case gets a copy; cases run on several threads wait for it)."""
     with _BEFORE_RUNS_LOCK:
-        return _made_before_run(args, env, timeout)
-
-
-def _made_before_run(args: tuple[str, ...], env: dict[str, str], timeout: float) -> Path:
-    done = _BEFORE_RUNS.get(args)
-    if done is None or not done.exists():
-        scratch = tempfile.mkdtemp(prefix="meshpipe-fault-before-")
-        atexit.register(shutil.rmtree, scratch, True)
-        done = Path(scratch) / "run"
-        subprocess.run(command(args, done), env=env, capture_output=True, timeout=timeout,
-                       check=True)
-        _BEFORE_RUNS[args] = done
+        done = _BEFORE_RUNS.get(args)
+        if done is None or not done.exists():
+            scratch = tempfile.mkdtemp(prefix="meshpipe-fault-before-")
+            atexit.register(shutil.rmtree, scratch, True)
+            done = Path(scratch) / "run"
+            subprocess.run(command(args, done), env=env, capture_output=True,
+                           timeout=timeout, check=True)
+            _BEFORE_RUNS[args] = done
     return done
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from dispatched_ops import DispatchedOps
 from meshpipe.parallel.tensor import mark_sequence_parallel, is_sequence_parallel_param
 from meshpipe.runtime import MasterWeights, weights_dtype
 
@@ -69,23 +69,11 @@ def test_refresh_copies_the_stepped_masters_into_the_stale_parameters_it_is_give
     assert not torch.equal(second, masters.master_of(second).to(torch.bfloat16))
     with torch.no_grad():
         first.zero_()
-    with _Ops() as ops:
+    with DispatchedOps() as ops:
         masters.refresh(model.parameters())  # the first is no longer stale: left as it is
     assert not first.any()
     assert torch.equal(second, masters.master_of(second).to(torch.bfloat16))
     assert ops.called == ["aten._foreach_copy_"]  # one op for every stale parameter
-
-
-class _Ops(TorchDispatchMode):
-    """The ops run inside, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.called = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.called.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 def test_only_bf16_runs_get_low_precision_weights():

@@ -3,14 +3,12 @@ shards and experts counted once, ZeRO shards summed over replicas), and computed
 fixed number of ops whatever the number of parameters (on GPUs each op is a launch); so is
 clipping. Non-finite gradients are blamed on the replica they came from."""
 
-import collections
-from dataclasses import replace
 import math
+from dataclasses import replace
 
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from dispatched_ops import DispatchedOps
 from meshpipe.testing import run_distributed
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
@@ -27,22 +25,11 @@ LAYOUTS = {
 }
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _counted(fn):
     """``fn()`` and the number of ops it ran."""
-    counter = _CountOps()
-    with counter:
+    with DispatchedOps() as ops:
         value = fn()
-    return value, sum(counter.ops.values())
+    return value, len(ops.called)
 
 
 def _norm_of_step_zero(rank, world_size, config):

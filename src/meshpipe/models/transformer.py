@@ -163,8 +163,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float().repeat(1, 2), persistent=False)
         self.register_buffer("sin", angles.sin().float().repeat(1, 2), persistent=False)
 
-    def tables(self, positions: Tensor, dtype: torch.dtype = torch.float32
-               ) -> tuple[Tensor, Tensor]:
+    def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The cos and sin rows of ``positions`` in ``dtype``, ``[1, seq, 1, head_dim]``:
         looked up once per positions tensor and dtype and reused by every query and key of
         every layer sharing this module (a microbatch's, or a loader's reused tensor's, for
