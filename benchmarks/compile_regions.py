@@ -1,7 +1,10 @@
 """How a compiled block's number of graphs shows in a step: the reference blocks eager, compiled
-by parts (norms, attention, MLP: five graphs a block, as ``--compile`` did before) and whole
-(two graphs, cut at the attention core: ``--compile`` now), forward + backward of one chunk in
-one process, inductor, one thread, in alternating order.
+by parts (norms, attention, MLP: five graphs a block, as ``--compile`` once did), whole with
+positions given (two graphs, cut at the attention core: a pack's, or a context-parallel
+rank's, block) and whole on the plain sequence (one graph: its attention is one SDPA call,
+in the graph), forward + backward of one chunk in one process, inductor, one thread, in
+alternating order. The last two compute the same thing (the given positions are
+``0..seq-1``); only the graph break differs.
 
     .venv/bin/python benchmarks/compile_regions.py                 # small and medium sizes
     .venv/bin/python benchmarks/compile_regions.py --sizes 64:64 --rounds 30
@@ -26,7 +29,7 @@ from harness import load_average, write_results
 from meshpipe import graph_breaks
 from meshpipe.models import Transformer, TransformerConfig, split
 
-WAYS = ("eager", "by parts", "whole")
+WAYS = ("eager", "by parts", "two graphs", "one graph")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +47,7 @@ def build(way: str, dim: int, layers: int, seq: int) -> torch.nn.Module:
                                max_seq_len=seq)
     (chunk,) = split(Transformer(config), 1)
     for block in chunk.layers.values():
-        if way == "whole":
+        if way in ("two graphs", "one graph"):
             block.compile()
         elif way == "by parts":
             block._forward = block._forward_by_parts
@@ -56,19 +59,20 @@ def build(way: str, dim: int, layers: int, seq: int) -> torch.nn.Module:
 def measure(dim: int, seq: int, args) -> dict:
     chunks = {way: build(way, dim, args.layers, seq) for way in WAYS}
     tokens = torch.randint(0, 256, (1, seq))
+    given = {way: torch.arange(seq) if way != "one graph" else None for way in WAYS}
 
-    def step(chunk) -> None:
-        chunk(tokens).float().sum().backward()
+    def step(way) -> None:
+        chunks[way](tokens, given[way]).float().sum().backward()
 
-    for chunk in chunks.values():
+    for way in WAYS:
         for _ in range(3):  # compiles, then warm
-            step(chunk)
+            step(way)
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     for round_index in range(args.rounds):
         order = WAYS if round_index % 2 == 0 else WAYS[::-1]
         for way in order:
             start = time.perf_counter()
-            step(chunks[way])
+            step(way)
             times[way].append(time.perf_counter() - start)
     medians = {way: statistics.median(t) * 1e3 for way, t in times.items()}
     row = {"dim": dim, "seq": seq, "layers": args.layers, "ms": medians}
@@ -83,13 +87,15 @@ def to_markdown(result: dict) -> str:
              f"transformer, batch 1; median of {result['rounds']} rounds in alternating "
              f"order. Load average before {result['load_before']}, after "
              f"{result['load_after']}.", "",
-             "| dim | seq | eager ms | by parts (5 graphs a block) ms | whole (2 graphs) ms "
-             "| whole vs by parts |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| dim | seq | eager ms | by parts (5 graphs a block) ms | whole, positions "
+             "given (2 graphs) ms | whole, plain (1 graph) ms | 1 graph vs 2 | 1 graph vs "
+             "eager |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in result["rows"]:
         ms = row["ms"]
         lines.append(f"| {row['dim']} | {row['seq']} | {ms['eager']:.1f} | "
-                     f"{ms['by parts']:.1f} | {ms['whole']:.1f} | "
-                     f"{ms['whole'] / ms['by parts']:.2f}x |")
+                     f"{ms['by parts']:.1f} | {ms['two graphs']:.1f} | "
+                     f"{ms['one graph']:.1f} | {ms['one graph'] / ms['two graphs']:.2f}x | "
+                     f"{ms['one graph'] / ms['eager']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dispatched_ops import DispatchedOps
 from meshpipe.context import LocalAttention, RingAttention, UlyssesAttention
 from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, balanced_layers,
                              causal_lm_loss, shared_parameters, split)
@@ -108,20 +109,24 @@ def test_rope_follows_positions_not_offsets():
 
 
 def test_attention_is_pluggable_and_gets_positions():
+    """Every layer's attention gets the positions given, and None for a plain sequence
+    (the contract's ``0..seq-1``), with the same result."""
     calls = []
     local = LocalAttention()
 
     def spy(q, k, v, *, positions=None, doc_ids=None, causal=True):
-        calls.append((q.shape, k.shape, positions.clone(), doc_ids, causal))
+        calls.append((q.shape, k.shape, positions, doc_ids, causal))
         return local(q, k, v, positions=positions, doc_ids=doc_ids, causal=causal)
     reference = Transformer(SMALL)
     model = Transformer(SMALL, attention=spy)
-    tokens = _tokens()
+    tokens, given = _tokens(), torch.arange(12)
     torch.testing.assert_close(model(tokens), reference(tokens))
-    assert len(calls) == SMALL.n_layers
+    torch.testing.assert_close(model(tokens, positions=given), reference(tokens))
+    assert len(calls) == 2 * SMALL.n_layers
     q_shape, k_shape, positions, doc_ids, causal = calls[0]
     assert q_shape == (2, 12, 4, 8) and k_shape == (2, 12, 2, 8)
-    assert torch.equal(positions, torch.arange(12)) and doc_ids is None and causal
+    assert positions is None and doc_ids is None and causal
+    assert all(call[2] is given for call in calls[SMALL.n_layers:])
 
 
 @pytest.mark.parametrize("num_stages, layers, tie", [
@@ -313,22 +318,24 @@ def test_a_reused_positions_tensor_is_read_back_once(monkeypatch):
         model(_tokens(), positions=positions)
 
 
-def test_a_model_without_positions_derives_its_plain_sequence_once(monkeypatch):
-    """Without positions every forward of one length uses one ``0..seq-1`` tensor (with a
-    host copy), so attention works out that the sequence is plain once, not per microbatch
-    (on a GPU each time would read the device back)."""
+def test_a_model_without_positions_derives_nothing_from_a_layout(monkeypatch):
+    """Without positions the sequence is plain (``0..seq-1``): attention does not work out
+    whether it is (on a GPU that reads the device back, or a host copy), and RoPE takes its
+    tables' first rows, a view, where positions are looked up with an index kernel."""
     from meshpipe.context import local
-    from meshpipe.models import transformer
 
-    transformer._plain_positions.cache_clear()  # a tensor that no earlier test derived from
     calls = []
     plain = local.is_plain_sequence
     monkeypatch.setattr(local, "is_plain_sequence",
                         lambda *args: calls.append(1) or plain(*args))
     model = Transformer(SMALL)
-    for _ in range(3):
-        model(_tokens())
-    assert len(calls) == 1
+    with DispatchedOps() as ops:
+        without = model(_tokens())
+    assert calls == [] and ops.called.count("aten.index") == 0
+    with DispatchedOps() as ops:
+        given = model(_tokens(), positions=torch.arange(12))
+    assert calls == [1] and ops.called.count("aten.index") == 2  # cos and sin rows, once for all layers
+    torch.testing.assert_close(without, given, rtol=0, atol=0)
 
 
 def _zigzag(seq, rank, world):

@@ -88,36 +88,47 @@ def test_a_hugging_face_layer_compiles_whole_or_its_norms_and_activation(tmp_pat
 
 
 def test_a_second_step_and_another_pack_compile_nothing(monkeypatch):
-    """The attention core reads each pack's document layout eagerly, so new layouts of the
-    same shapes reuse the compiled graphs; so does the second block of a chunk. A block is
-    two graphs, cut at its core (each call of a graph costs host time)."""
+    """A block of a plain sequence is one graph: its attention is one SDPA call, inside it
+    (``context.routing``). A pack's attention core reads the document layout eagerly, at a
+    graph break that cuts the block in two (each call of a graph costs host time); new
+    layouts of the same shapes reuse those graphs, and so does the second block of a
+    chunk."""
     import torch._dynamo
 
     from meshpipe.models import Transformer, TransformerConfig, split
 
     monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     (chunk,) = split(Transformer(TransformerConfig(vocab_size=64, dim=32, n_layers=2,
                                                    n_heads=4, max_seq_len=32)), 1)
     compile_blocks([chunk])
     tokens = torch.randint(0, 64, (1, 24))
 
-    def step(lengths):
-        positions = torch.cat([torch.arange(n) for n in lengths])
-        doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
-        chunk(tokens, positions, doc_ids).sum().backward()
+    def step(lengths=None):
+        if lengths is None:
+            chunk(tokens).sum().backward()
+        else:
+            positions = torch.cat([torch.arange(n) for n in lengths])
+            doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+            chunk(tokens, positions, doc_ids).sum().backward()
         return dict(torch._dynamo.utils.counters["stats"])
 
-    first = step([10, 14])
-    assert first["unique_graphs"] == 2
-    assert step([10, 14]) == first
-    assert step([3, 9, 12]) == first
+    plain = step()
+    assert plain["unique_graphs"] == 1
+    assert step() == plain
+    packed = step([10, 14])
+    assert packed["unique_graphs"] == 1 + 2
+    assert step([10, 14]) == packed
+    assert step([3, 9, 12]) == packed
+    assert step() == packed
 
 
-def test_a_hugging_face_layer_is_two_graphs_cut_at_its_attention(monkeypatch, tmp_path):
-    """transformers' layers call their attention module, whose core (meshpipe's attention)
-    is the graph break: with the break resumed inside the nested call (TorchDynamo's nested
-    graph breaks, where the torch has them) a layer is two graphs, not four."""
+def test_a_hugging_face_layer_is_one_graph_or_two_cut_at_its_attention(monkeypatch, tmp_path):
+    """transformers' layers call their attention module, whose core is meshpipe's attention:
+    on a plain sequence inside the layer's graph, one graph; on a pack a graph break, which
+    resumed inside the nested call (TorchDynamo's nested graph breaks, where the torch has
+    them) makes the layer two graphs, not four."""
     import torch._dynamo
     from torch._dynamo import config as dynamo_config
 
@@ -135,8 +146,13 @@ def test_a_hugging_face_layer_is_two_graphs_cut_at_its_attention(monkeypatch, tm
     (chunk,) = hf.split_model(skeleton, [skeleton.config.num_hidden_layers], LocalAttention())
     hf.materialize(skeleton, [chunk], directory)
     compile_blocks([chunk])
-    chunk(torch.randint(0, 64, (1, 16))).sum().backward()
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    tokens = torch.randint(0, 64, (1, 16))
+    chunk(tokens).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    positions = torch.cat([torch.arange(6), torch.arange(10)])
+    doc_ids = torch.tensor([0] * 6 + [1] * 10)
+    chunk(tokens, positions, doc_ids).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1 + 2
 
 
 def test_a_run_without_compile_never_imports_dynamo():

@@ -2,7 +2,7 @@
 
 Every attention here has the signature ``attn(q, k, v, *, positions=None, doc_ids=None,
 causal=True)`` described in ``interface.py``; ``make_attention`` picks one from the
-context-parallel process groups.
+context-parallel process groups; a model's layer calls it through ``routing.attend``.
 """
 
 from .heads import HeadPlan, plan_heads

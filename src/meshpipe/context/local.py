@@ -51,10 +51,15 @@ class LocalAttention(nn.Module):
             return soft_capped_attention(q, k, v, positions, doc_ids, causal, window, scale,
                                          softcap)
         seq = q.shape[1]
-        windowed = window is not None and derived(
-            ("window", window, seq), (positions,), lambda: window_applies(window, positions, seq))
-        plain = not windowed and derived(
-            "plain", (positions, doc_ids), lambda: is_plain_sequence(positions, doc_ids))
+        if positions is None and doc_ids is None:  # the plain sequence: nothing to derive
+            windowed = window is not None and window < seq
+            plain = not windowed
+        else:
+            windowed = window is not None and derived(
+                ("window", window, seq), (positions,),
+                lambda: window_applies(window, positions, seq))
+            plain = not windowed and derived(
+                "plain", (positions, doc_ids), lambda: is_plain_sequence(positions, doc_ids))
         if plain and causal and runs_on_cpu_kernel(q) and seq > CAUSAL_LEAF:
             return split_causal_attention(q, k, v, scale)
         sliding = window if windowed else None
@@ -84,6 +89,18 @@ class LocalAttention(nn.Module):
                                                   window if windowed else None, seq, q))
             out = _masked_sdpa(q, k, v, mask, scale, gqa)
         return out.transpose(1, 2)
+
+    def runs_in_graph(self, q: Tensor, positions: Tensor | None, doc_ids: Tensor | None,
+                      window: int | None, softcap: float | None) -> bool:
+        """Whether this call is one SDPA call that reads nothing from the token layout, so
+        that a compiled block can hold it in its graph: the plain sequence (``positions`` and
+        ``doc_ids`` None), no sliding window shorter than it, no soft-cap, and not the CPU's
+        causal squares (``split_causal_attention``, planned tiles under a custom autograd
+        function)."""
+        seq = q.shape[1]
+        return (positions is None and doc_ids is None and softcap is None
+                and (window is None or window >= seq)
+                and not (runs_on_cpu_kernel(q) and seq > CAUSAL_LEAF))
 
     def extra_repr(self) -> str:
         return "" if self.scale is None else f"scale={self.scale}"

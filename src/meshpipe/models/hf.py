@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
-from meshpipe.graph_breaks import graph_break
+from meshpipe.context.routing import attend
 from meshpipe.models import hf_moe
 from meshpipe.models.hf_tp import ROWS_ATTR
 from meshpipe.models.moe import is_expert_param, mark_expert_parallel
@@ -195,7 +195,6 @@ def check_sequence_length(info: HFModelInfo, seq_len: int) -> None:
                          f"{info.max_positions}: use --seq-len {info.max_positions} or less")
 
 
-@graph_break
 def _attention_adapter(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                        attention_mask: Tensor | None, dropout: float = 0.0,
                        scaling: float | None = None, sliding_window: int | None = None,
@@ -217,9 +216,9 @@ def _attention_adapter(module: nn.Module, query: Tensor, key: Tensor, value: Ten
                            "passes the attention and the token positions to every layer")
     if dropout:
         raise ValueError("meshpipe's attention has no dropout: set attention_dropout to 0.0")
-    out = meshpipe_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                             positions=meshpipe_positions, doc_ids=meshpipe_doc_ids, causal=True,
-                             window=sliding_window, scale=scaling, softcap=softcap)
+    out = attend(meshpipe_attention, query.transpose(1, 2), key.transpose(1, 2),
+                 value.transpose(1, 2), positions=meshpipe_positions, doc_ids=meshpipe_doc_ids,
+                 causal=True, window=sliding_window, scale=scaling, softcap=softcap)
     return out, None
 
 
@@ -290,6 +289,8 @@ class HFChunk(nn.Module):
             x, positions, check_values=self.is_first,
             sequence_shards=1 if self.is_first else self.sequence_shards)
         position_ids = layer_positions.unsqueeze(0).expand(hidden.shape[0], -1)
+        if positions is None:  # the plain sequence, which attention needs no tensor for
+            layer_positions = None
         if self.is_moe and aux is None:
             aux = torch.zeros((), device=hidden.device)
         tables: dict[str | None, tuple[Tensor, Tensor]] = {}
@@ -317,19 +318,21 @@ class HFChunk(nn.Module):
             return logits
         return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
 
-    def _meshpipe_arguments(self, positions: Tensor, doc_ids: Tensor | None) -> dict[str, Any]:
+    def _meshpipe_arguments(self, positions: Tensor | None, doc_ids: Tensor | None) -> dict[str, Any]:
         """What the ``"meshpipe"`` attention function needs, passed through the layer."""
         return dict(meshpipe_attention=self.attention, meshpipe_positions=positions,
                     meshpipe_doc_ids=doc_ids)
 
     def _layer(self, layer: nn.Module, hidden: Tensor, rotary: tuple[Tensor, Tensor],
-               position_ids: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+               position_ids: Tensor, positions: Tensor | None,
+               doc_ids: Tensor | None) -> Tensor:
         out = layer(hidden, position_embeddings=rotary, position_ids=position_ids,
                     **self._meshpipe_arguments(positions, doc_ids))
         return out[0] if isinstance(out, tuple) else out
 
     def _attend(self, layer: nn.Module, hidden: Tensor, rotary: tuple[Tensor, Tensor],
-                position_ids: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+                position_ids: Tensor, positions: Tensor | None,
+                doc_ids: Tensor | None) -> Tensor:
         """The attention half of a pre-norm decoder layer, with its residual."""
         out, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden),
                                  position_embeddings=rotary, attention_mask=None,

@@ -52,7 +52,7 @@ class TransformerChunk(nn.Module):
                       doc_ids: Tensor | None = None, aux: Tensor | None = None):
         """``forward`` cut at the experts' exchanges (``meshpipe.runtime.substeps``)."""
         hidden = self.embedding(x) if self.is_first else x
-        layer_positions = default_positions(
+        layer_positions = None if positions is None else default_positions(
             x if self.is_first else hidden, positions, check_values=self.is_first,
             sequence_shards=1 if self.is_first else self.tp.sequence_shards)
         if self.is_moe and aux is None:

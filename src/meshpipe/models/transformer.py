@@ -3,7 +3,9 @@
 The attention is pluggable (any callable honouring ``meshpipe.context.interface.Attention``),
 so the same model runs with local attention or with a context-parallel one. Token
 ``positions`` drive both RoPE and the attention mask, which is how a context-parallel rank
-holding a zigzag or packed slice of a sequence still gets the right rotary angles.
+holding a zigzag or packed slice of a sequence still gets the right rotary angles. Without
+them (None, down to every block) the sequence is plain, ``0..seq-1``: RoPE takes its tables'
+first rows, and attention needs to derive nothing (compiled, it stays in the block's graph).
 
 Tensor parallelism (``tp_group``) splits attention heads and key/value heads, the SwiGLU
 width, the vocabulary of the embedding and the output head over the group (Megatron's
@@ -37,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from meshpipe.context.derived import derived, on_host, to_device
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
-from meshpipe.graph_breaks import graph_break
+from meshpipe.context.routing import attend
 from meshpipe.models.mlp import SwiGLU, linear
 from meshpipe.models.moe import MoE
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
@@ -163,28 +165,35 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float().repeat(1, 2), persistent=False)
         self.register_buffer("sin", angles.sin().float().repeat(1, 2), persistent=False)
 
-    def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The cos and sin rows of ``positions`` in ``dtype``, ``[1, seq, 1, head_dim]``:
-        looked up once per positions tensor and dtype and reused by every query and key of
-        every layer sharing this module (a microbatch's, or a loader's reused tensor's, for
-        the whole run), except inside a compiled graph, which fuses the lookup into the
-        rotation."""
+    def tables(self, positions: Tensor | None, dtype: torch.dtype,
+               seq: int) -> tuple[Tensor, Tensor]:
+        """The cos and sin rows of ``positions`` (None: ``0..seq-1``, the tables' first rows)
+        in ``dtype``, ``[1, seq, 1, head_dim]``: looked up once per positions tensor (or
+        length) and dtype and reused by every query and key of every layer sharing this
+        module (a microbatch's, or a loader's reused tensor's, for the whole run), except
+        inside a compiled graph, which fuses the lookup into the rotation."""
+        if positions is None and seq > self.cos.shape[0]:
+            raise ValueError(f"a sequence of {seq} tokens is longer than the RoPE table of "
+                             f"{self.cos.shape[0]} positions; raise "
+                             f"TransformerConfig.max_seq_len")
         if torch.compiler.is_compiling():
-            return self._look_up(positions, dtype)
-        return derived(("rotary tables", dtype), (self.cos, self.sin, positions),
-                       lambda: self._look_up(positions, dtype))
+            return self._look_up(positions, dtype, seq)
+        return derived(("rotary tables", dtype, seq), (self.cos, self.sin, positions),
+                       lambda: self._look_up(positions, dtype, seq))
 
-    def _look_up(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def _look_up(self, positions: Tensor | None, dtype: torch.dtype,
+                 seq: int) -> tuple[Tensor, Tensor]:
+        rows = slice(0, seq) if positions is None else positions
         try:
-            rows = self.cos[positions], self.sin[positions]
+            cos, sin = self.cos[rows], self.sin[rows]
         except IndexError as exc:
             raise ValueError(f"a token position is outside the RoPE table of "
                              f"{self.cos.shape[0]} positions ({exc}); raise "
                              f"TransformerConfig.max_seq_len") from exc
-        return tuple(row.to(dtype)[None, :, None, :] for row in rows)
+        return tuple(row.to(dtype)[None, :, None, :] for row in (cos, sin))
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        cos, sin = self.tables(positions, x.dtype)
+    def forward(self, x: Tensor, positions: Tensor | None) -> Tensor:
+        cos, sin = self.tables(positions, x.dtype, x.shape[1])
         # (first, second) -> (first cos - second sin, second cos + first sin), in two
         # products where the pairs written out take four (on GPUs launches bound a step).
         first, second = x.chunk(2, dim=-1)
@@ -227,11 +236,11 @@ class SelfAttention(nn.Module):
             setattr(self, name, shard_linear(getattr(self, name), 0, tp.group))
         self.wo = shard_linear(self.wo, 1, tp.group)
 
-    def forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor | None, doc_ids: Tensor | None) -> Tensor:
         q, k, v = self.project(x, positions)
         return self.output(self.core(q, k, v, positions, doc_ids))
 
-    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values ``[batch, seq, heads, head_dim]``, rotated."""
         x = self.tp.enter(x)
         batch, seq, _ = x.shape
@@ -240,7 +249,7 @@ class SelfAttention(nn.Module):
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         return self.rope(q, positions), self.rope(k, positions), v
 
-    def core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
+    def core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None,
              doc_ids: Tensor | None) -> Tensor:
         """The attention core (recomputed in backward with ``--recompute selective``)."""
         return _maybe_checkpoint(self.recompute_core, self._core, q, k, v, positions, doc_ids)
@@ -249,10 +258,10 @@ class SelfAttention(nn.Module):
         batch, seq = out.shape[:2]
         return self.tp.leave(self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim)))
 
-    @graph_break
-    def _core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None,
               doc_ids: Tensor | None) -> Tensor:
-        return self.core_attention(q, k, v, positions=positions, doc_ids=doc_ids, causal=True)
+        return attend(self.core_attention, q, k, v, positions=positions, doc_ids=doc_ids,
+                      causal=True)
 
 
 class TransformerBlock(nn.Module):
@@ -275,7 +284,7 @@ class TransformerBlock(nn.Module):
                     else SwiGLU(config.dim, config.ffn_width))
         self.recompute = False
 
-    def forward(self, x: Tensor, positions: Tensor,
+    def forward(self, x: Tensor, positions: Tensor | None,
                 doc_ids: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
         if self.is_moe:
             return run_steps(self.forward_steps(x, torch.zeros((), device=x.device),
@@ -284,7 +293,7 @@ class TransformerBlock(nn.Module):
             return _maybe_checkpoint(True, self._forward_by_parts, x, positions, doc_ids)
         return self._forward(x, positions, doc_ids)
 
-    def forward_steps(self, x: Tensor, aux: Tensor | None, positions: Tensor,
+    def forward_steps(self, x: Tensor, aux: Tensor | None, positions: Tensor | None,
                       doc_ids: Tensor | None):
         if not self.is_moe:
             return self(x, positions, doc_ids), aux
@@ -293,18 +302,20 @@ class TransformerBlock(nn.Module):
                                                                    keep=(x, aux))
         return x + y, aux + layer_aux
 
-    def _attend(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+    def _attend(self, x: Tensor, positions: Tensor | None, doc_ids: Tensor | None) -> Tensor:
         return x + self.attention(self.attention_norm(x), positions, doc_ids)
 
-    def _forward_by_parts(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
+    def _forward_by_parts(self, x: Tensor, positions: Tensor | None,
+                          doc_ids: Tensor | None) -> Tensor:
         """``_forward`` through the attention module whole: what a recomputed block runs,
         whose parts are compiled one by one (``models.compile.regions``)."""
         x = self._attend(x, positions, doc_ids)
         return x + self.mlp(self.mlp_norm(x))
 
-    def _forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
-        """A dense block, written out in one function: compiled, its one graph break (the
-        attention core, called from here) cuts it into two graphs, where a break inside a
+    def _forward(self, x: Tensor, positions: Tensor | None, doc_ids: Tensor | None) -> Tensor:
+        """A dense block, written out in one function. Compiled, a plain sequence
+        (``positions`` None) is one graph; otherwise the attention core, called from here,
+        is a graph break that cuts it into two (``context.routing``), where a break inside a
         nested call would cut every enclosing function around that call (five graphs)."""
         attention = self.attention
         q, k, v = attention.project(self.attention_norm(x), positions)
@@ -450,7 +461,8 @@ class Transformer(nn.Module):
     def forward_steps(self, tokens: Tensor, positions: Tensor | None = None,
                       doc_ids: Tensor | None = None):
         """``forward`` cut at the experts' exchanges (``meshpipe.runtime.substeps``)."""
-        positions = default_positions(tokens, positions)
+        if positions is not None:
+            positions = default_positions(tokens, positions)
         hidden = self.embedding(tokens)
         aux = torch.zeros((), device=tokens.device) if self.config.is_moe else None
         hidden, aux = yield from run_layers(self.layers, hidden, aux, positions, doc_ids)
@@ -458,7 +470,7 @@ class Transformer(nn.Module):
         return (logits, aux) if self.config.is_moe else logits
 
 
-def run_layers(layers, hidden: Tensor, aux: Tensor | None, positions: Tensor,
+def run_layers(layers, hidden: Tensor, aux: Tensor | None, positions: Tensor | None,
                doc_ids: Tensor | None):
     """Sub-steps of ``layers`` in order: ``(hidden, aux)`` after the last."""
     for layer in layers:

@@ -43,7 +43,10 @@ class RankBatches:
         self.device = device
         self.positions = hybrid_positions(config.seq_len, config.cp_ring, cp_ring_rank,
                                           config.cp_ulysses, cp_ulysses_rank)
-        self._device_positions = to_device(self.positions, device)
+        # Without context parallelism a rank holds the plain sequence, which the model
+        # takes as no positions (nothing to derive or send; compiled, one graph a block).
+        self._device_positions = (None if config.cp_ring * config.cp_ulysses == 1
+                                  else to_device(self.positions, device))
 
     def __call__(self, sampler: Any, step: int) -> Microbatches:
         batch = sampler.batch(step)

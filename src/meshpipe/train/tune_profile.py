@@ -79,7 +79,6 @@ def _pieces(model: Transformer, config: TrainConfig,
     shape = (config.microbatch_size, config.seq_len)
     tokens = torch.randint(vocab, shape, device=device)
     targets = torch.randint(vocab, shape, device=device)
-    positions = torch.arange(config.seq_len, device=device)
     hidden = hidden_states(config, shape, device)
 
     def head() -> torch.Tensor:
@@ -92,7 +91,7 @@ def _pieces(model: Transformer, config: TrainConfig,
         return run_in_precision
 
     return {"embedding": in_precision(lambda: model.embedding(tokens)),
-            "layer": in_precision(lambda: model.layers[0](hidden, positions, None)),
+            "layer": in_precision(lambda: model.layers[0](hidden, None, None)),
             "head": in_precision(head)}
 
 
@@ -109,9 +108,10 @@ def forward_precision(config: TrainConfig, device: torch.device) -> ContextManag
     return autocast(config.dtype, device.type)
 
 
-def layer_step(layer: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor,
+def layer_step(layer: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor | None,
                config: TrainConfig, device: torch.device) -> None:
-    """One forward of ``layer`` in the run's precision, and its backward."""
+    """One forward of ``layer`` in the run's precision, and its backward (``positions``
+    None: the plain sequence, as a rank without context parallelism trains it)."""
     with forward_precision(config, device):
         out = layer(hidden, positions, None)
     out.sum().backward()
@@ -217,9 +217,7 @@ def layer_curve(config: TrainConfig, counts: list[int], device: torch.device | N
     def step(tokens: int) -> Callable[[], None]:
         rows, length = priced_shape(config, tokens)
         hidden = hidden_states(config, (rows, length), device)
-        positions = torch.arange(length, device=device)
-
-        return lambda: layer_step(layer, hidden, positions, config, device)
+        return lambda: layer_step(layer, hidden, None, config, device)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

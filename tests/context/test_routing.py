@@ -1,0 +1,92 @@
+"""Where a layer's attention runs under ``--compile``: a plain sequence's one SDPA call inside
+the block's graph, everything that reads a layout or communicates at the graph break
+(``meshpipe.context.routing``); and the loader gives a rank without context parallelism the
+plain sequence as no positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshpipe.context import LocalAttention, routing
+from meshpipe.context.tiles import CAUSAL_LEAF
+
+PACK = dict(positions=torch.tensor([0, 1, 2, 0, 1, 2]), doc_ids=torch.tensor([0, 0, 0, 1, 1, 1]))
+PLAIN = dict(positions=None, doc_ids=None)
+
+
+@pytest.fixture
+def eager_calls(monkeypatch):
+    """The calls that went to the graph break, with their options."""
+    calls = []
+    eagerly = routing._attend_eagerly
+
+    def spy(attention, q, k, v, **options):
+        calls.append(options)
+        return eagerly(attention, q, k, v, **options)
+
+    monkeypatch.setattr(routing, "_attend_eagerly", spy)
+    return calls
+
+
+def _qkv(seq: int, device: str = "cpu", dtype=torch.float32):
+    return (torch.randn(1, seq, heads, 8, device=device, dtype=dtype) for heads in (4, 2, 2))
+
+
+@pytest.mark.parametrize("case, seq, options, in_graph", [
+    ("plain", 6, dict(PLAIN), True),
+    ("plain, a window as long as the sequence", 6, dict(PLAIN, window=6), True),
+    ("plain, a window shorter than the sequence", 6, dict(PLAIN, window=5), False),
+    ("plain, soft-capped", 6, dict(PLAIN, softcap=30.0), False),
+    ("a pack", 6, PACK, False),
+    ("positions given", 6, dict(positions=torch.arange(6), doc_ids=None), False),
+    ("plain, the CPU's causal squares", CAUSAL_LEAF + 2, dict(PLAIN), False),
+])
+def test_only_a_plain_sequences_sdpa_call_runs_in_the_graph(eager_calls, case, seq, options,
+                                                            in_graph):
+    q, k, v = _qkv(seq)
+    out = routing.attend(LocalAttention(), q, k, v, causal=True, **options)
+    torch.testing.assert_close(out, LocalAttention()(q, k, v, causal=True, **options))
+    assert (eager_calls == []) == in_graph, case
+
+
+def test_off_the_cpu_a_long_plain_sequence_runs_in_the_graph():
+    """The causal squares are the CPU kernel's: elsewhere (CUDA; meta tensors here) a plain
+    sequence of any length is one SDPA call, in the graph."""
+    q, _, _ = _qkv(CAUSAL_LEAF + 2, device="meta", dtype=torch.bfloat16)
+    assert LocalAttention().runs_in_graph(q, None, None, None, None)
+    cpu_q, _, _ = _qkv(CAUSAL_LEAF + 2)
+    assert not LocalAttention().runs_in_graph(cpu_q, None, None, None, None)
+
+
+def test_another_attention_runs_eagerly_with_exactly_the_options_given(eager_calls):
+    """A context-parallel or user attention communicates or reads the layout as it likes:
+    always at the graph break, called with what the layer gave and nothing more."""
+    seen = []
+
+    def custom(q, k, v, *, positions=None, doc_ids=None, causal=True):
+        seen.append((positions, doc_ids, causal))
+        return q
+
+    q, k, v = _qkv(6)
+    assert routing.attend(custom, q, k, v, positions=None, doc_ids=None, causal=False) is q
+    assert seen == [(None, None, False)]
+    assert eager_calls == [dict(positions=None, doc_ids=None, causal=False)]
+
+
+@pytest.mark.parametrize("cp, positions", [
+    (dict(), None), (dict(cp_ring=2), [0, 1, 6, 7]), (dict(cp_ulysses=2), [0, 1, 2, 3])])
+def test_the_loader_gives_no_positions_without_context_parallelism(cp, positions):
+    from meshpipe.train.batches import RankBatches
+    from meshpipe.train.config import TrainConfig
+
+    class Batch:
+        tokens = torch.randint(0, 64, (2, 8))
+        targets = torch.randint(0, 64, (2, 8))
+
+    config = TrainConfig(seq_len=8, microbatches=2, microbatch_size=1, **cp)
+    sampler = type("Sampler", (), {"batch": lambda self, step: Batch()})()
+    inputs = RankBatches(config, 0, 0, torch.device("cpu"))(sampler, 0).inputs
+    for tokens, given, doc_ids in inputs:
+        assert doc_ids is None
+        assert (given is None) if positions is None else given.tolist() == positions
