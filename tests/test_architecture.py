@@ -6,12 +6,17 @@
 - ``meshpipe.schedules`` is Python and numpy: none of its modules imports torch.
 - A module (or benchmark script) longer than ``LONG_MODULE`` lines says in its docstring why
   it is one module.
+- What a rank imports to start leaves out what only some runs use, and loads it on use.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 SOURCE = Path(__file__).resolve().parent.parent / "src"
 BENCHMARKS = SOURCE.parent / "benchmarks"
@@ -135,3 +140,18 @@ def test_every_long_module_says_why_it_is_one():
     assert unexplained == {}, (
         f"split these modules, or say in the docstring why each is one ('{LENGTH_REASON} "
         f"...'): {unexplained}")
+
+
+DEFERRED = {"torch._dynamo": "imported by --compile only: 1.5 s",
+            "torch.distributed.checkpoint": "imported at the first save or load: 1 s"}
+
+
+@pytest.mark.distributed
+def test_a_ranks_start_leaves_out_compile_and_checkpoints():
+    """The graph-break marks cost nothing until --compile, and checkpoints nothing until a
+    save or a load: each import would add its seconds (``DEFERRED``) to every rank's start."""
+    probe = ("import sys, meshpipe.cli, meshpipe.train.trainer, meshpipe.train.launch, "
+             f"meshpipe.models.hf; print([m for m in {sorted(DEFERRED)!r} if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]"

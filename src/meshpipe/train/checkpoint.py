@@ -32,7 +32,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from meshpipe.comm import ops
 from meshpipe.parallel import own_shard, shard_dim, shard_parts, tp_rank_and_size, unshard
@@ -289,7 +288,7 @@ def save(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimiz
     dist.barrier()  # the leftovers are gone before any rank writes
     # Into a fresh directory: dcp warns on every rank when it overwrites a checkpoint (what
     # saving a step again after a resume did when saves went straight to step-NNNNNN).
-    dcp.save(state, checkpoint_id=str(partial))
+    _dcp().save(state, checkpoint_id=str(partial))
     if after_write is not None:
         after_write()
     dist.barrier()
@@ -318,12 +317,12 @@ def load(directory: Path, parameters: NamedParameters, optimizer: torch.optim.Op
                                 "resume from one that checkpoint.newest() lists")
     moments = OptimizerMoments(optimizer, buckets, for_loading=True)
     state = _state_dict(parameters, moments, -1, tp_group, for_loading=True)
-    saved_keys = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    saved_keys = _dcp().FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     scaler_entries = _scaler_entries(scaler) if scaler is not None else {}
     has_scaler = bool(scaler_entries) and all(key in saved_keys for key in scaler_entries)
     if has_scaler:
         state.update(scaler_entries)
-    dcp.load(state, checkpoint_id=str(directory))
+    _dcp().load(state, checkpoint_id=str(directory))
     _keep_own_slices(state, parameters, moments, tp_group)
     moments.loaded()
     if has_scaler:
@@ -331,6 +330,14 @@ def load(directory: Path, parameters: NamedParameters, optimizer: torch.optim.Op
         scaler.load_state_dict(saved)
     return int(state["meta.step"])
 
+
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint``, imported when a checkpoint is first written or
+    read: the import (DTensor's operator tables) took about 1 s of every rank's 3.6 s start
+    on this project's CPUs, in runs that save nothing or only later."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 def find(path: Path) -> CheckpointInfo:
     """The complete checkpoint at ``path``: the checkpoint itself, or the newest under a
@@ -351,14 +358,14 @@ def read_model_weights(directory: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{directory} is not a complete checkpoint (no {META_FILE} and "
                          f"{DCP_METADATA}): give a step-NNNNNN directory under "
                          "<out-dir>/checkpoint")
-    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    saved = _dcp().FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     state = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype,
                              device="cpu")
              for key, entry in saved.items()
              if key.startswith("model.") and hasattr(entry, "size")}
     with warnings.catch_warnings():  # dcp warns that it loads in one process: the intent
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+        _dcp().load(state, checkpoint_id=str(directory), no_dist=True)
     return {key.removeprefix("model."): tensor for key, tensor in state.items()}
 
 
