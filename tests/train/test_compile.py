@@ -56,6 +56,16 @@ def test_a_compiled_hugging_face_model_on_packed_ulysses_matches_transformers(tm
     assert report["passed"], report
 
 
+def test_a_compiled_hugging_face_model_on_plain_sequences_matches_transformers(tmp_path):
+    """1F1B over two stages of plain sequences: each layer one graph, its attention inside."""
+    hf = for_a_model(SMALL)
+    config = TrainConfig(**hf, pp=2, schedule="1f1b", compile=True,
+                         model=str(save_tiny_model(tmp_path / "model", "llama")),
+                         out_dir=str(tmp_path / "run"))
+    report = run_distributed(2, _check_compiled, config)[0]
+    assert report["passed"], report
+
+
 def test_blocks_compile_their_compute_and_leave_the_experts_eager():
     from meshpipe.models import Transformer, TransformerConfig, split
 
