@@ -334,7 +334,8 @@ def test_a_model_without_positions_derives_nothing_from_a_layout(monkeypatch):
     assert calls == [] and ops.called.count("aten.index") == 0
     with DispatchedOps() as ops:
         given = model(_tokens(), positions=torch.arange(12))
-    assert calls == [1] and ops.called.count("aten.index") == 2  # cos and sin rows, once for all layers
+    # The cos and sin rows, once for every layer.
+    assert calls == [1] and ops.called.count("aten.index") == 2
     torch.testing.assert_close(without, given, rtol=0, atol=0)
 
 

@@ -72,12 +72,12 @@ def regions(block: nn.Module, split_backward: bool = False) -> list[nn.Module]:
     Hugging Face layer four where the torch has no nested graph breaks: ``compile_blocks``).
     Each call of a compiled region costs host time (0.3-0.45 ms forward or backward on an
     H100 host, more than the kernels it fuses at a 740M model's sizes), so the fewer regions
-    the better. A reference block that
-    recomputes (``--recompute full``: its forward under activation checkpointing, which a
-    graph break inside takes out of the graph whole) and a mixture-of-experts block: its
-    norms, attention and MLP each; the experts never. Under a split backward only the pieces
-    without a weight matrix (norms, rotary, the gated activation): a compiled region is one
-    autograd node, whose backward the weight half would run again whole."""
+    the better. A reference block that recomputes (``--recompute full``: its forward under
+    activation checkpointing, which a graph break inside takes out of the graph whole) and
+    a mixture-of-experts block: its norms, attention and MLP each; the experts never. Under
+    a split backward only the pieces without a weight matrix (norms, rotary, the gated
+    activation): a compiled region is one autograd node, whose backward the weight half
+    would run again whole."""
     if split_backward:
         return _weightless_pieces(block)
     if isinstance(block, TransformerBlock):

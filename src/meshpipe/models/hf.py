@@ -318,7 +318,8 @@ class HFChunk(nn.Module):
             return logits
         return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
 
-    def _meshpipe_arguments(self, positions: Tensor | None, doc_ids: Tensor | None) -> dict[str, Any]:
+    def _meshpipe_arguments(self, positions: Tensor | None,
+                            doc_ids: Tensor | None) -> dict[str, Any]:
         """What the ``"meshpipe"`` attention function needs, passed through the layer."""
         return dict(meshpipe_attention=self.attention, meshpipe_positions=positions,
                     meshpipe_doc_ids=doc_ids)
