@@ -117,7 +117,10 @@ LAYOUTS = [
     Layout("packed-pp1-bf16", ("--pp", "1", "--dtype", "bf16", *PACKED),
            "a pack as one variable-length flash call per layer"),
     # torch.compile (inductor) of each block; under ZB-V only the weightless pieces.
-    Layout("pp1-bf16-compile", ("--pp", "1", "--dtype", "bf16", "--compile")),
+    Layout("pp1-bf16-compile", ("--pp", "1", "--dtype", "bf16", "--compile"),
+           "a block one graph, its SDPA call inside"),
+    Layout("packed-pp1-bf16-compile", ("--pp", "1", "--dtype", "bf16", "--compile", *PACKED),
+           "a block two graphs, cut at the variable-length call"),
     Layout("pp2-vpp2-zb-v-compile", ("--pp", "2", "--vpp", "2", "--schedule", "zb-v",
                                      "--compile")),
 ]
