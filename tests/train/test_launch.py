@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from meshpipe.train.devices import DevicePlan
 from meshpipe.train.launch import LaunchError, Supervision, launch
 
 pytestmark = pytest.mark.distributed
@@ -85,6 +86,24 @@ def test_ranks_stay_unbound_when_asked(tmp_path, monkeypatch):
     for rank in range(2):
         written = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert written["cores"] == sorted(os.sched_getaffinity(0))
+
+
+class _RankOneSlowToStart(DevicePlan):
+    """Rank 1 reaches the rendezvous 3.5 s after rank 0 (imports on a busy machine)."""
+
+    def device(self, local_rank: int):
+        if local_rank == 1:
+            time.sleep(3.5)
+        return super().device(local_rank)
+
+
+def test_waiting_at_the_rendezvous_for_a_slow_rank_is_no_hang(tmp_path):
+    """Rank 0 waits at the rendezvous longer than the hang timeout: not a hang, since a
+    rank that never comes ends the rendezvous with the process group's own timeout."""
+    launch(_write_rank, 2, str(tmp_path), supervision=Supervision(hang_timeout=1.5),
+           devices=_RankOneSlowToStart.cpu(2))
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text())["sum"] for r in (0, 1)] == [
+        1.0, 1.0]
 
 
 def test_a_failing_rank_stops_the_others_and_is_named():

@@ -338,6 +338,13 @@ def _send_output_to_log(log: Path, keep_terminal: bool) -> None:
         stream.write(warnings.formatwarning(message, category, filename, lineno, line)))
 
 
+def _take_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
+
+
 def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str | None,
               world_size: int, threads: int, timeout_s: float, supervision: Supervision,
               devices: DevicePlan, control: Path | None, launcher_pid: int | None) -> None:
@@ -353,13 +360,12 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str |
         _send_output_to_log(log, keep_terminal=rank == 0 or control is None)
     reporter = activity.Reporter(rank, control, supervision.hang_timeout,
                                  parent_pid=launcher_pid, judge_hangs=control is None).start()
-    device = devices.device(local_rank(rank))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        keep_freed_memory()
     try:
-        with activity.doing("rendezvous"):
+        # Until every rank has started (its device set up; imports take seconds on a busy
+        # machine): not a hang before the process group's own timeout, which ends a
+        # rendezvous with its error.
+        with activity.doing("rendezvous", limit=timeout_s):
+            _take_device(devices.device(local_rank(rank)))
             dist.init_process_group(devices.backend, init_method=init_method or "env://",
                                     rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
