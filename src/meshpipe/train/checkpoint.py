@@ -339,6 +339,7 @@ def _dcp() -> Any:
 
     return dcp
 
+
 def find(path: Path) -> CheckpointInfo:
     """The complete checkpoint at ``path``: the checkpoint itself, or the newest under a
     checkpoint root or a run's out-dir; a one-line ValueError if there is none."""
