@@ -349,9 +349,9 @@ def default_positions(tokens_or_hidden: Tensor, positions: Tensor | None, *,
 
 @functools.lru_cache(maxsize=16)
 def _plain_positions(seq: int, device: torch.device) -> Tensor:
-    """``0..seq-1`` on ``device``, one tensor per length and device with its host copy: what
-    attention derives from it (a plain sequence) is derived once, not read back from the
-    device for every microbatch."""
+    """``0..seq-1`` on ``device``, one tensor per length and device with its host copy,
+    made once: what a caller that needs the plain sequence's positions as a tensor gets (a
+    Hugging Face chunk's position ids; the reference blocks take None instead)."""
     return to_device(torch.arange(seq, device="cpu"), device)
 
 
