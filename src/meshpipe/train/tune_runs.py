@@ -279,8 +279,8 @@ def _ulysses_times(config: TrainConfig, sizes: dict[int, list[int]],
                 hidden_states(config, (size, share), device),
                 torch.arange(place * share, (place + 1) * share, device=device))}
             rows, length = priced_shape(config, size * share)
-            inputs["local"] = (hidden_states(config, (rows, length), device),
-                               torch.arange(length, device=device))
+            # The whole sequence on one rank: no positions, as the trainer gives it.
+            inputs["local"] = (hidden_states(config, (rows, length), device), None)
             for turn in range(len(groups)):
                 if turn == member:
                     medians = _medians_in_turn(layer, attentions, inputs, groups[member],
@@ -293,7 +293,7 @@ def _ulysses_times(config: TrainConfig, sizes: dict[int, list[int]],
 
 
 def _medians_in_turn(layer: torch.nn.Module, attentions: dict[str, torch.nn.Module],
-                     inputs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                     inputs: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
                      group: dist.ProcessGroup, config: TrainConfig,
                      device: torch.device) -> dict[str, float]:
     """Median seconds of ``layer``'s forward + backward (in ``config``'s precision) with
