@@ -10,6 +10,7 @@ import torch
 
 from meshpipe.context import LocalAttention, routing
 from meshpipe.context.tiles import CAUSAL_LEAF
+from dispatched_ops import DispatchedOps
 
 PACK = dict(positions=torch.tensor([0, 1, 2, 0, 1, 2]), doc_ids=torch.tensor([0, 0, 0, 1, 1, 1]))
 PLAIN = dict(positions=None, doc_ids=None)
@@ -86,7 +87,13 @@ def test_the_loader_gives_no_positions_without_context_parallelism(cp, positions
 
     config = TrainConfig(seq_len=8, microbatches=2, microbatch_size=1, **cp)
     sampler = type("Sampler", (), {"batch": lambda self, step: Batch()})()
-    inputs = RankBatches(config, 0, 0, torch.device("cpu"))(sampler, 0).inputs
-    for tokens, given, doc_ids in inputs:
+    batches = RankBatches(config, 0, 0, torch.device("cpu"))
+    with DispatchedOps() as ops:
+        inputs = batches(sampler, 0).inputs
+    # The whole sequence is the batch's rows as they are: no index over every column.
+    assert ("aten.index" in ops.called) == (positions is not None)
+    for row, (tokens, given, doc_ids) in enumerate(inputs):
         assert doc_ids is None
         assert (given is None) if positions is None else given.tolist() == positions
+        held = list(range(8)) if positions is None else positions
+        assert torch.equal(tokens, Batch.tokens[row:row + 1, held])

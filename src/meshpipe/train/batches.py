@@ -45,8 +45,9 @@ class RankBatches:
                                           config.cp_ulysses, cp_ulysses_rank)
         # Without context parallelism a rank holds the plain sequence, which the model
         # takes as no positions (nothing to derive or send; compiled, one graph a block).
-        self._device_positions = (None if config.cp_ring * config.cp_ulysses == 1
-                                  else to_device(self.positions, device))
+        whole = config.cp_ring * config.cp_ulysses == 1
+        self._device_positions = None if whole else to_device(self.positions, device)
+        self._slices = not whole
 
     def __call__(self, sampler: Any, step: int) -> Microbatches:
         batch = sampler.batch(step)
@@ -54,11 +55,16 @@ class RankBatches:
         denominator = counted / self.config.microbatches
         if getattr(batch, "doc_lens", None) is not None:
             return Microbatches(*self._packed(batch), denominator)
-        tokens = to_device(batch.tokens[:, self.positions], self.device)
-        targets = to_device(batch.targets[:, self.positions], self.device)
+        tokens = to_device(self._held(batch.tokens), self.device)
+        targets = to_device(self._held(batch.targets), self.device)
         size = self.config.microbatch_size
         inputs = [(t, self._device_positions, None) for t in tokens.split(size)]
         return Microbatches(inputs, list(targets.split(size)), denominator)
+
+    def _held(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``rows``; without context parallelism ``rows`` itself (a
+        host index over every column costs milliseconds when it wakes the thread pool)."""
+        return rows[:, self.positions] if self._slices else rows
 
     def _packed(self, batch) -> tuple[list[Any], list[torch.Tensor]]:
         config, device = self.config, self.device
