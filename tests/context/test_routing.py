@@ -97,3 +97,28 @@ def test_the_loader_gives_no_positions_without_context_parallelism(cp, positions
         assert (given is None) if positions is None else given.tolist() == positions
         held = list(range(8)) if positions is None else positions
         assert torch.equal(tokens, Batch.tokens[row:row + 1, held])
+
+
+@pytest.mark.parametrize("cp", [dict(), dict(cp_ring=2)])
+def test_the_loader_hands_a_whole_pack_over_without_copying_it(cp):
+    """Without context parallelism a pack's rows go to the (here CPU) device as views of the
+    batch, with no index over every column; over a ring each rank's own columns."""
+    from meshpipe.train.batches import RankBatches
+    from meshpipe.train.config import TrainConfig
+
+    class Packed:
+        tokens = torch.randint(0, 64, (2, 8))
+        targets = torch.randint(0, 64, (2, 8))
+        doc_lens = [[3, 5], [8]]
+
+    config = TrainConfig(seq_len=8, microbatches=2, microbatch_size=1, **cp)
+    sampler = type("Sampler", (), {"batch": lambda self, step: Packed()})()
+    microbatches = RankBatches(config, 0, 0, torch.device("cpu"))(sampler, 0)
+    for row, ((tokens, positions, _), targets) in enumerate(zip(microbatches.inputs,
+                                                               microbatches.targets)):
+        whole = not cp
+        for given, batch in ((tokens, Packed.tokens), (targets, Packed.targets)):
+            shares = given.untyped_storage().data_ptr() == batch.untyped_storage().data_ptr()
+            assert shares == whole
+        held = list(range(8)) if whole else [[0, 1, 3, 4, 5], [0, 1, 2, 3]][row]
+        assert torch.equal(tokens, Packed.tokens[row:row + 1, held])

@@ -55,16 +55,17 @@ class RankBatches:
         denominator = counted / self.config.microbatches
         if getattr(batch, "doc_lens", None) is not None:
             return Microbatches(*self._packed(batch), denominator)
-        tokens = to_device(self._held(batch.tokens), self.device)
-        targets = to_device(self._held(batch.targets), self.device)
+        tokens = to_device(self._held(batch.tokens, self.positions), self.device)
+        targets = to_device(self._held(batch.targets, self.positions), self.device)
         size = self.config.microbatch_size
         inputs = [(t, self._device_positions, None) for t in tokens.split(size)]
         return Microbatches(inputs, list(targets.split(size)), denominator)
 
-    def _held(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of ``rows``; without context parallelism ``rows`` itself (a
-        host index over every column costs milliseconds when it wakes the thread pool)."""
-        return rows[:, self.positions] if self._slices else rows
+    def _held(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The columns of ``rows`` at this rank's ``positions``; without context parallelism
+        (every column) ``rows`` itself: a host index over every column costs milliseconds
+        when it wakes the thread pool."""
+        return rows[:, positions] if self._slices else rows
 
     def _packed(self, batch) -> tuple[list[Any], list[torch.Tensor]]:
         config, device = self.config, self.device
@@ -74,7 +75,7 @@ class RankBatches:
             held = packed_hybrid_positions(lengths, config.cp_ring, self.cp_ranks[0],
                                            config.cp_ulysses, self.cp_ranks[1])
             positions, doc_ids = sources.packed_layout(lengths, held)
-            inputs.append((to_device(row_tokens[:, held], device), to_device(positions, device),
-                           to_device(doc_ids, device)))
-            targets.append(to_device(row_targets[:, held], device))
+            inputs.append((to_device(self._held(row_tokens, held), device),
+                           to_device(positions, device), to_device(doc_ids, device)))
+            targets.append(to_device(self._held(row_targets, held), device))
         return inputs, targets
