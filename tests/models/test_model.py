@@ -446,8 +446,8 @@ def test_rotary_tables_are_looked_up_once_per_positions_tensor():
 def test_rotary_embedding_turns_each_pair_in_two_products(dtype):
     """RoPE turns each pair (first, second) into (first cos - second sin, second cos + first
     sin) in the input's dtype, bit for bit, values and gradients, with two elementwise
-    products where the pairs written out take four and no cast of the input forward or
-    backward (kernel launches bound a GPU step); in low precision it stays within that
+    products where the pairs written out take four, and no cast or negation of the input
+    forward or backward (kernel launches bound a GPU step); in low precision it stays within that
     precision's rounding of the float32 rotation."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -456,10 +456,11 @@ def test_rotary_embedding_turns_each_pair_in_two_products(dtype):
     class CountOps(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.products = self.casts = 0
+            self.products = self.casts = self.negations = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.products += func is torch.ops.aten.mul.Tensor
+            self.negations += func.overloadpacket is torch.ops.aten.neg
             self.casts += func.overloadpacket is torch.ops.aten._to_copy and \
                 args[0].dim() == 4  # the queries, not the table rows
             return func(*args, **(kwargs or {}))
@@ -471,8 +472,10 @@ def test_rotary_embedding_turns_each_pair_in_two_products(dtype):
     with CountOps() as counted:
         out = rope(x, positions)
         (rotated_grad,) = torch.autograd.grad(out, x, grad)
-    assert (counted.products, counted.casts) == (2 + 2, 0)  # forward and backward
-    cos, sin = (t[positions, :8][None, :, None, :].to(dtype) for t in (rope.cos, rope.sin))
+    # forward and backward
+    assert (counted.products, counted.casts, counted.negations) == (2 + 2, 0, 0)
+    cos, sin = (t[positions, 8:][None, :, None, :].to(dtype)
+                for t in (rope.cos, rope.sin_signed))
     first, second = x.chunk(2, dim=-1)
     pairs = torch.cat((first * cos - second * sin, second * cos + first * sin), -1)
     assert torch.equal(out, pairs)
