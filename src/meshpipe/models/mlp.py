@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from meshpipe.models import joint
 from meshpipe.parallel import TensorParallelRegion, shard_linear
 
 
@@ -22,6 +23,8 @@ class GatedActivation(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    JOINT_LINEARS = ("w_gate", "w_up")  # one product once laid out (``models.joint``)
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.w_gate = linear(dim, hidden)
@@ -39,4 +42,5 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.tp.enter(x)
-        return self.tp.leave(self.w_down(self.activation(self.w_gate(x), self.w_up(x))))
+        gate, up = joint.project(self, x)
+        return self.tp.leave(self.w_down(self.activation(gate, up)))

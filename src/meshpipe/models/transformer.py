@@ -40,6 +40,7 @@ from meshpipe.context.derived import derived, on_host, to_device
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
 from meshpipe.context.routing import attend
+from meshpipe.models import joint
 from meshpipe.models.mlp import SwiGLU, linear
 from meshpipe.models.moe import MoE
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
@@ -216,6 +217,8 @@ def _maybe_checkpoint(enabled: bool, fn, *args):
 class SelfAttention(nn.Module):
     """Grouped-query self-attention whose core is a pluggable ``Attention`` callable."""
 
+    JOINT_LINEARS = ("wq", "wk", "wv")  # one product once laid out (``models.joint``)
+
     def __init__(self, config: TransformerConfig, rope: RotaryEmbedding, attention: Attention):
         super().__init__()
         self.n_heads = config.n_heads
@@ -247,9 +250,10 @@ class SelfAttention(nn.Module):
         """Queries, keys and values ``[batch, seq, heads, head_dim]``, rotated."""
         x = self.tp.enter(x)
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q, k, v = joint.project(self, x)
+        q = q.view(batch, seq, self.n_heads, self.head_dim)
+        k = k.view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = v.view(batch, seq, self.n_kv_heads, self.head_dim)
         return self.rope(q, positions), self.rope(k, positions), v
 
     def core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None,

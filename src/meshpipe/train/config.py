@@ -24,6 +24,8 @@ from meshpipe.topology import ParallelLayout
 from meshpipe.train.devices import BACKENDS, DEVICES
 
 STAGE_LINKS = ("root", "fanout")
+# --joint-projections: q/k/v and gate/up as one product each (meshpipe.models.joint).
+JOINT_PROJECTION_MODES = ("auto", "on", "off")
 # Flags that describe the reference transformer: a --model directory's config.json says them.
 _REFERENCE_MODEL_FLAGS = ("dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts",
                           "moe_top_k", "moe_every", "moe_aux_coef")
@@ -80,6 +82,7 @@ class TrainConfig:
     recompute: str = "none"
     zero: int = 0
     compile: bool = False
+    joint_projections: str = "auto"
     # optimisation
     steps: int = 30
     lr: float = 3e-3
@@ -119,7 +122,8 @@ class TrainConfig:
                              f"{', '.join(PLACEMENTS)}")
         for name, choices in (("dtype", DTYPES), ("p2p", P2P_MODES),
                               ("recompute", RECOMPUTE_MODES), ("device", DEVICES),
-                              ("backend", BACKENDS)):
+                              ("backend", BACKENDS),
+                              ("joint_projections", JOINT_PROJECTION_MODES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"unknown --{flag_name(name)} {getattr(self, name)!r}; choose one "
                                  f"of {', '.join(choices)}")
@@ -127,6 +131,10 @@ class TrainConfig:
             value = getattr(self, field.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"--{flag_name(field.name)} must be a finite number, got {value}")
+        if self.joint_projections == "on" and schedule_spec(self.schedule).split_backward:
+            raise ValueError(f"--joint-projections on computes a layer's weight gradients "
+                             f"with its input's, which --schedule {self.schedule} takes apart "
+                             f"(a split backward); use auto or off")
         if schedule_spec(self.schedule).v_shaped:
             if self.vpp not in (1, 2):
                 raise ValueError(f"--schedule {self.schedule} places 2 stages per pipeline rank "
@@ -401,6 +409,9 @@ FIELD_HELP = {
     "recompute": "activation recompute: none, full (each block) or selective (attention core)",
     "compile": "compile each decoder block with torch.compile (one compiled code for all "
                "blocks; attention cores and communication stay eager: docs/parallelism.md)",
+    "joint_projections": "q/k/v and gate/up projections as one matrix product each: auto "
+                         "(on CUDA, where kernel launches bound an eager step; not on a CPU), "
+                         "on or off; never under a split backward (zb-h1, zb-v, dualpipe-v)",
     "zero": "shard over the replicas of each weight (dp x cp ranks of a stage; experts: their "
             "expert-data-parallel ranks): 0 nothing, 1 the optimizer states (AdamW moments), "
             "2 also the reduced gradients",

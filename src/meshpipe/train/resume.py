@@ -42,7 +42,7 @@ SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", 
                    "moe_capacity_factor", "data", "tokenizer", "pack")
 LAYOUT_FIELDS = ("pp", "vpp", "cp_ulysses", "cp_ring", "tp", "stage_tp", "stage_link",
                  "sequence_parallel", "schedule", "placement", "p2p", "recompute", "ep",
-                 "device", "backend", "zero", "compile")
+                 "device", "backend", "zero", "compile", "joint_projections")
 RUN_FIELDS = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "timeline_step",
               "progress", "tensorboard", "hang_timeout", "skip_nonfinite", "checkpoint_on_signal", "export",
               "data_cache")

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from meshpipe.comm import ops
 from meshpipe.context import make_attention
-from meshpipe.models import causal_lm_loss
+from meshpipe.models import causal_lm_loss, joint
 from meshpipe.parallel import vocab_parallel_cross_entropy
 from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, MasterWeights, Stage,
                               StageHooks, StepResult, activity, weights_cast_once,
@@ -183,6 +183,8 @@ class Trainer:
             id(param): (parts.names[id(param)], param) for stage in self.stages.values()
             for param in stage.module.parameters()}.values(), weights_dtype(config.dtype))
         self.parameters = self.masters.named
+        if sources.joint_projections(config, self.device):  # once weights have their dtype
+            joint.lay_out(stage.module for stage in self.stages.values())
         tied = tied_groups(parts.shared, parts.chunks, self.stages, self.schedule.placement,
                            config, self.rank)
         self.gradients = Gradients(
