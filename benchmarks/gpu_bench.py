@@ -67,7 +67,10 @@ RESULTS = Path(__file__).parent / "results"
 # Dense bf16 tensor-core peaks (TFLOP/s, SXM parts) by a name in torch's device name.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 PARTS = ("attention", "train")
-MODES = ("eager", "compile")
+# eager-apart: eager with --joint-projections off (q/k/v and gate/up as separate products,
+# what eager ran before they were joined on CUDA); not in the default modes.
+MODES = ("eager", "compile", "eager-apart")
+DEFAULT_MODES = ("eager", "compile")
 DATA = ("random", "pack")
 
 
@@ -97,8 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time the same model as a Hugging Face Llama (--model)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="which parts to run (default both)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                        help="training step: the trainer eager, with --compile, or both")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+                        help="training step: the trainer eager, with --compile, eager with "
+                             "--joint-projections off (default: eager, compile)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="training step: rounds over the runners, alternating their order "
                              "(the median of the rounds is reported)")
@@ -110,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train_config(args, out_dir: str, device: torch.device, seq_len: int,
-                 compiled: bool = False, model: str = "", packed_from: str = "") -> TrainConfig:
+                 compiled: bool = False, model: str = "", packed_from: str = "",
+                 joint_projections: str = "auto") -> TrainConfig:
     """The benchmark's run at ``seq_len`` tokens per sequence: the reference transformer of
     the arguments' sizes, or the Hugging Face directory ``model`` (which has those sizes:
     ``llama_of``); on random tokens, or ``--pack``ed from the text file ``packed_from``."""
@@ -120,7 +125,8 @@ def train_config(args, out_dir: str, device: torch.device, seq_len: int,
                        microbatches=args.microbatches, microbatch_size=args.microbatch_size,
                        dtype="bf16", steps=args.warmup + args.iters, warmup_steps=1,
                        eval_every=0, timeline_step=0, progress=False, out_dir=out_dir,
-                       compile=compiled, data=packed_from, pack=bool(packed_from))
+                       compile=compiled, data=packed_from, pack=bool(packed_from),
+                       joint_projections=joint_projections)
 
 
 def llama_of(config: TrainConfig, directory: str) -> str:
@@ -227,13 +233,15 @@ def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpu
     machine over the run (rows measured later ran slower) falls on every runner alike."""
     data = [source for kind, source in (("random", ""), ("pack", corpus)) if kind in args.data]
     models = [("", "")] + ([(llama, ", --model Llama")] if llama else [])
+    # mode: (compiled, --joint-projections, what the row's name adds)
+    modes = {"eager": (False, "auto", ""), "compile": (True, "auto", " --compile"),
+             "eager-apart": (False, "off", " --joint-projections off")}
     runners = {
-        "meshpipe Trainer (1F1B, 1 stage)" + what + (", --pack" if packed_from else "")
-        + (" --compile" if compiled else ""):
+        "meshpipe Trainer (1F1B, 1 stage)" + what + (", --pack" if packed_from else "") + how:
         _trainer_runner(train_config(args, scratch, device, seq_len, compiled, model,
-                                     packed_from))
+                                     packed_from, joint_projections))
         for model, what in models for packed_from in data
-        for compiled, mode in ((False, "eager"), (True, "compile")) if mode in args.modes}
+        for mode, (compiled, joint_projections, how) in modes.items() if mode in args.modes}
     config = train_config(args, scratch, device, seq_len)
     runners["plain PyTorch (same model and batch)"] = _plain_runner(config, device)
     measured: dict[str, list[dict]] = {name: [] for name in runners}
