@@ -124,24 +124,26 @@ def test_the_trainer_lays_out_the_projections_as_asked(mode, laid):
     assert found == [("SelfAttention", laid), ("SwiGLU", laid)]
 
 
-@pytest.mark.parametrize("mode, schedule, device, joint_run", [
-    ("auto", "1f1b", "cuda", True), ("auto", "1f1b", "cpu", False),
-    ("auto", "zb-v", "cuda", False), ("on", "1f1b", "cpu", True),
-    ("off", "1f1b", "cuda", False)])
-def test_when_a_run_projects_jointly(mode, schedule, device, joint_run):
+@pytest.mark.parametrize("mode, schedule, compiled, device, joint_run", [
+    ("auto", "1f1b", False, "cuda", True), ("auto", "1f1b", False, "cpu", False),
+    ("auto", "zb-v", False, "cuda", False), ("auto", "1f1b", True, "cuda", False),
+    ("on", "1f1b", False, "cpu", True), ("off", "1f1b", False, "cuda", False)])
+def test_when_a_run_projects_jointly(mode, schedule, compiled, device, joint_run):
     from meshpipe.train import sources
     from meshpipe.train.config import TrainConfig
 
     config = TrainConfig(pp=2, vpp=2 if schedule == "zb-v" else 1, schedule=schedule,
-                         joint_projections=mode)
+                         compile=compiled, joint_projections=mode)
     assert sources.joint_projections(config, torch.device(device)) == joint_run
 
 
-def test_joint_projections_on_under_a_split_backward_is_refused_before_the_run():
+def test_joint_projections_on_under_a_split_backward_or_compile_is_refused_before_the_run():
     from meshpipe.train.config import TrainConfig
 
     with pytest.raises(ValueError, match="--schedule zb-h1 takes apart"):
         TrainConfig(pp=2, schedule="zb-h1", joint_projections="on")
+    with pytest.raises(ValueError, match="is for eager blocks"):
+        TrainConfig(pp=2, compile=True, joint_projections="on")
 
 
 JOINT_LAYOUTS = {  # each forced on (auto is off on a CPU), against one process

@@ -135,6 +135,9 @@ class TrainConfig:
             raise ValueError(f"--joint-projections on computes a layer's weight gradients "
                              f"with its input's, which --schedule {self.schedule} takes apart "
                              f"(a split backward); use auto or off")
+        if self.joint_projections == "on" and self.compile:
+            raise ValueError("--joint-projections on is for eager blocks; a --compile'd "
+                             "block takes its products as they are: drop one of them")
         if schedule_spec(self.schedule).v_shaped:
             if self.vpp not in (1, 2):
                 raise ValueError(f"--schedule {self.schedule} places 2 stages per pipeline rank "
@@ -411,7 +414,8 @@ FIELD_HELP = {
                "blocks; attention cores and communication stay eager: docs/parallelism.md)",
     "joint_projections": "q/k/v and gate/up projections as one matrix product each: auto "
                          "(on CUDA, where kernel launches bound an eager step; not on a CPU), "
-                         "on or off; never under a split backward (zb-h1, zb-v, dualpipe-v)",
+                         "on or off; never under a split backward (zb-h1, zb-v, dualpipe-v) or "
+                         "--compile",
     "zero": "shard over the replicas of each weight (dp x cp ranks of a stage; experts: their "
             "expert-data-parallel ranks): 0 nothing, 1 the optimizer states (AdamW moments), "
             "2 also the reduced gradients",

@@ -205,8 +205,10 @@ def joint_projections(config: TrainConfig, device: torch.device) -> bool:
     ``meshpipe.models.joint``). ``auto``: on CUDA, where launches bound an eager step. Not on a
     CPU, where the backward's concatenation of the projections' gradients costs more than
     the fewer products save (a 4-layer model's step 5-11 % slower, dim 256-64). Never under a
-    split backward, which needs each weight's product apart."""
-    if SCHEDULE_SPECS[config.schedule].split_backward or config.joint_projections == "off":
+    split backward, which needs each weight's product apart, nor with ``--compile``, whose
+    blocks take the products as they are (their weights then need not alias each other)."""
+    if (SCHEDULE_SPECS[config.schedule].split_backward or config.compile
+            or config.joint_projections == "off"):
         return False
     return config.joint_projections == "on" or device.type == "cuda"
 
