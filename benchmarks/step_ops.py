@@ -8,7 +8,8 @@ op that computes is at least one launch. This counts the aten ops of one trainin
 (``TorchDispatchMode``, so it runs the same on a CPU): all of them, and those that compute
 (views and ``detach`` launch nothing), with the ten most frequent, per runner and
 precision. Runners: meshpipe's trainer (one stage, 1F1B, gradient clipping, AdamW;
-``--dtype bf16`` is bfloat16 weights with float32 masters) and the plain loop of
+``--dtype bf16`` is bfloat16 weights with float32 masters), with its projections apart and
+joint (``--joint-projections``, what CUDA runs by default), and the plain loop of
 ``gpu_bench`` (the same model, autocast on float32 weights, ``clip_grad_norm_``, AdamW). It
 also times both, ``--rounds`` rounds in alternating order, median. Writes
 ``<out>/step_ops.json`` and ``.md`` when ``--out`` is given. Single process. A benchmark
@@ -66,19 +67,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def config_for(args, dtype: str, out_dir: str) -> TrainConfig:
+def config_for(args, dtype: str, out_dir: str, joint_projections: str = "off") -> TrainConfig:
     return TrainConfig(pp=1, device=args.device, dim=args.dim, layers=args.layers,
                        heads=args.heads, kv_heads=args.kv_heads, seq_len=args.seq_len,
                        microbatches=args.microbatches, microbatch_size=1, dtype=dtype,
                        steps=3 + args.rounds, warmup_steps=1, eval_every=0, timeline_step=0,
-                       progress=False, out_dir=out_dir)
+                       progress=False, out_dir=out_dir, joint_projections=joint_projections)
 
 
-def runners(config: TrainConfig, device: torch.device) -> dict:
-    trainer = Trainer(config)
-    steps = iter(range(10 ** 6))
-    plain, _ = gpu_bench._plain_runner(config, device)()
-    return {"meshpipe trainer": lambda: trainer.train_step(next(steps)), "plain loop": plain}
+def runners(args, dtype: str, out_dir: str, device: torch.device) -> dict:
+    """The trainer with its projections apart and joint (``--joint-projections``: on by
+    default on CUDA only), and the plain loop."""
+    runs = {}
+    for name, joint in (("meshpipe trainer", "off"), ("meshpipe trainer, joint projections",
+                                                      "on")):
+        trainer = Trainer(config_for(args, dtype, out_dir, joint))
+        steps = iter(range(10 ** 6))
+        runs[name] = lambda trainer=trainer, steps=steps: trainer.train_step(next(steps))
+    runs["plain loop"], _ = gpu_bench._plain_runner(config_for(args, dtype, out_dir),
+                                                    device)()
+    return runs
 
 
 def measure(runs: dict, device: torch.device, rounds: int) -> dict:
@@ -135,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
               "load_before": load_average(), "rows": {}}
     with tempfile.TemporaryDirectory() as scratch:
         for dtype in args.dtypes:
-            config = config_for(args, dtype, scratch)
-            result["rows"][dtype] = measure(runners(config, device), device, args.rounds)
+            result["rows"][dtype] = measure(runners(args, dtype, scratch, device), device,
+                                            args.rounds)
     result["load_after"] = load_average()
     table = to_markdown(result)
     print(table)
