@@ -17,7 +17,8 @@ multiplies by each weight: the same values, computed apart.
 
 A split backward (ZB-H1, ZB-V, DualPipeV) takes each weight's product apart from the input's
 (``runtime.split_backward``), which one node computing both cannot give: the trainer lays
-out only under schedules without one.
+out only under schedules without one, without ``--compile``, and by default on CUDA only
+(``train.sources.joint_projections``).
 """
 
 from __future__ import annotations
