@@ -52,7 +52,7 @@ class LocalAttention(nn.Module):
                                          softcap)
         seq = q.shape[1]
         if positions is None and doc_ids is None:  # the plain sequence: nothing to derive
-            windowed = window is not None and window < seq
+            windowed = _window_cuts(window, seq)
             plain = not windowed
         else:
             windowed = window is not None and derived(
@@ -60,7 +60,7 @@ class LocalAttention(nn.Module):
                 lambda: window_applies(window, positions, seq))
             plain = not windowed and derived(
                 "plain", (positions, doc_ids), lambda: is_plain_sequence(positions, doc_ids))
-        if plain and causal and runs_on_cpu_kernel(q) and seq > CAUSAL_LEAF:
+        if plain and causal and _in_causal_squares(q):
             return split_causal_attention(q, k, v, scale)
         sliding = window if windowed else None
         if not plain and _varlen_takes(q) and (sliding is None or takes_windows()):
@@ -97,13 +97,22 @@ class LocalAttention(nn.Module):
         ``doc_ids`` None), no sliding window shorter than it, no soft-cap, and not the CPU's
         causal squares (``split_causal_attention``, planned tiles under a custom autograd
         function)."""
-        seq = q.shape[1]
         return (positions is None and doc_ids is None and softcap is None
-                and (window is None or window >= seq)
-                and not (runs_on_cpu_kernel(q) and seq > CAUSAL_LEAF))
+                and not _window_cuts(window, q.shape[1]) and not _in_causal_squares(q))
 
     def extra_repr(self) -> str:
         return "" if self.scale is None else f"scale={self.scale}"
+
+
+def _window_cuts(window: int | None, seq: int) -> bool:
+    """Whether a sliding ``window`` is shorter than a plain sequence of ``seq`` tokens."""
+    return window is not None and window < seq
+
+
+def _in_causal_squares(q: Tensor) -> bool:
+    """Whether a plain causal sequence of queries ``q`` runs as the CPU kernel's causal
+    squares (``split_causal_attention``) rather than one SDPA call."""
+    return runs_on_cpu_kernel(q) and q.shape[1] > CAUSAL_LEAF
 
 
 def soft_capped_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None,

@@ -80,15 +80,13 @@ def _computes_in(x: Tensor, dtype: torch.dtype) -> bool:
 
 
 def _in_one_storage(weights: Sequence[Tensor]) -> bool:
-    """Whether ``weights`` are contiguous rows of one storage, one after another."""
+    """Whether ``weights`` are still the rows ``lay_out`` made of one storage, one after
+    another (a weight given new data since has another storage)."""
     first = weights[0]
     storage = first.untyped_storage().data_ptr()
     expected = first.data_ptr()
     for weight in weights:
-        if (not weight.is_contiguous() or weight.dtype != first.dtype
-                or weight.shape[1:] != first.shape[1:]
-                or weight.untyped_storage().data_ptr() != storage
-                or weight.data_ptr() != expected):
+        if weight.untyped_storage().data_ptr() != storage or weight.data_ptr() != expected:
             return False
         expected += weight.numel() * weight.element_size()
     return True

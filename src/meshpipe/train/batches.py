@@ -45,9 +45,8 @@ class RankBatches:
                                           config.cp_ulysses, cp_ulysses_rank)
         # Without context parallelism a rank holds the plain sequence, which the model
         # takes as no positions (nothing to derive or send; compiled, one graph a block).
-        whole = config.cp_ring * config.cp_ulysses == 1
-        self._device_positions = None if whole else to_device(self.positions, device)
-        self._slices = not whole
+        self._slices = config.cp_ring * config.cp_ulysses > 1
+        self._device_positions = to_device(self.positions, device) if self._slices else None
 
     def __call__(self, sampler: Any, step: int) -> Microbatches:
         batch = sampler.batch(step)
