@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import socket
 import statistics
@@ -109,7 +110,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="training step: random tokens, --pack'ed corpus, or both")
     parser.add_argument("--cpu-rehearsal", action="store_true",
                         help="run on the CPU to try the script (use tiny sizes); not a result")
-    return parser.parse_args(argv)
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                        help="training step: measure each runner's round in a process of its "
+                             "own (default), so that no runner inherits what an earlier one "
+                             "left in the process")
+    parser.add_argument("--runner", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--runner-out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
 
 
 def train_config(args, out_dir: str, device: torch.device, seq_len: int,
@@ -216,12 +225,17 @@ def gpu_state() -> str | None:
 
 def train_rows(args, device: torch.device) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-bench-") as scratch:
-        corpus = Path(scratch, "corpus.txt")
-        corpus.write_bytes(load_corpus())
-        longest = train_config(args, scratch, device, max(args.seq_len))
-        llama = llama_of(longest, f"{scratch}/llama") if args.hf else ""
+        corpus, llama = _sources(args, device, scratch)
         return [row for seq_len in args.seq_len
-                for row in _train_rows_at(seq_len, args, device, scratch, str(corpus), llama)]
+                for row in _train_rows_at(seq_len, args, device, scratch, corpus, llama)]
+
+
+def _sources(args, device: torch.device, scratch: str) -> tuple[str, str]:
+    """The corpus packs are cut from, and the Hugging Face directory of the model (or "")."""
+    corpus = Path(scratch, "corpus.txt")
+    corpus.write_bytes(load_corpus())
+    longest = train_config(args, scratch, device, max(args.seq_len))
+    return str(corpus), llama_of(longest, f"{scratch}/llama") if args.hf else ""
 
 
 def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpus: str,
@@ -229,7 +243,28 @@ def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpu
     """meshpipe's trainer (reference model and ``llama``, random tokens and packed from
     ``corpus``, eager and compiled) and the plain loop, at ``seq_len``, in ``--rounds``
     rounds: the runners in order, then in reverse, and so on, so that a drift of the
-    machine over the run (rows measured later ran slower) falls on every runner alike."""
+    machine over the run (rows measured later ran slower) falls on every runner alike.
+    With ``--isolate`` each runner's round runs in a fresh process (``_measure_apart``): in
+    one process, on an H100 host, a runner measured after a compiled one ran up to 1.4x
+    slower, whatever it was."""
+    runners, config = _runners_at(seq_len, args, device, scratch, corpus, llama)
+    measured: dict[str, list[dict]] = {name: [] for name in runners}
+    parameters = None
+    for round_index in range(args.rounds):
+        order = list(runners) if round_index % 2 == 0 else list(runners)[::-1]
+        for name in order:
+            result, counted = (_measure_apart(name, seq_len, args) if args.isolate
+                               else _measure_runner(runners[name], device, args))
+            parameters = counted or parameters
+            measured[name].append({**result, "gpu": gpu_state()})
+    return [_train_row(name, rounds, seq_len, parameters, config, device)
+            for name, rounds in measured.items()]
+
+
+def _runners_at(seq_len: int, args, device: torch.device, scratch: str, corpus: str,
+                llama: str) -> tuple[dict[str, Callable], TrainConfig]:
+    """The runners at ``seq_len`` by name (each builds its step when called), and the
+    plain loop's configuration."""
     data = [source for kind, source in (("random", ""), ("pack", corpus)) if kind in args.data]
     models = [("", "")] + ([(llama, ", --model Llama")] if llama else [])
     # mode: (compiled, --joint-projections, what the row's name adds)
@@ -243,34 +278,60 @@ def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpu
         for mode, (compiled, joint_projections, how) in modes.items() if mode in args.modes}
     config = train_config(args, scratch, device, seq_len)
     runners["plain PyTorch (same model and batch)"] = _plain_runner(config, device)
-    measured: dict[str, list[dict]] = {name: [] for name in runners}
-    parameters = None
-    for round_index in range(args.rounds):
-        order = list(runners) if round_index % 2 == 0 else list(runners)[::-1]
-        for name in order:
-            result, counted = _measure_runner(runners[name], device, args)
-            parameters = counted or parameters
-            measured[name].append({**result, "gpu": gpu_state()})
+    return runners, config
+
+
+def _train_row(name: str, rounds: list[dict], seq_len: int, parameters: int | None,
+               config: TrainConfig, device: torch.device) -> dict:
+    """A runner's row: the median of its rounds, tokens/s and MFU."""
+    times = [r["seconds"] for r in rounds if r["status"] == "ok"]
+    failed = next((r for r in rounds if r["status"] != "ok"), None)
+    seconds = statistics.median(times) if times and failed is None else None
     tokens = config.tokens_per_step
+    tokens_per_s = tokens / seconds if seconds else None
     peak = peak_tflops(device)
-    rows = []
-    for name, rounds in measured.items():
-        times = [r["seconds"] for r in rounds if r["status"] == "ok"]
-        failed = next((r for r in rounds if r["status"] != "ok"), None)
-        seconds = statistics.median(times) if times and failed is None else None
-        tokens_per_s = tokens / seconds if seconds else None
-        row = {"part": "train step", "runner": name,
-               "status": failed["status"] if failed else "ok", "seconds": seconds,
-               "first_step_s": rounds[0]["first_seconds"],
-               "peak_gib": max((r["peak_gib"] for r in rounds if r["peak_gib"] is not None),
-                               default=None),
-               "rounds": rounds, "seq": seq_len, "parameters": parameters,
-               "tokens_per_step": tokens, "tokens_per_s": tokens_per_s,
-               "mfu": (tokens_per_s * model_flops_per_token(parameters, config) / 1e12 / peak
-                       if tokens_per_s and peak else None)}
-        rows.append(row)
-        print(_train_line(row), flush=True)
-    return rows
+    row = {"part": "train step", "runner": name,
+           "status": failed["status"] if failed else "ok", "seconds": seconds,
+           "first_step_s": rounds[0]["first_seconds"],
+           "peak_gib": max((r["peak_gib"] for r in rounds if r["peak_gib"] is not None),
+                           default=None),
+           "rounds": rounds, "seq": seq_len, "parameters": parameters,
+           "tokens_per_step": tokens, "tokens_per_s": tokens_per_s,
+           "mfu": (tokens_per_s * model_flops_per_token(parameters, config) / 1e12 / peak
+                   if tokens_per_s and peak else None)}
+    print(_train_line(row), flush=True)
+    return row
+
+
+# What _one_rank_world sets, which a runner's own process must not inherit (it makes its own).
+WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _measure_apart(name: str, seq_len: int, args) -> tuple[dict, int | None]:
+    """One round of runner ``name`` in a fresh process of this script (``--runner``)."""
+    with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-bench-runner-") as scratch:
+        out = Path(scratch, "runner.json")
+        command = [sys.executable, __file__, *args.argv, "--parts", "train", "--seq-len",
+                   str(seq_len), "--runner", name, "--runner-out", str(out)]
+        env = {key: value for key, value in os.environ.items() if key not in WORLD_VARIABLES}
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return {"status": f"failed: exit {done.returncode}: {last[:160]}", "seconds": None,
+                    "first_seconds": None, "peak_gib": None}, None
+        measured = json.loads(out.read_text())
+        return measured["result"], measured["parameters"]
+
+
+def _run_one_runner(args, device: torch.device) -> None:
+    """``--runner``: measure that runner once, in this process, into ``--runner-out``."""
+    (seq_len,) = args.seq_len
+    with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-bench-") as scratch:
+        corpus, llama = _sources(args, device, scratch)
+        runners, _ = _runners_at(seq_len, args, device, scratch, corpus, llama)
+        result, parameters = _measure_runner(runners[args.runner], device, args)
+    args.runner_out.write_text(json.dumps({"result": result, "parameters": parameters}))
 
 
 def _train_line(row: dict) -> str:
@@ -349,6 +410,12 @@ def main(argv: list[str] | None = None) -> int:
               "torchrun", file=sys.stderr)
         return 2
     _one_rank_world(device)
+    if args.runner is not None:
+        try:
+            _run_one_runner(args, device)
+        finally:
+            dist.destroy_process_group()
+        return 0
     try:
         result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                   else "CPU rehearsal (not a GPU result)",
