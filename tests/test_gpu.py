@@ -265,46 +265,6 @@ def test_a_sliding_window_on_cuda_is_one_variable_length_call(monkeypatch, dtype
                                    **low_precision_tolerance(name, want.float()))
 
 
-def test_a_compiled_block_keeps_a_pack_in_its_graph_as_one_variable_length_call(monkeypatch):
-    """``--compile --pack`` on CUDA in bf16: each block is one inductor graph with the pack's
-    attention inside as one operator (``context.pack_op``), which makes one variable-length
-    flash call forward and one backward per layer; a pack of other documents recompiles
-    nothing; outputs and gradients equal the eager blocks' (bf16 tolerance)."""
-    import torch._dynamo
-
-    from meshpipe.context import pack_op
-    from meshpipe.models.compile import compile_blocks
-
-    calls = []
-    for name in ("_flash_forward", "_flash_backward"):
-        real = getattr(pack_op, name)
-        monkeypatch.setattr(pack_op, name, lambda *a, real=real, name=name, **kw: (
-            calls.append(name), real(*a, **kw))[1])
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    (chunk,) = split(Transformer(TransformerConfig(**SMALL)), 1)
-    chunk = chunk.to("cuda", torch.bfloat16)
-    eager = copy.deepcopy(chunk)
-    compile_blocks([chunk], device=torch.device("cuda"))
-    tokens = torch.randint(0, SMALL["vocab_size"], (2, 96), device="cuda")
-    for lengths in ([40, 56], [7, 30, 59]):
-        positions = torch.cat([torch.arange(n) for n in lengths]).cuda()
-        doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]).cuda()
-        calls.clear()
-        outputs = [model(tokens, positions, doc_ids) for model in (chunk, eager)]
-        for out in outputs:
-            out.float().square().mean().backward()
-        assert calls.count("_flash_forward") == calls.count("_flash_backward") == SMALL[
-            "n_layers"], calls
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, lengths
-        torch.testing.assert_close(outputs[0].float(), outputs[1].float(),
-                                   **low_precision_tolerance("bf16", outputs[1].float()))
-        for (name, compiled), reference in zip(chunk.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(compiled.grad.float(), reference.grad.float(), msg=name,
-                                       **low_precision_tolerance("bf16", reference.grad.float()))
-            compiled.grad = reference.grad = None
-
-
 def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

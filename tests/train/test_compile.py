@@ -124,42 +124,6 @@ def test_a_second_step_and_another_pack_compile_nothing(monkeypatch):
     assert step() == packed
 
 
-def test_a_pack_the_variable_length_kernel_takes_keeps_a_block_one_graph(monkeypatch):
-    """Where the variable-length flash kernel takes a pack (CUDA, bf16/fp16), its attention
-    is one custom operator inside the block's graph: one graph per block for every pack,
-    recompiling for none. Here on the CPU (the kernel's condition granted), the operator
-    computes as the eager attention does, and its backward recomputes that forward: the
-    outputs and every gradient equal the eager model's."""
-    import copy
-
-    import torch._dynamo
-
-    from meshpipe.context import pack_op
-    from meshpipe.models import Transformer, TransformerConfig, split
-
-    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
-    monkeypatch.setattr(pack_op, "takes", lambda q, positions, window, softcap: (
-        positions is not None and softcap is None))
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    (chunk,) = split(Transformer(TransformerConfig(vocab_size=64, dim=32, n_layers=2,
-                                                   n_heads=4, n_kv_heads=2, max_seq_len=32)), 1)
-    eager = copy.deepcopy(chunk)
-    compile_blocks([chunk])
-    tokens = torch.randint(0, 64, (2, 24))
-    for lengths in ([10, 14], [3, 9, 12], [24]):
-        positions = torch.cat([torch.arange(n) for n in lengths])
-        doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
-        outputs = [model(tokens, positions, doc_ids) for model in (chunk, eager)]
-        for out in outputs:
-            out.float().square().mean().backward()
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, lengths
-        torch.testing.assert_close(*outputs)
-        for (name, compiled), reference in zip(chunk.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(compiled.grad, reference.grad, msg=name)
-            compiled.grad = reference.grad = None
-
-
 def test_a_hugging_face_layer_is_one_graph_or_two_cut_at_its_attention(monkeypatch, tmp_path):
     """transformers' layers call their attention module, whose core is meshpipe's attention:
     on a plain sequence inside the layer's graph, one graph; on a pack a graph break, which

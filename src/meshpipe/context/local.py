@@ -55,13 +55,19 @@ class LocalAttention(nn.Module):
             windowed = _window_cuts(window, seq)
             plain = not windowed
         else:
-            windowed = _window_applies(window, positions, seq)
+            windowed = window is not None and derived(
+                ("window", window, seq), (positions,),
+                lambda: window_applies(window, positions, seq))
             plain = not windowed and derived(
                 "plain", (positions, doc_ids), lambda: is_plain_sequence(positions, doc_ids))
         if plain and causal and _in_causal_squares(q):
             return split_causal_attention(q, k, v, scale)
-        if not plain:
-            documents = varlen_segments(q, positions, doc_ids, causal, window)
+        sliding = window if windowed else None
+        if not plain and _varlen_takes(q) and (sliding is None or takes_windows()):
+            documents = derived(("varlen documents", seq, q.shape[0], causal, sliding),
+                                (positions, doc_ids),
+                                lambda: _varlen_documents(positions, doc_ids, seq, q, causal,
+                                                          sliding))
             if documents is not None:
                 return packed_flash_attention(q, k, v, documents, scale)
         gqa = q.shape[2] != k.shape[2]
@@ -139,26 +145,6 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: fl
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-
-
-def _window_applies(window: int | None, positions: Tensor, seq: int) -> bool:
-    """Whether a sliding ``window`` is shorter than the span of ``positions`` (once per
-    microbatch)."""
-    return window is not None and derived(("window", window, seq), (positions,),
-                                          lambda: window_applies(window, positions, seq))
-
-
-def varlen_segments(q: Tensor, positions: Tensor, doc_ids: Tensor | None, causal: bool,
-                    window: int | None) -> Segments | None:
-    """The documents of a pack of queries ``q`` as the variable-length flash kernel's
-    segments, with the sliding ``window`` where it cuts (derived once per microbatch), when
-    the kernel takes them; else None."""
-    seq = q.shape[1]
-    sliding = window if _window_applies(window, positions, seq) else None
-    if not _varlen_takes(q) or (sliding is not None and not takes_windows()):
-        return None
-    return derived(("varlen documents", seq, q.shape[0], causal, sliding), (positions, doc_ids),
-                   lambda: _varlen_documents(positions, doc_ids, seq, q, causal, sliding))
 
 
 def _varlen_takes(q: Tensor) -> bool:

@@ -35,11 +35,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 
 from meshpipe import graph_breaks
-from meshpipe.context import pack_op
 from meshpipe.models import hf_moe
 from meshpipe.models.transformer import TransformerBlock
 
@@ -102,12 +100,9 @@ def _weightless_pieces(block: nn.Module) -> list[nn.Module]:
     return norms + ([activation] if isinstance(activation, nn.Module) else [])
 
 
-def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False,
-                   device: torch.device | None = None) -> int:
+def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False) -> int:
     """Compile every block of ``chunks`` (their ``layers``) in place, ``regions`` of each
-    (a module shared by blocks once), to run on ``device`` (None: the CPU); how many modules.
-    Packs that the variable-length flash kernel takes on ``device`` keep a block one graph
-    (``context.pack_op``).
+    (a module shared by blocks once); how many modules.
 
     A split backward keeps the autograd graph from its input half to its weight half, which
     AOTAutograd's donated buffers (backward freeing saved tensors early) forbid: they are
@@ -122,7 +117,6 @@ def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False,
     if hasattr(dynamo_config, "nested_graph_breaks"):
         dynamo_config.nested_graph_breaks = True
     graph_breaks.install()
-    pack_op.enable(device or torch.device("cpu"))
     compiled: dict[int, nn.Module] = {}
     for chunk in chunks:
         for block in chunk.layers.values():

@@ -186,18 +186,17 @@ class ModelParts:
 
 
 def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
-                 device: torch.device, **groups: Any) -> ModelParts:
+                 **groups: Any) -> ModelParts:
     """Cut the model into ``len(layers)`` stages. The reference transformer is built whole
     (its initialisation is a pure function of the seed) and sharded over ``groups``
     (tp_group, ep_group, token_group); a ``--model`` is built on the meta device and only
     the chunks in ``my_stages`` read their weights. With ``--compile`` the blocks of
-    ``my_stages`` are compiled (``meshpipe.models.compile``) for ``device``."""
+    ``my_stages`` are compiled (``meshpipe.models.compile``)."""
     parts = (_hf_parts(config, layers, attention, my_stages, **groups) if config.model
              else _reference_parts(config, layers, attention, **groups))
     if config.compile:
         compile_blocks((parts.chunks[stage] for stage in my_stages),
-                       split_backward=SCHEDULE_SPECS[config.schedule].split_backward,
-                       device=device)
+                       split_backward=SCHEDULE_SPECS[config.schedule].split_backward)
     return parts
 
 

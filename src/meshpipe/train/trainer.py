@@ -169,7 +169,7 @@ class Trainer:
         parts = sources.build_chunks(
             config, list(plan.layers),
             make_attention(self.topology.cp_ulysses_group, self.topology.cp_ring_group),
-            my_stages, self.device, tp_group=self.tp_group, ep_group=self.topology.ep_group,
+            my_stages, tp_group=self.tp_group, ep_group=self.topology.ep_group,
             token_group=self.topology.cp_group if config.layout.cp > 1 else None)
         self.scaler = DynamicLossScaler() if config.dtype == "fp16" else None
         self.stages = self._stages(parts.chunks, my_stages)
