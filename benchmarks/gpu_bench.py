@@ -256,7 +256,7 @@ def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpu
             result, counted = (_measure_apart(name, seq_len, args) if args.isolate
                                else _measure_runner(runners[name], device, args))
             parameters = counted or parameters
-            measured[name].append({**result, "gpu": gpu_state()})
+            measured[name].append({"gpu": gpu_state(), **result})
     return [_train_row(name, rounds, seq_len, parameters, config, device)
             for name, rounds in measured.items()]
 
@@ -331,6 +331,7 @@ def _run_one_runner(args, device: torch.device) -> None:
         corpus, llama = _sources(args, device, scratch)
         runners, _ = _runners_at(seq_len, args, device, scratch, corpus, llama)
         result, parameters = _measure_runner(runners[args.runner], device, args)
+    result["gpu"] = gpu_state()  # before this process ends: after it, the GPU idles
     args.runner_out.write_text(json.dumps({"result": result, "parameters": parameters}))
 
 
