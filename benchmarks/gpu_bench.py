@@ -23,10 +23,11 @@ stage, gradient clipping, optimizer), eager and with ``--compile``, on random to
 ``--pack``ed from the shipped corpus (documents of a few hundred tokens), also as a Hugging
 Face Llama of the same sizes through ``--model`` (``--no-hf`` skips it), beside the same
 model stepped by plain PyTorch: step time, tokens/s, model FLOPs utilisation and peak
-memory, over ``--rounds`` rounds in alternating order (on an H100 the rows measured later in
-one process ran up to 1.5x slower than the first, whatever they were), each round's time
-with the GPU's SM clock, temperature and power after it, and the first step's time (with
-``--compile``, compiling included). MFU counts PaLM's model FLOPs, 6 x parameters + 12 x
+memory, over ``--rounds`` rounds in alternating order, each runner's round in a process of
+its own (on an H100 the rows measured later in one process ran up to 1.5x slower than the
+first, whatever they were; ``--no-isolate`` measures them all in this one), each round's
+time with the GPU's SM clock, temperature and power after it, and the first step's time
+(with ``--compile``, compiling included). MFU counts PaLM's model FLOPs, 6 x parameters + 12 x
 layers x dim x seq per token (the attention scores as if not causal), against the GPU's
 dense bf16 peak (``PEAK_BF16_TFLOPS``, by name; none on other devices). Pipelines across
 GPUs are timed by ``benchmarks/gpu_check.py`` (small model).

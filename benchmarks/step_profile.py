@@ -1,13 +1,15 @@
 """Where a GPU training step's time goes: ``torch.profiler`` over training steps of
 ``gpu_bench``'s model through meshpipe's trainer, per variant (eager, ``--pack``,
-``--compile``), with the step's wall time beside the GPU's busy time.
+``--compile``, both), with the step's wall time beside the GPU's busy time.
 
     python benchmarks/step_profile.py                       # eager, pack, compile
+    python benchmarks/step_profile.py --variants pack-compile
     python benchmarks/step_profile.py --variants pack --layers 4
 
 Prints, per variant, the median wall time of the profiled steps, the summed time of the
-GPU's kernels (wall minus that is time the GPU waited for the host), the kernel launches and
-dtype casts per step, and the operators with the most self time on the host and on the GPU.
+GPU's kernels (wall minus that is time the GPU waited for the host), the kernel launches,
+dtype casts and the host's waits for the GPU (``SYNCS``: a wait drains the GPU's queue, and
+the GPU then idles while the host launches again) per step, and the operators with the most self time on the host and on the GPU.
 Writes ``<out>/step_profile.md`` when ``--out`` is given. Single process, one GPU
 (``--cpu-rehearsal`` tries it on the CPU). A benchmark records times; it never asserts them.
 """
@@ -33,14 +35,21 @@ from gpu_attention import sync
 from meshpipe.train.data import load_corpus
 from meshpipe.train.trainer import Trainer
 
-VARIANTS = ("eager", "pack", "compile")
+# variant: (--compile, --pack)
+VARIANTS = {"eager": (False, False), "pack": (False, True), "compile": (True, False),
+            "pack-compile": (True, True)}
 # The CUDA driver and runtime calls that launch a kernel, as the profiler names them.
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaLaunchKernelExC")
+# The CUDA runtime calls in which the host waits for the GPU (a copy to or from pageable
+# host memory waits too: ``cudaMemcpy`` and the stream synchronization an ``.item()`` makes).
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+         "cudaMemcpy")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS,
+                        default=["eager", "pack", "compile"])
     parser.add_argument("--top", type=int, default=12, help="operators listed per table")
     parser.add_argument("--profiled-steps", type=int, default=2)
     known, rest = parser.parse_known_args(argv)
@@ -50,9 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def profile_variant(variant: str, args, device: torch.device, scratch: str,
                     corpus: str) -> str:
-    config = gpu_bench.train_config(args, scratch, device, args.seq_len[0],
-                                    compiled=variant == "compile",
-                                    packed_from=corpus if variant == "pack" else "")
+    compiled, packed = VARIANTS[variant]
+    config = gpu_bench.train_config(args, scratch, device, args.seq_len[0], compiled=compiled,
+                                    packed_from=corpus if packed else "")
     config = dataclasses.replace(config, steps=args.warmup + args.profiled_steps)
     trainer = Trainer(config)
     for step in range(args.warmup):
@@ -73,10 +82,12 @@ def profile_variant(variant: str, args, device: torch.device, scratch: str,
     wall_ms = statistics.median(walls) * 1e3
     launches = sum(e.count for e in events if e.key in LAUNCHES) / args.profiled_steps
     casts = sum(e.count for e in events if e.key == "aten::_to_copy") / args.profiled_steps
+    waits = sum(e.count for e in events if e.key in SYNCS) / args.profiled_steps
     lines = [f"## {variant}", "",
              f"wall {wall_ms:.1f} ms/step (median of {args.profiled_steps} profiled), GPU "
              f"kernels {gpu_us / 1e3:.1f} ms/step, {launches:,.0f} kernel launches/step, "
-             f"{casts:,.0f} dtype casts (`aten::_to_copy`)/step", "", "Host self time:", "",
+             f"{casts:,.0f} dtype casts (`aten::_to_copy`)/step, {waits:,.0f} host waits for "
+             f"the GPU/step", "", "Host self time:", "",
              "```",
              events.table(sort_by="self_cpu_time_total", row_limit=args.top,
                           max_name_column_width=60),
