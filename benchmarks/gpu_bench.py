@@ -117,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "left in the process")
     parser.add_argument("--runner", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--runner-out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--sources", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
@@ -232,7 +233,12 @@ def train_rows(args, device: torch.device) -> list[dict]:
 
 
 def _sources(args, device: torch.device, scratch: str) -> tuple[str, str]:
-    """The corpus packs are cut from, and the Hugging Face directory of the model (or "")."""
+    """The corpus packs are cut from, and the Hugging Face directory of the model (or ""),
+    written into ``scratch``; a runner's own process reads those its parent wrote
+    (``--sources``: a 740M model's export takes seconds)."""
+    if args.sources is not None:
+        return (str(args.sources / "corpus.txt"),
+                str(args.sources / "llama") if args.hf else "")
     corpus = Path(scratch, "corpus.txt")
     corpus.write_bytes(load_corpus())
     longest = train_config(args, scratch, device, max(args.seq_len))
@@ -254,7 +260,7 @@ def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpu
     for round_index in range(args.rounds):
         order = list(runners) if round_index % 2 == 0 else list(runners)[::-1]
         for name in order:
-            result, counted = (_measure_apart(name, seq_len, args) if args.isolate
+            result, counted = (_measure_apart(name, seq_len, args, scratch) if args.isolate
                                else _measure_runner(runners[name], device, args))
             parameters = counted or parameters
             measured[name].append({"gpu": gpu_state(), **result})
@@ -308,12 +314,14 @@ def _train_row(name: str, rounds: list[dict], seq_len: int, parameters: int | No
 WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _measure_apart(name: str, seq_len: int, args) -> tuple[dict, int | None]:
-    """One round of runner ``name`` in a fresh process of this script (``--runner``)."""
+def _measure_apart(name: str, seq_len: int, args, sources: str) -> tuple[dict, int | None]:
+    """One round of runner ``name`` in a fresh process of this script (``--runner``), on the
+    corpus and model this process wrote into ``sources``."""
     with tempfile.TemporaryDirectory(prefix="meshpipe-gpu-bench-runner-") as scratch:
         out = Path(scratch, "runner.json")
         command = [sys.executable, __file__, *args.argv, "--parts", "train", "--seq-len",
-                   str(seq_len), "--runner", name, "--runner-out", str(out)]
+                   str(seq_len), "--runner", name, "--runner-out", str(out),
+                   "--sources", sources]
         env = {key: value for key, value in os.environ.items() if key not in WORLD_VARIABLES}
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0 or not out.exists():
