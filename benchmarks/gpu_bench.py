@@ -115,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="training step: measure each runner's round in a process of its "
                              "own (default), so that no runner inherits what an earlier one "
                              "left in the process")
+    parser.add_argument("--runner-timeout", type=float, default=300,
+                        help="seconds a runner's own process may take before it is a failed "
+                             "row (--isolate)")
     parser.add_argument("--runner", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--runner-out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--sources", type=Path, default=None, help=argparse.SUPPRESS)
@@ -207,8 +210,7 @@ def _measure_runner(build: Callable[[], tuple[Callable[[], None], int]],
         return measured, parameters
     except Exception as error:  # a benchmark row, not a test: record it and go on
         traceback.print_exc()
-        return {"status": f"failed: {type(error).__name__}: {str(error)[:160]}",
-                "seconds": None, "first_seconds": None, "peak_gib": None}, None
+        return _failed(f"{type(error).__name__}: {str(error)[:160]}")
     finally:
         gc.collect()  # this runner's memory, before the next one's
 
@@ -323,14 +325,23 @@ def _measure_apart(name: str, seq_len: int, args, sources: str) -> tuple[dict, i
                    str(seq_len), "--runner", name, "--runner-out", str(out),
                    "--sources", sources]
         env = {key: value for key, value in os.environ.items() if key not in WORLD_VARIABLES}
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                  timeout=args.runner_timeout)
+        except subprocess.TimeoutExpired:
+            return _failed(f"no result in {args.runner_timeout:.0f} s (--runner-timeout)")
         if done.returncode != 0 or not out.exists():
             print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            return {"status": f"failed: exit {done.returncode}: {last[:160]}", "seconds": None,
-                    "first_seconds": None, "peak_gib": None}, None
+            return _failed(f"exit {done.returncode}: {last[:160]}")
         measured = json.loads(out.read_text())
         return measured["result"], measured["parameters"]
+
+
+def _failed(why: str) -> tuple[dict, None]:
+    """A runner's round that gave no time: a row saying why."""
+    return {"status": f"failed: {why}", "seconds": None, "first_seconds": None,
+            "peak_gib": None}, None
 
 
 def _run_one_runner(args, device: torch.device) -> None:
@@ -385,7 +396,9 @@ def to_markdown(result: dict) -> str:
                      f" | {figure(row['peak_gib'], '.1f')} |")
     train = result["train"]
     if train:
-        lines += ["", f"Training step: {train[0]['parameters'] / 1e6:.0f}M parameters, "
+        parameters = train[0]["parameters"]
+        size = f"{parameters / 1e6:.0f}M parameters" if parameters else "no runner finished"
+        lines += ["", f"Training step: {size}, "
                       f"{result['sequences']} sequences per step, bf16 (the trainer: bf16 "
                       f"weights, fp32 masters; the plain loop: autocast), AdamW:",
                   "", "| runner | seq | ms/step | first step s | tokens/s | MFU % | peak GiB | "
