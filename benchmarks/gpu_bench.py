@@ -201,13 +201,14 @@ def _plain_runner(config: TrainConfig, device: torch.device
 
 def _measure_runner(build: Callable[[], tuple[Callable[[], None], int]],
                     device: torch.device, args) -> tuple[dict, int | None]:
-    """One runner built, measured and freed; a runner that fails is a row saying how (the
-    other rows still run)."""
+    """One runner built, measured and freed, with the GPU's state right after it (read in
+    the process that ran it: after that process ends the GPU idles); a runner that fails is
+    a row saying how (the other rows still run)."""
     try:
         step, parameters = build()
         measured = measure(step, device, args)
         del step
-        return measured, parameters
+        return {**measured, "gpu": gpu_state()}, parameters
     except Exception as error:  # a benchmark row, not a test: record it and go on
         traceback.print_exc()
         return _failed(f"{type(error).__name__}: {str(error)[:160]}")
@@ -265,7 +266,7 @@ def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpu
             result, counted = (_measure_apart(name, seq_len, args, scratch) if args.isolate
                                else _measure_runner(runners[name], device, args))
             parameters = counted or parameters
-            measured[name].append({"gpu": gpu_state(), **result})
+            measured[name].append(result)
     return [_train_row(name, rounds, seq_len, parameters, config, device)
             for name, rounds in measured.items()]
 
@@ -351,7 +352,6 @@ def _run_one_runner(args, device: torch.device) -> None:
         corpus, llama = _sources(args, device, scratch)
         runners, _ = _runners_at(seq_len, args, device, scratch, corpus, llama)
         result, parameters = _measure_runner(runners[args.runner], device, args)
-    result["gpu"] = gpu_state()  # before this process ends: after it, the GPU idles
     args.runner_out.write_text(json.dumps({"result": result, "parameters": parameters}))
 
 
