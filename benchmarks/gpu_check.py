@@ -120,7 +120,7 @@ LAYOUTS = [
     Layout("pp1-bf16-compile", ("--pp", "1", "--dtype", "bf16", "--compile"),
            "a block one graph, its SDPA call inside"),
     Layout("packed-pp1-bf16-compile", ("--pp", "1", "--dtype", "bf16", "--compile", *PACKED),
-           "a block two graphs, cut at the variable-length call"),
+           "a block one graph, the variable-length call inside"),
     Layout("pp2-vpp2-zb-v-compile", ("--pp", "2", "--vpp", "2", "--schedule", "zb-v",
                                      "--compile")),
 ]

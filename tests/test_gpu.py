@@ -265,6 +265,43 @@ def test_a_sliding_window_on_cuda_is_one_variable_length_call(monkeypatch, dtype
                                    **low_precision_tolerance(name, want.float()))
 
 
+@pytest.mark.distributed  # inductor compiles in worker processes
+def test_a_compiled_block_keeps_a_pack_in_its_graph_as_one_variable_length_call():
+    """``--compile --pack`` on CUDA in bf16: the chunk derives each pack's documents before
+    its blocks (``routing.pack_for_graph``), and inductor's graph of a block holds the pack's
+    attention as one variable-length flash call, forward and backward: one graph a block
+    with no graph break, a second pack recompiling once (its document count and longest
+    document become dynamic) and a third not at all; outputs and gradients equal the eager
+    blocks' (bf16 tolerance)."""
+    import torch._dynamo
+
+    from meshpipe.models.compile import compile_blocks
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    (chunk,) = split(Transformer(TransformerConfig(**SMALL)), 1)
+    chunk = chunk.to("cuda", torch.bfloat16)
+    eager = copy.deepcopy(chunk)
+    compile_blocks([chunk])
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 96), device="cuda")
+    graphs = []
+    for lengths in ([40, 56], [7, 30, 59], [20, 76]):
+        positions = torch.cat([torch.arange(n) for n in lengths]).cuda()
+        doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]).cuda()
+        outputs = [model(tokens, positions, doc_ids) for model in (chunk, eager)]
+        for out in outputs:
+            out.float().square().mean().backward()
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        torch.testing.assert_close(outputs[0].float(), outputs[1].float(),
+                                   **low_precision_tolerance("bf16", outputs[1].float()))
+        for (name, compiled), reference in zip(chunk.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(compiled.grad.float(), reference.grad.float(), msg=name,
+                                       **low_precision_tolerance("bf16", reference.grad.float()))
+            compiled.grad = reference.grad = None
+    assert graphs == [1, 2, 2]
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
 def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

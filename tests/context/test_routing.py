@@ -60,6 +60,54 @@ def test_off_the_cpu_a_long_plain_sequence_runs_in_the_graph():
     assert not LocalAttention().runs_in_graph(cpu_q, None, None, None, None)
 
 
+def test_a_chunk_hands_its_blocks_a_pack_only_where_their_graphs_keep_it(monkeypatch):
+    """``pack_for_graph``: a pack on ``LocalAttention`` in bf16/fp16 (the autocast dtype where
+    autocast is on) on a device the variable-length kernel runs on, each document one run of
+    positions, as the kernel's causal segments; anything else None, which keeps the pack at
+    the graph break."""
+    from meshpipe.context import RingAttention, local
+
+    def pack(attention=LocalAttention(), dtype=torch.bfloat16, layout=PACK):
+        hidden = torch.zeros(2, 6, 16, dtype=dtype)
+        return routing.pack_for_graph(attention, layout["positions"], layout["doc_ids"], hidden)
+
+    assert pack() is None  # the CPU has no variable-length kernel
+    monkeypatch.setattr(local, "_varlen_runs_on", lambda device: True)
+    given = pack()
+    assert given.documents.cu_q.tolist() == [0, 3, 6, 9, 12]  # both rows, end to end
+    assert (given.documents.longest_q, given.documents.causal) == (3, True)
+    assert pack(dtype=torch.float16) is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert pack(dtype=torch.float32) is not None
+    assert pack(dtype=torch.float32) is None
+    assert pack(attention=RingAttention()) is None
+    assert pack(layout=PLAIN) is None
+    split_document = dict(positions=torch.tensor([0, 1, 0, 1, 2, 3]),
+                          doc_ids=torch.tensor([0, 0, 1, 1, 0, 0]))
+    assert pack(layout=split_document) is None
+
+
+@pytest.mark.parametrize("case, dtype, head_dim, options, windows, takes", [
+    ("bf16", torch.bfloat16, 8, {}, True, True),
+    ("fp16, a window", torch.float16, 8, dict(window=3), True, True),
+    ("a window this torch's kernel does not take", torch.bfloat16, 8, dict(window=3), False,
+     False),
+    ("soft-capped", torch.bfloat16, 8, dict(softcap=30.0), True, False),
+    ("float32", torch.float32, 8, {}, True, False),
+    ("a head size the kernel does not take", torch.bfloat16, 12, {}, True, False),
+])
+def test_a_compiled_block_keeps_only_the_calls_the_kernel_takes(case, dtype, head_dim, options,
+                                                                windows, takes):
+    """Inside a graph, ``_graph_takes`` reads only what tracing may: the call's options and
+    the queries' dtype and head size, and the pack's note of whether windows are taken."""
+    from meshpipe.context.varlen import Segments
+
+    documents = Segments.of([3, 3], [3, 3], 1, torch.device("cpu"), True)
+    q = torch.zeros(1, 6, 4, head_dim, dtype=dtype)
+    assert routing._graph_takes(routing.GraphPack(documents, windows), q, options.get("window"),
+                                options.get("softcap")) == takes, case
+
+
 def test_another_attention_runs_eagerly_with_exactly_the_options_given(eager_calls):
     """A context-parallel or user attention communicates or reads the layout as it likes:
     always at the graph break, called with what the layer gave and nothing more."""

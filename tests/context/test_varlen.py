@@ -13,60 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flash_stand_in import StandInKernel
 from meshpipe.context import LocalAttention, local
 from meshpipe.context.masks import MAX_RUNS
 from meshpipe.context.varlen import Segments
 
 
-def _per_document(q, k, v, cu, causal, scale, left=None):
-    """Each segment of ``cu`` on its own, causal or not, keys at most ``left`` offsets back."""
-    pieces = []
-    for start, stop in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        offsets = torch.arange(stop - start)
-        allowed = torch.ones(len(offsets), len(offsets), dtype=torch.bool)
-        if causal:
-            allowed &= offsets[None, :] <= offsets[:, None]
-        if left is not None:
-            allowed &= offsets[:, None] - offsets[None, :] <= left
-        q_doc, k_doc, v_doc = (t[start:stop].transpose(0, 1) for t in (q, k, v))
-        pieces.append(F.scaled_dot_product_attention(
-            q_doc, k_doc, v_doc, attn_mask=allowed, scale=scale,
-            enable_gqa=True).transpose(0, 1))
-    return torch.cat(pieces)
-
-
-class _StandInKernel:
-    """``aten._flash_attention_forward`` / ``_backward`` computed per document on the CPU."""
-
-    def __init__(self, monkeypatch):
-        self.calls: list[tuple] = []
-        aten = torch.ops.aten
-        monkeypatch.setattr(aten, "_flash_attention_forward", self.forward)
-        monkeypatch.setattr(aten, "_flash_attention_backward", self.backward)
-
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale,
-                window_size_left=None, window_size_right=None):
-        self.calls.append(("fwd", q.shape, k.shape, cu_q.tolist(), max_q, causal, dropout,
-                           window_size_left))
-        assert torch.equal(cu_q, cu_k) and max_q == max_k and cu_q.dtype == torch.int32
-        assert window_size_left is None or window_size_right == (0 if causal else -1)
-        out = _per_document(q, k, v, cu_q, causal, scale, window_size_left)
-        rng = torch.zeros((), dtype=torch.int64)
-        return out, torch.zeros(q.shape[1], q.shape[0]), rng, rng, torch.empty(0)
-
-    def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal,
-                 seed, offset, *, scale, window_size_left=None, window_size_right=None):
-        self.calls.append(("bwd", q.shape, k.shape, cu_q.tolist(), max_q, causal, dropout,
-                           window_size_left))
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        with torch.enable_grad():
-            _per_document(*leaves, cu_q, causal, scale, window_size_left).backward(grad_out)
-        return tuple(leaf.grad for leaf in leaves)
-
-
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_pack_goes_to_the_variable_length_kernel_in_one_call(monkeypatch, causal):
-    kernel = _StandInKernel(monkeypatch)
+    kernel = StandInKernel(monkeypatch)
     monkeypatch.setattr(local, "_varlen_takes", lambda q: True)
     generator = torch.Generator().manual_seed(0)
     lengths = [5, 11, 8]
@@ -93,7 +48,7 @@ def test_a_pack_goes_to_the_variable_length_kernel_in_one_call(monkeypatch, caus
 def test_packs_the_kernel_cannot_take_keep_their_paths(monkeypatch):
     """Off CUDA, in float32, or with a document in two runs (no cumulative lengths describe
     it), a pack does not go to the variable-length kernel."""
-    kernel = _StandInKernel(monkeypatch)
+    kernel = StandInKernel(monkeypatch)
     assert not local._varlen_takes(torch.empty(1, 8, 2, 8, dtype=torch.bfloat16))
     assert not local._varlen_takes(torch.empty(1, 8, 2, 8, device="meta"))
     monkeypatch.setattr(local, "_varlen_takes", lambda q: True)
@@ -110,7 +65,7 @@ def test_a_sliding_window_goes_to_the_variable_length_kernel(monkeypatch, packed
     from meshpipe.context.varlen import takes_windows
 
     assert takes_windows()  # this torch's ops take a window
-    kernel = _StandInKernel(monkeypatch)
+    kernel = StandInKernel(monkeypatch)
     monkeypatch.setattr(local, "_varlen_takes", lambda q: True)
     generator = torch.Generator().manual_seed(1)
     lengths = [5, 11, 8] if packed else [24]
@@ -314,7 +269,7 @@ def test_a_packed_ring_step_is_one_variable_length_call(lengths):
 
 
 def test_a_pack_of_many_documents_is_still_one_call(monkeypatch):
-    kernel = _StandInKernel(monkeypatch)
+    kernel = StandInKernel(monkeypatch)
     monkeypatch.setattr(local, "_varlen_takes", lambda q: True)
     documents = MAX_RUNS + 36
     doc_ids = torch.arange(documents).repeat_interleave(2)

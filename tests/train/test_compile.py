@@ -124,7 +124,21 @@ def test_a_second_step_and_another_pack_compile_nothing(monkeypatch):
     assert step() == packed
 
 
-def test_a_hugging_face_layer_is_one_graph_or_two_cut_at_its_attention(monkeypatch, tmp_path):
+@pytest.fixture
+def nested_graph_breaks_off():
+    """TorchDynamo's nested graph breaks off for a test (``compile_blocks`` turns them on,
+    process-wide), and as they were after it. ``monkeypatch`` cannot restore a TorchDynamo
+    config: putting back its default value deletes the option for every later compile."""
+    from torch._dynamo import config as dynamo_config
+
+    if not hasattr(dynamo_config, "nested_graph_breaks"):
+        pytest.skip(f"torch {torch.__version__} has no nested graph breaks")
+    with dynamo_config.patch(nested_graph_breaks=False):
+        yield
+
+
+def test_a_hugging_face_layer_is_one_graph_or_two_cut_at_its_attention(
+        monkeypatch, tmp_path, nested_graph_breaks_off):
     """transformers' layers call their attention module, whose core is meshpipe's attention:
     on a plain sequence inside the layer's graph, one graph; on a pack a graph break, which
     resumed inside the nested call (TorchDynamo's nested graph breaks, where the torch has
@@ -132,15 +146,11 @@ def test_a_hugging_face_layer_is_one_graph_or_two_cut_at_its_attention(monkeypat
     import copy
 
     import torch._dynamo
-    from torch._dynamo import config as dynamo_config
 
     from meshpipe.context import LocalAttention
     from meshpipe.models import hf
 
-    if not hasattr(dynamo_config, "nested_graph_breaks"):
-        pytest.skip(f"torch {torch.__version__} has no nested graph breaks: four graphs")
     monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
-    monkeypatch.setattr(dynamo_config, "nested_graph_breaks", False)  # compile_blocks sets it
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     directory = save_tiny_model(tmp_path, "llama")
@@ -199,3 +209,112 @@ def test_a_compile_mode_of_cuda_graphs_is_refused_before_the_run(monkeypatch, mo
     TrainConfig(compile=False)
     monkeypatch.setenv(MODE_VARIABLE, "max-autotune-no-cudagraphs")
     TrainConfig(compile=True)
+
+
+@pytest.fixture
+def stand_in_kernel(monkeypatch):
+    """The variable-length flash kernel granted to the CPU, its ops run by per-document
+    stand-ins inside the compiled graphs (``flash_stand_in``), and TorchDynamo's caches and
+    counters cleared: the kernel, whose ``calls`` record each call."""
+    import torch._dynamo
+
+    from flash_stand_in import StandInKernel
+    from meshpipe.context import local
+    from meshpipe.models import compile as compile_module
+
+    kernel = StandInKernel()
+    backend = kernel.backend()
+    monkeypatch.setattr(compile_module, "backend", lambda: backend)
+    monkeypatch.setattr(local, "_varlen_runs_on", lambda device: True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return kernel
+
+
+def _compiled_and_eager_agree_in_bf16(compiled, eager, inputs):
+    """Forward and backward of both chunks on ``inputs``: outputs and every gradient within
+    bf16's tolerance (the gradients are cleared after)."""
+    from meshpipe.runtime.precision import low_precision_tolerance
+
+    outputs = [model(*inputs) for model in (compiled, eager)]
+    for out in outputs:
+        out.float().square().mean().backward()
+    torch.testing.assert_close(outputs[0], outputs[1],
+                               **low_precision_tolerance("bf16", outputs[1]))
+    for (name, param), reference in zip(compiled.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(param.grad, reference.grad, msg=name,
+                                   **low_precision_tolerance("bf16", reference.grad))
+        param.grad = reference.grad = None
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_pack_the_variable_length_kernel_takes_stays_in_the_blocks_graph(stand_in_kernel,
+                                                                           recompute):
+    """On CUDA in bf16/fp16 a chunk derives its pack's documents before its blocks run
+    (``routing.pack_for_graph``), and each compiled block holds the pack's attention as one
+    call of the variable-length kernel's aten op, differentiated by the op's own formula:
+    one graph a block with no graph break, forward and backward one kernel call per layer
+    (recomputed layers one more forward in backward; ``--recompute full`` compiles a block's
+    parts, its attention module one of them). The first pack of another document count and
+    longest document recompiles once (both become dynamic); no later pack does. Here the
+    device's kernel is granted and the ops run as per-document stand-ins: outputs and
+    gradients equal the eager chunk's per-document attention."""
+    import copy
+
+    import torch._dynamo
+
+    from meshpipe.models import Transformer, TransformerConfig, split
+
+    layers = 2
+    config = TransformerConfig(vocab_size=64, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2,
+                               max_seq_len=32)
+    (chunk,) = split(Transformer(config, recompute=recompute), 1)
+    chunk = chunk.to(torch.bfloat16)
+    eager = copy.deepcopy(chunk)
+    compile_blocks([chunk])
+    tokens = torch.randint(0, 64, (1, 24))
+    graphs = []
+    for lengths in ([10, 14], [3, 9, 12], [5, 5, 5, 9], [24]):
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+        stand_in_kernel.calls.clear()
+        _compiled_and_eager_agree_in_bf16(chunk, eager, (tokens, positions, doc_ids))
+        cumulative = torch.tensor([0, *lengths]).cumsum(0).tolist()
+        forward, backward = ("fwd", cumulative, max(lengths), True), (
+            "bwd", cumulative, max(lengths), True)
+        assert [call[:1] + call[3:6] for call in stand_in_kernel.calls] == [forward] * layers + (
+            [backward] if recompute == "none" else [forward, backward]) * layers, lengths
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[1:] == [graphs[0] + 1] * 3  # the attention's graph recompiled once
+    assert graphs[0] == (3 if recompute == "full" else 1)  # the norms', attention's, MLP's
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_a_hugging_face_layer_keeps_a_pack_the_kernel_takes_in_its_graph(stand_in_kernel,
+                                                                          tmp_path):
+    """A Hugging Face chunk derives its pack's documents once, before its layers, and passes
+    them through each layer to meshpipe's attention function (``meshpipe_pack``): compiled
+    and in bf16 on a device with the variable-length kernel (granted here, its ops as
+    stand-ins), a layer of a pack is one graph, one kernel call forward and one backward a
+    layer, equal to the eager layers."""
+    import copy
+
+    import torch._dynamo
+
+    from meshpipe.context import LocalAttention
+    from meshpipe.models import hf
+
+    directory = save_tiny_model(tmp_path, "llama")
+    skeleton = hf.build_skeleton(directory)
+    (chunk,) = hf.split_model(skeleton, [skeleton.config.num_hidden_layers], LocalAttention())
+    hf.materialize(skeleton, [chunk], directory)
+    chunk = chunk.to(torch.bfloat16)
+    eager = copy.deepcopy(chunk)
+    compile_blocks([chunk])
+    tokens = torch.randint(0, 64, (1, 16))
+    layout = (torch.cat([torch.arange(6), torch.arange(10)]), torch.tensor([0] * 6 + [1] * 10))
+    _compiled_and_eager_agree_in_bf16(chunk, eager, (tokens, *layout))
+    layers = skeleton.config.num_hidden_layers
+    assert [call[0] for call in stand_in_kernel.calls] == ["fwd"] * layers + ["bwd"] * layers
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]

@@ -256,6 +256,7 @@ CUDA_EFFICIENT = BlockKernel("cuda_efficient", _cuda_efficient_forward, _cuda_ef
 
 _FLASH_HEAD_DIMS = range(8, 257, 8)
 """The head sizes PyTorch's CUDA flash kernel takes."""
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @cache
@@ -268,9 +269,20 @@ def flash_takes(q: Tensor) -> bool:
     """Whether PyTorch's flash kernel takes ``q``: bf16 or fp16, a head size it takes, SDPA's
     flash backend not switched off, on a device that has it (a tensor off CUDA, 'meta' in
     the routing tests, is taken to have it)."""
-    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in _FLASH_HEAD_DIMS
-            and torch.backends.cuda.flash_sdp_enabled()
-            and (q.device.type != "cuda" or _flash_capable(q.device.index)))
+    return flash_takes_queries(q) and flash_runs_on(q.device)
+
+
+def flash_takes_queries(q: Tensor) -> bool:
+    """Whether the flash kernel takes queries of ``q``'s dtype and head size (``flash_takes``
+    without the device: what tracing a compiled graph can read)."""
+    return q.dtype in FLASH_DTYPES and q.shape[-1] in _FLASH_HEAD_DIMS
+
+
+def flash_runs_on(device: torch.device) -> bool:
+    """Whether PyTorch's flash kernel runs on ``device`` (``flash_takes`` without the
+    queries' dtype and head size)."""
+    return torch.backends.cuda.flash_sdp_enabled() and (
+        device.type != "cuda" or _flash_capable(device.index))
 
 
 def _takes_flash(q: Tensor, mask: TileMask) -> bool:

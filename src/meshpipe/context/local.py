@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .blockwise import flash_takes
+from .blockwise import flash_runs_on, flash_takes
 from .derived import derived
 from .interface import check_attention_inputs
 from .masks import MAX_RUNS, attention_mask, is_plain_sequence, token_runs, window_applies
@@ -64,10 +64,8 @@ class LocalAttention(nn.Module):
             return split_causal_attention(q, k, v, scale)
         sliding = window if windowed else None
         if not plain and _varlen_takes(q) and (sliding is None or takes_windows()):
-            documents = derived(("varlen documents", seq, q.shape[0], causal, sliding),
-                                (positions, doc_ids),
-                                lambda: _varlen_documents(positions, doc_ids, seq, q, causal,
-                                                          sliding))
+            documents = _derived_documents(positions, doc_ids, seq, q.shape[0], q.device,
+                                           causal, sliding)
             if documents is not None:
                 return packed_flash_attention(q, k, v, documents, scale)
         gqa = q.shape[2] != k.shape[2]
@@ -153,8 +151,35 @@ def _varlen_takes(q: Tensor) -> bool:
     return q.device.type == "cuda" and flash_takes(q)
 
 
-def _varlen_documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int,
-                      q: Tensor, causal: bool, window: int | None) -> Segments | None:
+def _varlen_runs_on(device: torch.device) -> bool:
+    """Whether the variable-length flash kernel runs on ``device`` (``_varlen_takes`` without
+    the queries' dtype and head size)."""
+    return device.type == "cuda" and flash_runs_on(device)
+
+
+def pack_documents(positions: Tensor, doc_ids: Tensor | None, rows: int,
+                   device: torch.device) -> Segments | None:
+    """The documents of a pack of ``rows`` rows as causal segments of the variable-length
+    flash kernel, where it runs on ``device`` and each document is one run of consecutive
+    positions; else None. Derived once per microbatch and shared with the eager path's
+    derivation: what a compiled block's graph reads instead of the token layout
+    (``routing.pack_for_graph``)."""
+    if not _varlen_runs_on(device):
+        return None
+    return _derived_documents(positions, doc_ids, positions.shape[0], rows, device, True, None)
+
+
+def _derived_documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int, rows: int,
+                       device: torch.device, causal: bool,
+                       window: int | None) -> Segments | None:
+    return derived(("varlen documents", seq, rows, causal, window), (positions, doc_ids),
+                   lambda: _varlen_documents(positions, doc_ids, seq, rows, device, causal,
+                                             window))
+
+
+def _varlen_documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int, rows: int,
+                      device: torch.device, causal: bool,
+                      window: int | None) -> Segments | None:
     """The pack's documents (a plain sequence: one) as the variable-length kernel's
     segments, with the sliding ``window``, when each is one run of consecutive positions
     (else None): within a run, positions and offsets differ by the same amount, so the
@@ -163,7 +188,7 @@ def _varlen_documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int
     if documents is None:
         return None
     lengths = [rows.stop - rows.start for rows in documents]
-    return Segments.of(lengths, lengths, q.shape[0], q.device, causal, window)
+    return Segments.of(lengths, lengths, rows, device, causal, window)
 
 
 def _per_document(q: Tensor) -> bool:

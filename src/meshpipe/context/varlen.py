@@ -58,12 +58,15 @@ class Segments:
         return Segments(cu_q, cu_k, max(q_lengths), max(k_lengths), causal, window)
 
     def window_sizes(self) -> dict[str, int]:
-        """The kernel's window arguments: keys up to ``window - 1`` positions before a query
-        (and, unless causal, any after it); none without a window."""
-        if self.window is None:
-            return {}
-        return {"window_size_left": self.window - 1,
-                "window_size_right": 0 if self.causal else -1}
+        return window_sizes(self.window, self.causal)
+
+
+def window_sizes(window: int | None, causal: bool) -> dict[str, int]:
+    """The kernel's window arguments: keys up to ``window - 1`` positions before a query
+    (and, unless causal, any after it); none without a window."""
+    if window is None:
+        return {}
+    return {"window_size_left": window - 1, "window_size_right": 0 if causal else -1}
 
 
 def _cumulative(lengths: list[int], rows: int, device: torch.device) -> Tensor:
@@ -120,6 +123,21 @@ def packed_flash_attention(q: Tensor, k: Tensor, v: Tensor, documents: Segments,
     batch, seq = q.shape[:2]
     flat = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
     return _VarlenFlash.apply(*flat, documents, scale).view(q.shape)
+
+
+def packed_flash_in_graph(q: Tensor, k: Tensor, v: Tensor, documents: Segments, causal: bool,
+                          window: int | None, scale: float | None) -> Tensor:
+    """``packed_flash_attention`` inside a compiled block's graph: the aten op differentiated
+    by its own autograd formula, which TorchDynamo traces (``_VarlenFlash``, a Python
+    autograd function that reads ``Segments`` from its context, would cut the graph), on
+    ``documents`` derived before the block ran (``local.pack_documents``), with this call's
+    ``causal`` and sliding ``window``."""
+    batch, seq = q.shape[:2]
+    flat = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
+    out = torch.ops.aten._flash_attention_forward(
+        *flat, documents.cu_q, documents.cu_k, documents.longest_q, documents.longest_k, 0.0,
+        causal, False, scale=scale, **window_sizes(window, causal))[0]
+    return out.view(q.shape)
 
 
 def segments_of(pieces: list[Piece], q_count: int, k_count: int, rows: int,

@@ -14,8 +14,10 @@ What is not compiled runs eager at known graph breaks, each marked ``@graph_brea
 
 - the attention core: meshpipe's attentions (local, Ulysses, ring, hybrid) read the token
   layout of each microbatch (documents, windows) and communicate, so compiling them would
-  recompile for every pack of documents. Not so a plain sequence's on one rank: one SDPA
-  call, in the block's graph (``meshpipe.context.routing``);
+  recompile for every pack of documents. Not so a plain sequence's on one rank (one SDPA
+  call) nor a pack's on one CUDA rank in bf16/fp16 (one variable-length flash call on the
+  documents the chunk derived before its blocks): they stay in the block's graph
+  (``meshpipe.context.routing``);
 - tensor-parallel communication (``meshpipe.parallel.tp_comm``);
 - a mixture-of-experts block's experts: its forward is cut at its all-to-alls for combined
   1F1B (``forward_steps``), so only its attention and norms are compiled.
@@ -68,8 +70,9 @@ def check_mode() -> None:
 
 def regions(block: nn.Module, split_backward: bool = False) -> list[nn.Module]:
     """The parts of ``block`` that are compiled. A dense reference block and a Hugging Face
-    layer whole: one graph on a plain sequence, else two, cut at the attention core (a
-    Hugging Face layer four where the torch has no nested graph breaks: ``compile_blocks``).
+    layer whole: one graph on a plain sequence and a CUDA pack, else two, cut at the
+    attention core (a Hugging Face layer four where the torch has no nested graph breaks:
+    ``compile_blocks``).
     Each call of a compiled region costs host time (0.3-0.45 ms forward or backward on an
     H100 host, more than the kernels it fuses at a 740M model's sizes), so the fewer regions
     the better. A reference block that recomputes (``--recompute full``: its forward under

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
-from meshpipe.context.routing import attend
+from meshpipe.context.routing import GraphPack, attend, pack_for_graph
 from meshpipe.models import hf_moe
 from meshpipe.models.hf_tp import ROWS_ATTR
 from meshpipe.models.moe import is_expert_param, mark_expert_parallel
@@ -202,6 +202,7 @@ def _attention_adapter(module: nn.Module, query: Tensor, key: Tensor, value: Ten
                        meshpipe_attention: Attention | None = None,
                        meshpipe_positions: Tensor | None = None,
                        meshpipe_doc_ids: Tensor | None = None,
+                       meshpipe_pack: GraphPack | None = None,
                        **_: Any) -> tuple[Tensor, None]:
     """transformers' attention-function signature over a meshpipe attention.
 
@@ -218,6 +219,7 @@ def _attention_adapter(module: nn.Module, query: Tensor, key: Tensor, value: Ten
         raise ValueError("meshpipe's attention has no dropout: set attention_dropout to 0.0")
     out = attend(meshpipe_attention, query.transpose(1, 2), key.transpose(1, 2),
                  value.transpose(1, 2), positions=meshpipe_positions, doc_ids=meshpipe_doc_ids,
+                 pack=meshpipe_pack,
                  causal=True, window=sliding_window, scale=scaling, softcap=softcap)
     return out, None
 
@@ -293,13 +295,14 @@ class HFChunk(nn.Module):
             layer_positions = None
         if self.is_moe and aux is None:
             aux = torch.zeros((), device=hidden.device)
+        pack = pack_for_graph(self.attention, layer_positions, doc_ids, hidden)
         tables: dict[str | None, tuple[Tensor, Tensor]] = {}
         for index, layer in self.layers.items():
             kind = self.layer_types[int(index)] if self.layer_types else None
             if kind not in tables:
                 tables[kind] = (self.rotary_emb(hidden, position_ids, kind) if kind
                                 else self.rotary_emb(hidden, position_ids))
-            inputs = (tables[kind], position_ids, layer_positions, doc_ids)
+            inputs = (tables[kind], position_ids, layer_positions, doc_ids, pack)
             experts = self._experts[index]
             if experts is None:
                 hidden = _maybe_checkpoint(self.recompute, self._layer, layer, hidden, *inputs)
@@ -318,27 +321,27 @@ class HFChunk(nn.Module):
             return logits
         return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
 
-    def _meshpipe_arguments(self, positions: Tensor | None,
-                            doc_ids: Tensor | None) -> dict[str, Any]:
+    def _meshpipe_arguments(self, positions: Tensor | None, doc_ids: Tensor | None,
+                            pack: GraphPack | None) -> dict[str, Any]:
         """What the ``"meshpipe"`` attention function needs, passed through the layer."""
         return dict(meshpipe_attention=self.attention, meshpipe_positions=positions,
-                    meshpipe_doc_ids=doc_ids)
+                    meshpipe_doc_ids=doc_ids, meshpipe_pack=pack)
 
     def _layer(self, layer: nn.Module, hidden: Tensor, rotary: tuple[Tensor, Tensor],
-               position_ids: Tensor, positions: Tensor | None,
-               doc_ids: Tensor | None) -> Tensor:
+               position_ids: Tensor, positions: Tensor | None, doc_ids: Tensor | None,
+               pack: GraphPack | None) -> Tensor:
         out = layer(hidden, position_embeddings=rotary, position_ids=position_ids,
-                    **self._meshpipe_arguments(positions, doc_ids))
+                    **self._meshpipe_arguments(positions, doc_ids, pack))
         return out[0] if isinstance(out, tuple) else out
 
     def _attend(self, layer: nn.Module, hidden: Tensor, rotary: tuple[Tensor, Tensor],
-                position_ids: Tensor, positions: Tensor | None,
-                doc_ids: Tensor | None) -> Tensor:
+                position_ids: Tensor, positions: Tensor | None, doc_ids: Tensor | None,
+                pack: GraphPack | None) -> Tensor:
         """The attention half of a pre-norm decoder layer, with its residual."""
         out, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden),
                                  position_embeddings=rotary, attention_mask=None,
                                  position_ids=position_ids,
-                                 **self._meshpipe_arguments(positions, doc_ids))
+                                 **self._meshpipe_arguments(positions, doc_ids, pack))
         return hidden + out
 
     def extra_repr(self) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from meshpipe.context.routing import GraphPack, pack_for_graph
 from meshpipe.models.transformer import Transformer, default_positions, logits_of, run_layers
 from meshpipe.runtime.substeps import run_steps
 from meshpipe.schedules.placement import balanced_layers
@@ -58,11 +59,21 @@ class TransformerChunk(nn.Module):
         if self.is_moe and aux is None:
             aux = torch.zeros((), device=hidden.device)
         hidden, aux = yield from run_layers(self.layers.values(), hidden, aux,
-                                            layer_positions, doc_ids)
+                                            layer_positions, doc_ids,
+                                            self._pack(layer_positions, doc_ids, hidden))
         if self.is_last:
             logits = logits_of(self, hidden)
             return (logits, aux) if self.is_moe else logits
         return (hidden, positions, doc_ids, aux) if self.is_moe else (hidden, positions, doc_ids)
+
+    def _pack(self, positions: Tensor | None, doc_ids: Tensor | None,
+              hidden: Tensor) -> GraphPack | None:
+        """The microbatch's pack as its compiled blocks keep it in their graphs, derived once
+        here, outside them (``routing.pack_for_graph``)."""
+        if not self.layers:
+            return None
+        block = next(iter(self.layers.values()))
+        return pack_for_graph(block.attention.core_attention, positions, doc_ids, hidden)
 
     def extra_repr(self) -> str:
         start, stop = self.layer_range

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from meshpipe.context.derived import derived, on_host, to_device
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
-from meshpipe.context.routing import attend
+from meshpipe.context.routing import GraphPack, attend
 from meshpipe.models import joint
 from meshpipe.models.mlp import SwiGLU, linear
 from meshpipe.models.moe import MoE
@@ -242,9 +242,10 @@ class SelfAttention(nn.Module):
             setattr(self, name, shard_linear(getattr(self, name), 0, tp.group))
         self.wo = shard_linear(self.wo, 1, tp.group)
 
-    def forward(self, x: Tensor, positions: Tensor | None, doc_ids: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor | None, doc_ids: Tensor | None,
+                pack: GraphPack | None = None) -> Tensor:
         q, k, v = self.project(x, positions)
-        return self.output(self.core(q, k, v, positions, doc_ids))
+        return self.output(self.core(q, k, v, positions, doc_ids, pack))
 
     def project(self, x: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values ``[batch, seq, heads, head_dim]``, rotated."""
@@ -257,18 +258,20 @@ class SelfAttention(nn.Module):
         return self.rope(q, positions), self.rope(k, positions), v
 
     def core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None,
-             doc_ids: Tensor | None) -> Tensor:
-        """The attention core (recomputed in backward with ``--recompute selective``)."""
-        return _maybe_checkpoint(self.recompute_core, self._core, q, k, v, positions, doc_ids)
+             doc_ids: Tensor | None, pack: GraphPack | None = None) -> Tensor:
+        """The attention core (recomputed in backward with ``--recompute selective``);
+        ``pack``: the microbatch's ``routing.pack_for_graph``."""
+        return _maybe_checkpoint(self.recompute_core, self._core, q, k, v, positions, doc_ids,
+                                 pack)
 
     def output(self, out: Tensor) -> Tensor:
         batch, seq = out.shape[:2]
         return self.tp.leave(self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim)))
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None,
-              doc_ids: Tensor | None) -> Tensor:
+              doc_ids: Tensor | None, pack: GraphPack | None) -> Tensor:
         return attend(self.core_attention, q, k, v, positions=positions, doc_ids=doc_ids,
-                      causal=True)
+                      pack=pack, causal=True)
 
 
 class TransformerBlock(nn.Module):
@@ -276,7 +279,8 @@ class TransformerBlock(nn.Module):
 
     A dense block's ``forward`` returns the hidden states; a mixture-of-experts block's
     returns ``(hidden, aux_loss)``. ``forward_steps(x, aux, positions, doc_ids)`` gives
-    ``(hidden, aux + this block's aux_loss)`` for both, cut at the experts' exchanges.
+    ``(hidden, aux + this block's aux_loss)`` for both, cut at the experts' exchanges. A
+    ``pack`` (``routing.pack_for_graph``) keeps a compiled block's pack in its graph.
     """
 
     def __init__(self, config: TransformerConfig, rope: RotaryEmbedding, attention: Attention,
@@ -291,42 +295,45 @@ class TransformerBlock(nn.Module):
                     else SwiGLU(config.dim, config.ffn_width))
         self.recompute = False
 
-    def forward(self, x: Tensor, positions: Tensor | None,
-                doc_ids: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, positions: Tensor | None, doc_ids: Tensor | None,
+                pack: GraphPack | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if self.is_moe:
             return run_steps(self.forward_steps(x, torch.zeros((), device=x.device),
-                                                positions, doc_ids))
+                                                positions, doc_ids, pack))
         if self.recompute:
-            return _maybe_checkpoint(True, self._forward_by_parts, x, positions, doc_ids)
-        return self._forward(x, positions, doc_ids)
+            return _maybe_checkpoint(True, self._forward_by_parts, x, positions, doc_ids, pack)
+        return self._forward(x, positions, doc_ids, pack)
 
     def forward_steps(self, x: Tensor, aux: Tensor | None, positions: Tensor | None,
-                      doc_ids: Tensor | None):
+                      doc_ids: Tensor | None, pack: GraphPack | None = None):
         if not self.is_moe:
-            return self(x, positions, doc_ids), aux
-        x = _maybe_checkpoint(self.recompute, self._attend, x, positions, doc_ids)
+            return self(x, positions, doc_ids, pack), aux
+        x = _maybe_checkpoint(self.recompute, self._attend, x, positions, doc_ids, pack)
         y, layer_aux, (x, aux) = yield from self.mlp.forward_steps(self.mlp_norm(x),
                                                                    keep=(x, aux))
         return x + y, aux + layer_aux
 
-    def _attend(self, x: Tensor, positions: Tensor | None, doc_ids: Tensor | None) -> Tensor:
-        return x + self.attention(self.attention_norm(x), positions, doc_ids)
+    def _attend(self, x: Tensor, positions: Tensor | None, doc_ids: Tensor | None,
+                pack: GraphPack | None) -> Tensor:
+        return x + self.attention(self.attention_norm(x), positions, doc_ids, pack)
 
-    def _forward_by_parts(self, x: Tensor, positions: Tensor | None,
-                          doc_ids: Tensor | None) -> Tensor:
+    def _forward_by_parts(self, x: Tensor, positions: Tensor | None, doc_ids: Tensor | None,
+                          pack: GraphPack | None) -> Tensor:
         """``_forward`` through the attention module whole: what a recomputed block runs,
         whose parts are compiled one by one (``models.compile.regions``)."""
-        x = self._attend(x, positions, doc_ids)
+        x = self._attend(x, positions, doc_ids, pack)
         return x + self.mlp(self.mlp_norm(x))
 
-    def _forward(self, x: Tensor, positions: Tensor | None, doc_ids: Tensor | None) -> Tensor:
+    def _forward(self, x: Tensor, positions: Tensor | None, doc_ids: Tensor | None,
+                 pack: GraphPack | None) -> Tensor:
         """A dense block, written out in one function. Compiled, a plain sequence
-        (``positions`` None) is one graph; otherwise the attention core, called from here,
-        is a graph break that cuts it into two (``context.routing``), where a break inside a
-        nested call would cut every enclosing function around that call (five graphs)."""
+        (``positions`` None) or a pack given as a ``pack`` is one graph; otherwise the
+        attention core, called from here, is a graph break that cuts it into two
+        (``context.routing``), where a break inside a nested call would cut every enclosing
+        function around that call (five graphs)."""
         attention = self.attention
         q, k, v = attention.project(self.attention_norm(x), positions)
-        x = x + attention.output(attention.core(q, k, v, positions, doc_ids))
+        x = x + attention.output(attention.core(q, k, v, positions, doc_ids, pack))
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -478,10 +485,10 @@ class Transformer(nn.Module):
 
 
 def run_layers(layers, hidden: Tensor, aux: Tensor | None, positions: Tensor | None,
-               doc_ids: Tensor | None):
+               doc_ids: Tensor | None, pack: GraphPack | None = None):
     """Sub-steps of ``layers`` in order: ``(hidden, aux)`` after the last."""
     for layer in layers:
-        hidden, aux = yield from layer.forward_steps(hidden, aux, positions, doc_ids)
+        hidden, aux = yield from layer.forward_steps(hidden, aux, positions, doc_ids, pack)
     return hidden, aux
 
 
