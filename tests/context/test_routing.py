@@ -67,11 +67,12 @@ def test_a_chunk_hands_its_blocks_a_pack_only_where_their_graphs_keep_it(monkeyp
     the graph break."""
     from meshpipe.context import RingAttention, local
 
-    def pack(attention=LocalAttention(), dtype=torch.bfloat16, layout=PACK):
-        hidden = torch.zeros(2, 6, 16, dtype=dtype)
+    def pack(attention=LocalAttention(), dtype=torch.bfloat16, layout=PACK, device="cpu"):
+        hidden = torch.zeros(2, 6, 16, dtype=dtype, device=device)
         return routing.pack_for_graph(attention, layout["positions"], layout["doc_ids"], hidden)
 
     assert pack() is None  # the CPU has no variable-length kernel
+    assert pack(device="meta") is None  # nor has a model laid out on no device
     monkeypatch.setattr(local, "_varlen_runs_on", lambda device: True)
     given = pack()
     assert given.documents.cu_q.tolist() == [0, 3, 6, 9, 12]  # both rows, end to end

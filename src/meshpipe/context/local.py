@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .blockwise import flash_runs_on, flash_takes
+from .blockwise import FLASH_DTYPES, flash_runs_on, flash_takes
 from .derived import derived
 from .interface import check_attention_inputs
 from .masks import MAX_RUNS, attention_mask, is_plain_sequence, token_runs, window_applies
@@ -157,16 +157,23 @@ def _varlen_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" and flash_runs_on(device)
 
 
-def pack_documents(positions: Tensor, doc_ids: Tensor | None, rows: int,
-                   device: torch.device) -> Segments | None:
-    """The documents of a pack of ``rows`` rows as causal segments of the variable-length
-    flash kernel, where it runs on ``device`` and each document is one run of consecutive
-    positions; else None. Derived once per microbatch and shared with the eager path's
-    derivation: what a compiled block's graph reads instead of the token layout
-    (``routing.pack_for_graph``)."""
+def pack_documents(positions: Tensor, doc_ids: Tensor | None,
+                   hidden: Tensor) -> Segments | None:
+    """The documents of a pack as causal segments of the variable-length flash kernel, for
+    the layers of ``hidden`` ``[batch, seq, dim]``, where the kernel runs on its device in
+    its dtype (bf16/fp16; under autocast the autocast dtype) and each document is one run
+    of consecutive positions; else None. Derived once per microbatch and shared with the
+    eager path's derivation: what a compiled block's graph reads instead of the token
+    layout (``routing.pack_for_graph``)."""
+    device = hidden.device
     if not _varlen_runs_on(device):
         return None
-    return _derived_documents(positions, doc_ids, positions.shape[0], rows, device, True, None)
+    dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+             else hidden.dtype)
+    if dtype not in FLASH_DTYPES:
+        return None
+    return _derived_documents(positions, doc_ids, positions.shape[0], hidden.shape[0], device,
+                              True, None)
 
 
 def _derived_documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int, rows: int,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from meshpipe.context.blockwise import FLASH_DTYPES, flash_takes_queries
+from meshpipe.context.blockwise import flash_takes_queries
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention, pack_documents
 from meshpipe.context.varlen import Segments, packed_flash_in_graph, takes_windows
@@ -55,11 +55,7 @@ def pack_for_graph(attention: Attention, positions: Tensor | None, doc_ids: Tens
     positions; else None (a pack then runs at a graph break)."""
     if positions is None or not isinstance(attention, LocalAttention):
         return None
-    dtype = (torch.get_autocast_dtype(hidden.device.type)
-             if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype)
-    if dtype not in FLASH_DTYPES:
-        return None
-    documents = pack_documents(positions, doc_ids, hidden.shape[0], hidden.device)
+    documents = pack_documents(positions, doc_ids, hidden)
     return None if documents is None else GraphPack(documents, takes_windows())
 
 
