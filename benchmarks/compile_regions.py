@@ -1,6 +1,6 @@
 """How a compiled block's number of graphs shows in a step: the reference blocks eager, compiled
 by parts (norms, attention, MLP: five graphs a block, as ``--compile`` once did), whole with
-positions given (two graphs, cut at the attention core: a pack's, or a context-parallel
+positions given (two graphs, cut at the attention core: a pack's off CUDA, or a context-parallel
 rank's, block) and whole on the plain sequence (one graph: its attention is one SDPA call,
 in the graph), forward + backward of one chunk in one process, inductor, one thread, in
 alternating order. The last two compute the same thing (the given positions are
