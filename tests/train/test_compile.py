@@ -56,6 +56,39 @@ def test_a_compiled_hugging_face_model_on_packed_ulysses_matches_transformers(tm
     assert report["passed"], report
 
 
+def _check_compiled_with_the_kernel_granted(rank, world_size, config):
+    """``_check_compiled`` as on a GPU with the variable-length flash kernel, whose ops run
+    as per-document stand-ins in the compiled graphs (``flash_stand_in``); the report and
+    how many calls they took. The worker serves later tests: both grants are undone."""
+    from flash_stand_in import StandInKernel
+    from meshpipe.context import local
+    from meshpipe.models import compile as compile_module
+    from meshpipe.train.trainer import Trainer
+
+    kernel = StandInKernel()
+    backend = kernel.backend()
+    granted, chosen = local._varlen_runs_on, compile_module.backend
+    local._varlen_runs_on, compile_module.backend = (lambda device: True), (lambda: backend)
+    try:
+        return Trainer(config).check_first_step(), len(kernel.calls)
+    finally:
+        local._varlen_runs_on, compile_module.backend = granted, chosen
+
+
+def test_a_compiled_pipeline_of_packs_in_the_blocks_graphs_matches_one_process(tmp_path):
+    """``--pack --compile --dtype bf16`` over two pipeline stages, as on a GPU: each stage's
+    chunk derives its microbatches' documents and its compiled blocks keep the pack's
+    attention in their graphs (the kernel's stand-ins take every layer's call on both
+    ranks); the first step equals one process."""
+    config = TrainConfig(**SMALL, pp=2, dtype="bf16", pack=True, compile=True,
+                         data=str(write_documents(tmp_path / "docs.txt")),
+                         out_dir=str(tmp_path / "run"))
+    (report, calls), (_, later_calls) = run_distributed(
+        2, _check_compiled_with_the_kernel_granted, config)
+    assert report["passed"], report
+    assert calls > 0 and later_calls > 0
+
+
 def test_blocks_compile_their_compute_and_leave_the_experts_eager():
     from meshpipe.models import Transformer, TransformerConfig, split
 
