@@ -194,7 +194,7 @@ def _varlen_documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int
     documents = _documents(positions, doc_ids, seq, limit=seq)
     if documents is None:
         return None
-    lengths = [rows.stop - rows.start for rows in documents]
+    lengths = [tokens.stop - tokens.start for tokens in documents]
     return Segments.of(lengths, lengths, rows, device, causal, window)
 
 
