@@ -9,7 +9,8 @@
 Prints, per variant, the median wall time of the profiled steps, the summed time of the
 GPU's kernels (wall minus that is time the GPU waited for the host), the kernel launches,
 dtype casts and the host's waits for the GPU (``SYNCS``: a wait drains the GPU's queue, and
-the GPU then idles while the host launches again) per step, and the operators with the most self time on the host and on the GPU.
+the GPU then idles while the host launches again) per step, and the operators with the most
+self time on the host and on the GPU.
 Writes ``<out>/step_profile.md`` when ``--out`` is given. Single process, one GPU
 (``--cpu-rehearsal`` tries it on the CPU). A benchmark records times; it never asserts them.
 """

@@ -120,9 +120,13 @@ def packed_flash_attention(q: Tensor, k: Tensor, v: Tensor, documents: Segments,
                            scale: float | None) -> Tensor:
     """Attention of ``[b, s, h, d]`` packed rows, each token within its document only, as one
     variable-length flash call."""
-    batch, seq = q.shape[:2]
-    flat = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
-    return _VarlenFlash.apply(*flat, documents, scale).view(q.shape)
+    return _VarlenFlash.apply(*_rows_end_to_end(q, k, v), documents, scale).view(q.shape)
+
+
+def _rows_end_to_end(*tensors: Tensor) -> list[Tensor]:
+    """``[b, s, h, d]`` -> ``[b * s, h, d]``: the kernel's tokens, the rows one after
+    another."""
+    return [t.reshape(-1, *t.shape[2:]) for t in tensors]
 
 
 def packed_flash_in_graph(q: Tensor, k: Tensor, v: Tensor, documents: Segments, causal: bool,
@@ -132,11 +136,10 @@ def packed_flash_in_graph(q: Tensor, k: Tensor, v: Tensor, documents: Segments, 
     autograd function that reads ``Segments`` from its context, would cut the graph), on
     ``documents`` derived before the block ran (``local.pack_documents``), with this call's
     ``causal`` and sliding ``window``."""
-    batch, seq = q.shape[:2]
-    flat = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
     out = torch.ops.aten._flash_attention_forward(
-        *flat, documents.cu_q, documents.cu_k, documents.longest_q, documents.longest_k, 0.0,
-        causal, False, scale=scale, **window_sizes(window, causal))[0]
+        *_rows_end_to_end(q, k, v), documents.cu_q, documents.cu_k, documents.longest_q,
+        documents.longest_k, 0.0, causal, False, scale=scale,
+        **window_sizes(window, causal))[0]
     return out.view(q.shape)
 
 
