@@ -1,7 +1,8 @@
 """The CUDA variable-length flash kernel's two aten ops, computed document by document with
 SDPA on the CPU, which has no kernel for them, recording each call's arguments.
 
-``StandInKernel(monkeypatch)`` replaces the ops where meshpipe calls them eagerly;
+``StandInKernel(monkeypatch)`` replaces the ops where meshpipe calls them eagerly, the
+forward differentiated as aten's formula does it (by a call of the backward op);
 ``StandInKernel().backend()`` is a ``torch.compile`` backend for graphs that hold them (the
 ops trace on their meta kernels): AOTAutograd's forward and backward graphs run through an
 FX interpreter that calls the stand-ins where a graph calls the ops.
@@ -42,8 +43,14 @@ class StandInKernel:
         self.calls: list[tuple] = []
         if monkeypatch is not None:
             aten = torch.ops.aten
-            monkeypatch.setattr(aten, "_flash_attention_forward", self.forward)
+            monkeypatch.setattr(aten, "_flash_attention_forward", self.differentiable_forward)
             monkeypatch.setattr(aten, "_flash_attention_backward", self.backward)
+
+    def differentiable_forward(self, q, k, v, *args, **options):
+        """The forward op as aten's autograd calls it: the output's gradient comes from one
+        call of the backward op, given what the forward saved."""
+        out, *rest = _WithItsFormula.apply(self, args, options, q, k, v)
+        return (out, *rest)
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale=None,
                 window_size_left=None, window_size_right=None):
@@ -90,3 +97,25 @@ class StandInKernel:
             return make_boxed_func(lambda *args: StandIns(graph).run(*args))
 
         return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+
+
+class _WithItsFormula(torch.autograd.Function):
+    """aten's derivative of ``_flash_attention_forward``: the query, key and value
+    gradients from ``_flash_attention_backward`` on the forward's output, log-sum-exp and
+    random state; its other outputs have none."""
+
+    @staticmethod
+    def forward(ctx, kernel, args, options, q, k, v):
+        out, lse, seed, offset, debug = kernel.forward(q, k, v, *args, **options)
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+        ctx.kernel, ctx.args, ctx.options = kernel, args, options
+        ctx.mark_non_differentiable(lse, seed, offset, debug)
+        return out, lse, seed, offset, debug
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        q, k, v, out, lse, seed, offset = ctx.saved_tensors
+        cu_q, cu_k, max_q, max_k, dropout, causal, _ = ctx.args
+        grads = ctx.kernel.backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                                    dropout, causal, seed, offset, **ctx.options)
+        return (None, None, None, *grads)

@@ -45,6 +45,31 @@ def test_a_pack_goes_to_the_variable_length_kernel_in_one_call(monkeypatch, caus
         torch.testing.assert_close(got, want, msg=name)
 
 
+def test_a_pack_is_differentiated_by_the_ops_own_formula_on_meta_tensors(monkeypatch):
+    """The real ops on meta tensors: a pack's call is the forward op under aten's own
+    autograd node, whose backward is one call of the backward op (no Python runs in it, as
+    in a Python autograd function: host time a GPU step pays per layer and microbatch)."""
+    monkeypatch.setattr(local, "_varlen_takes", lambda q: True)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k, v = (torch.empty(2, 24, heads, 8, **meta, requires_grad=True) for heads in (4, 2, 2))
+    lengths = torch.tensor([5, 11, 8])
+    out = LocalAttention()(q, k, v, positions=torch.cat([torch.arange(n) for n in lengths]),
+                           doc_ids=torch.repeat_interleave(torch.arange(3), lengths))
+    (node, _), = out.grad_fn.next_functions
+    assert type(node).__name__ == "FlashAttentionBackward0"
+    seen = []
+
+    class Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        out.backward(torch.empty_like(out))
+    assert seen.count("_flash_attention_backward") == 1
+    assert [t.grad.shape for t in (q, k, v)] == [t.shape for t in (q, k, v)]
+
+
 def test_packs_the_kernel_cannot_take_keep_their_paths(monkeypatch):
     """Off CUDA, in float32, or with a document in two runs (no cumulative lengths describe
     it), a pack does not go to the variable-length kernel."""

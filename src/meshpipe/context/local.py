@@ -64,10 +64,9 @@ class LocalAttention(nn.Module):
             return split_causal_attention(q, k, v, scale)
         sliding = window if windowed else None
         if not plain and _varlen_takes(q) and (sliding is None or takes_windows()):
-            documents = _derived_documents(positions, doc_ids, seq, q.shape[0], q.device,
-                                           causal, sliding)
+            documents = _derived_documents(positions, doc_ids, seq, q.shape[0], q.device)
             if documents is not None:
-                return packed_flash_attention(q, k, v, documents, scale)
+                return packed_flash_attention(q, k, v, documents, causal, sliding, scale)
         gqa = q.shape[2] != k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if plain:
@@ -172,30 +171,27 @@ def pack_documents(positions: Tensor, doc_ids: Tensor | None,
              else hidden.dtype)
     if dtype not in FLASH_DTYPES:
         return None
-    return _derived_documents(positions, doc_ids, positions.shape[0], hidden.shape[0], device,
-                              True, None)
+    return _derived_documents(positions, doc_ids, positions.shape[0], hidden.shape[0], device)
 
 
 def _derived_documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int, rows: int,
-                       device: torch.device, causal: bool,
-                       window: int | None) -> Segments | None:
-    return derived(("varlen documents", seq, rows, causal, window), (positions, doc_ids),
-                   lambda: _varlen_documents(positions, doc_ids, seq, rows, device, causal,
-                                             window))
+                       device: torch.device) -> Segments | None:
+    return derived(("varlen documents", seq, rows), (positions, doc_ids),
+                   lambda: _varlen_documents(positions, doc_ids, seq, rows, device))
 
 
 def _varlen_documents(positions: Tensor | None, doc_ids: Tensor | None, seq: int, rows: int,
-                      device: torch.device, causal: bool,
-                      window: int | None) -> Segments | None:
-    """The pack's documents (a plain sequence: one) as the variable-length kernel's
-    segments, with the sliding ``window``, when each is one run of consecutive positions
-    (else None): within a run, positions and offsets differ by the same amount, so the
-    kernel's window over offsets is the window over positions."""
+                      device: torch.device) -> Segments | None:
+    """The pack's documents (a plain sequence: one) as causal segments of the
+    variable-length kernel, when each is one run of consecutive positions (else None):
+    within a run, positions and offsets differ by the same amount, so the kernel's sliding
+    window over offsets is the window over positions. Every layer's call reads them, with
+    its own ``causal`` and window."""
     documents = _documents(positions, doc_ids, seq, limit=seq)
     if documents is None:
         return None
     lengths = [tokens.stop - tokens.start for tokens in documents]
-    return Segments.of(lengths, lengths, rows, device, causal, window)
+    return Segments.of(lengths, lengths, rows, device, causal=True)
 
 
 def _per_document(q: Tensor) -> bool:

@@ -12,8 +12,8 @@ graph, one graph a block, whose every call costs host time the block no longer p
 - a pack the variable-length flash kernel takes (CUDA, bf16/fp16), given its documents as
   a ``GraphPack``: the chunk derives it from the token layout before its blocks run,
   outside their graphs, once per microbatch (``pack_for_graph``), and the graph holds one
-  call of the kernel's aten op, differentiated by its own formula
-  (``varlen.packed_flash_in_graph``). What varies from pack to pack (the cumulative
+  call of the kernel's aten op, differentiated by its own formula, as eagerly
+  (``varlen.packed_flash_attention``). What varies from pack to pack (the cumulative
   lengths' count, the longest document) becomes dynamic at the first pack that differs,
   which recompiles once.
 
@@ -32,7 +32,7 @@ from torch import Tensor
 from meshpipe.context.blockwise import flash_takes_queries
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention, pack_documents
-from meshpipe.context.varlen import Segments, packed_flash_in_graph, takes_windows
+from meshpipe.context.varlen import Segments, packed_flash_attention, takes_windows
 from meshpipe.graph_breaks import graph_break
 
 
@@ -72,8 +72,8 @@ def attend(attention: Attention, q: Tensor, k: Tensor, v: Tensor, *,
         if pack is not None and torch.compiler.is_compiling() and _graph_takes(
                 pack, q, window, softcap):
             scale = options.get("scale")
-            return packed_flash_in_graph(q, k, v, pack.documents, options.get("causal", True),
-                                         window, attention.scale if scale is None else scale)
+            return packed_flash_attention(q, k, v, pack.documents, options.get("causal", True),
+                                          window, attention.scale if scale is None else scale)
     return _attend_eagerly(attention, q, k, v, positions=positions, doc_ids=doc_ids, **options)
 
 

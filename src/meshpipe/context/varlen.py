@@ -37,28 +37,24 @@ from .masks import Piece
 @dataclass(frozen=True)
 class Segments:
     """Cumulative lengths of the query and key segments of a batch's rows (int32 on the
-    device, the rows one after another), the longest of each, whether each pair is a causal
-    square, and a sliding ``window`` (a query attends keys fewer than ``window`` positions
-    before it; None: no window)."""
+    device, the rows one after another), the longest of each, and whether each pair is a
+    causal square (what a ring tile's pieces are; a pack's call says it with its window,
+    ``packed_flash_attention``)."""
 
     cu_q: Tensor
     cu_k: Tensor
     longest_q: int
     longest_k: int
     causal: bool
-    window: int | None = None
 
     @staticmethod
     def of(q_lengths: list[int], k_lengths: list[int], rows: int, device: torch.device,
-           causal: bool, window: int | None = None) -> Segments:
+           causal: bool) -> Segments:
         """The segments of ``rows`` batch rows that are each cut into ``q_lengths`` queries
         against ``k_lengths`` keys."""
         cu_q = _cumulative(q_lengths, rows, device)
         cu_k = cu_q if k_lengths == q_lengths else _cumulative(k_lengths, rows, device)
-        return Segments(cu_q, cu_k, max(q_lengths), max(k_lengths), causal, window)
-
-    def window_sizes(self) -> dict[str, int]:
-        return window_sizes(self.window, self.causal)
+        return Segments(cu_q, cu_k, max(q_lengths), max(k_lengths), causal)
 
 
 def window_sizes(window: int | None, causal: bool) -> dict[str, int]:
@@ -77,70 +73,25 @@ def _cumulative(lengths: list[int], rows: int, device: torch.device) -> Tensor:
     return to_device(cumulative.to(torch.int32), device)
 
 
-def no_rng_state() -> Tensor:
-    """The philox seed or offset of a flash kernel run without dropout (unread): a host
-    scalar, as the kernels return it then."""
-    return torch.zeros((), dtype=torch.int64, device="cpu")
-
-
-def _flash_forward(q: Tensor, k: Tensor, v: Tensor, segments: Segments,
-                   scale: float | None) -> tuple[Tensor, ...]:
-    return torch.ops.aten._flash_attention_forward(
-        q, k, v, segments.cu_q, segments.cu_k, segments.longest_q, segments.longest_k, 0.0,
-        segments.causal, False, scale=scale, **segments.window_sizes())
-
-
-def _flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                    lse: Tensor, segments: Segments, scale: float | None,
-                    rng: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.ops.aten._flash_attention_backward(
-        grad_out, q, k, v, out, lse, segments.cu_q, segments.cu_k, segments.longest_q,
-        segments.longest_k, 0.0, segments.causal, *rng, scale=scale, **segments.window_sizes())
-
-
-class _VarlenFlash(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, segments: Segments,
-                scale: float | None) -> Tensor:
-        out, lse, rng_seed, rng_offset, _ = _flash_forward(q, k, v, segments, scale)
-        ctx.save_for_backward(q, k, v, out, lse, rng_seed, rng_offset)
-        ctx.segments, ctx.scale = segments, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse, rng_seed, rng_offset = ctx.saved_tensors
-        grad_q, grad_k, grad_v = _flash_backward(grad_out.contiguous(), q, k, v, out, lse,
-                                                 ctx.segments, ctx.scale,
-                                                 (rng_seed, rng_offset))
-        return grad_q, grad_k, grad_v, None, None
-
-
-def packed_flash_attention(q: Tensor, k: Tensor, v: Tensor, documents: Segments,
-                           scale: float | None) -> Tensor:
-    """Attention of ``[b, s, h, d]`` packed rows, each token within its document only, as one
-    variable-length flash call."""
-    return _VarlenFlash.apply(*_rows_end_to_end(q, k, v), documents, scale).view(q.shape)
+def packed_flash_attention(q: Tensor, k: Tensor, v: Tensor, documents: Segments, causal: bool,
+                           window: int | None, scale: float | None) -> Tensor:
+    """Attention of ``[b, s, h, d]`` packed rows, each token within its document only
+    (``documents``' segments, with this call's ``causal`` and sliding ``window``), as one
+    variable-length flash call. The aten op goes through its own autograd formula, eagerly
+    and in a compiled block's graph alike: no Python runs in its backward, and TorchDynamo
+    traces it (a Python autograd function reading ``Segments`` from its context would cut
+    the graph)."""
+    out = torch.ops.aten._flash_attention_forward(
+        *_rows_end_to_end(q, k, v), documents.cu_q, documents.cu_k, documents.longest_q,
+        documents.longest_k, 0.0, causal, False, scale=scale,
+        **window_sizes(window, causal))[0]
+    return out.view(q.shape)
 
 
 def _rows_end_to_end(*tensors: Tensor) -> list[Tensor]:
     """``[b, s, h, d]`` -> ``[b * s, h, d]``: the kernel's tokens, the rows one after
     another."""
     return [t.reshape(-1, *t.shape[2:]) for t in tensors]
-
-
-def packed_flash_in_graph(q: Tensor, k: Tensor, v: Tensor, documents: Segments, causal: bool,
-                          window: int | None, scale: float | None) -> Tensor:
-    """``packed_flash_attention`` inside a compiled block's graph: the aten op differentiated
-    by its own autograd formula, which TorchDynamo traces (``_VarlenFlash``, a Python
-    autograd function that reads ``Segments`` from its context, would cut the graph), on
-    ``documents`` derived before the block ran (``local.pack_documents``), with this call's
-    ``causal`` and sliding ``window``."""
-    out = torch.ops.aten._flash_attention_forward(
-        *_rows_end_to_end(q, k, v), documents.cu_q, documents.cu_k, documents.longest_q,
-        documents.longest_k, 0.0, causal, False, scale=scale,
-        **window_sizes(window, causal))[0]
-    return out.view(q.shape)
 
 
 def segments_of(pieces: list[Piece], q_count: int, k_count: int, rows: int,
@@ -162,6 +113,27 @@ def _tile_in_order(ranges: list[slice], count: int) -> bool:
     ends = [0, *(r.stop for r in ranges)]
     return (all(r.start == end and r.stop > r.start for r, end in zip(ranges, ends))
             and ends[-1] == count)
+
+
+def no_rng_state() -> Tensor:
+    """The philox seed or offset of a flash kernel run without dropout (unread): a host
+    scalar, as the kernels return it then."""
+    return torch.zeros((), dtype=torch.int64, device="cpu")
+
+
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, segments: Segments,
+                   scale: float | None) -> tuple[Tensor, ...]:
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, segments.cu_q, segments.cu_k, segments.longest_q, segments.longest_k, 0.0,
+        segments.causal, False, scale=scale)
+
+
+def _flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                    lse: Tensor, segments: Segments, scale: float | None,
+                    rng: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.ops.aten._flash_attention_backward(
+        grad_out, q, k, v, out, lse, segments.cu_q, segments.cu_k, segments.longest_q,
+        segments.longest_k, 0.0, segments.causal, *rng, scale=scale)
 
 
 def _tokens(x: Tensor) -> Tensor:
