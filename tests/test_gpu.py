@@ -302,6 +302,46 @@ def test_a_compiled_block_keeps_a_pack_in_its_graph_as_one_variable_length_call(
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+@pytest.mark.distributed  # inductor compiles in worker processes
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_packs_microbatch_never_waits_for_the_gpu(compiled):
+    """A pack's forward and backward through a chunk in bf16, its tokens and layout moved as
+    the loader moves them (``to_device``: pinned, without waiting, the host copy kept),
+    makes no host-device synchronization (``set_sync_debug_mode("error")`` raises at one):
+    its documents and cumulative lengths are read from the host copies once per
+    microbatch, and nothing a layer does reads the device. The first microbatch (cuBLAS's
+    and inductor's set-up) runs before the check."""
+    import torch._dynamo
+
+    from meshpipe.context.derived import to_device
+    from meshpipe.models.compile import compile_blocks
+
+    (chunk,) = split(Transformer(TransformerConfig(**SMALL)), 1)
+    chunk = chunk.to("cuda", torch.bfloat16)
+    if compiled:
+        torch._dynamo.reset()
+        compile_blocks([chunk])
+    lengths = [40, 7, 49]
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+
+    def microbatch():
+        tokens = torch.randint(0, SMALL["vocab_size"], (2, sum(lengths)))
+        out = chunk(*(to_device(t, torch.device("cuda")) for t in (tokens, positions, doc_ids)))
+        out.float().square().mean().backward()
+
+    microbatch()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            microbatch()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(p.grad.isfinite().all() for p in chunk.parameters())
+
+
 def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

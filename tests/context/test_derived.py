@@ -51,10 +51,13 @@ def test_layout_readers_read_a_host_copy_instead_of_the_device():
         token_runs(*on_device)  # no copy any more: the device would be read
 
 
-def test_a_packed_batch_reaches_attention_with_its_host_copies(monkeypatch):
+@pytest.mark.parametrize("kernel", ["per document", "variable length"])
+def test_a_packed_batch_reaches_attention_with_its_host_copies(monkeypatch, kernel):
     """``RankBatches`` moves a pack's positions and document ids with their host copies, so
-    a 4-layer model on the device ('meta' here: nothing can be read back from it) derives
-    the pack's runs from them, and runs, where reading the device raised before."""
+    a 4-layer model on the device ('meta' here: nothing can be read back from it, as a read
+    of a CUDA tensor would wait for it) derives the pack's runs from them, and runs, where
+    reading the device raised before: document by document, or (bf16, as on CUDA) as one
+    variable-length call a layer on the cumulative lengths, backward too."""
     from meshpipe.train.batches import RankBatches
     from meshpipe.train.config import TrainConfig
 
@@ -63,14 +66,26 @@ def test_a_packed_batch_reaches_attention_with_its_host_copies(monkeypatch):
         targets = torch.randint(0, 64, (2, 12))
         doc_lens = [[5, 7], [12]]
 
+    varlen = kernel == "variable length"
     monkeypatch.setattr(local, "_per_document", lambda q: True)
+    monkeypatch.setattr(local, "_varlen_takes", lambda q: varlen)
+    calls = []
+    packed = local.packed_flash_attention
+    monkeypatch.setattr(local, "packed_flash_attention",
+                        lambda *args: calls.append(1) or packed(*args))
     config = TrainConfig(seq_len=12, microbatches=2, microbatch_size=1)
     batches = RankBatches(config, 0, 0, torch.device("meta"))
     inputs = batches(type("Sampler", (), {"batch": lambda self, step: Packed()})(), 0).inputs
     model = Transformer(TransformerConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4,
                                           n_kv_heads=2, max_seq_len=64)).to("meta")
+    if varlen:
+        model.to(torch.bfloat16)
     for tokens, positions, doc_ids in inputs:
-        assert model(tokens, positions=positions, doc_ids=doc_ids).device.type == "meta"
+        out = model(tokens, positions=positions, doc_ids=doc_ids)
+        assert out.device.type == "meta"
+        if varlen:
+            out.float().square().mean().backward()
+    assert len(calls) == (4 if varlen else 0)  # the second row, one whole document, is plain
     with pytest.raises(Exception):
         model(inputs[0][0], positions=inputs[0][1].clone(), doc_ids=inputs[0][2].clone())
 
