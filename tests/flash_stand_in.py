@@ -49,8 +49,7 @@ class StandInKernel:
     def differentiable_forward(self, q, k, v, *args, **options):
         """The forward op as aten's autograd calls it: the output's gradient comes from one
         call of the backward op, given what the forward saved."""
-        out, *rest = _WithItsFormula.apply(self, args, options, q, k, v)
-        return (out, *rest)
+        return _WithItsFormula.apply(self, args, options, q, k, v)
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale=None,
                 window_size_left=None, window_size_right=None):
