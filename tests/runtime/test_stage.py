@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshpipe.models import Transformer, TransformerConfig, causal_lm_loss, split
+from meshpipe.models.transformer import TransformerBlock
 from meshpipe.runtime import Stage, StageError
 
 CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
@@ -157,6 +158,30 @@ def test_input_pass_skips_weight_work_and_weight_pass_does_only_that():
     weight_half = flops(lambda: stage.backward_weight(1))
     assert input_half + weight_half == full
     assert 0.3 * full < input_half < 0.7 * full
+
+
+@pytest.mark.skipif(not hasattr(torch.utils.checkpoint, "GraphExecGroup"),
+                    reason="this torch has no GraphExecGroup: W recomputes once per call")
+def test_a_recomputed_stage_runs_each_block_once_in_the_input_pass_and_once_in_the_weight_pass():
+    """Under --recompute full, W's several backward calls share one recomputation of each
+    block (each pass reads the blocks' saved tensors), where a recomputation per call ran
+    the blocks several times more. The gradients stay B's."""
+    models = [Transformer(CONFIG, recompute="full") for _ in range(2)]
+    split_stage, full_stage = (Stage(split(model, 3)[1], 1, 3) for model in models)
+    blocks = [m for m in split_stage.module.modules() if isinstance(m, TransformerBlock)]
+    runs = []
+    for block in blocks:  # on its first module: an early-stopped recomputation ends inside
+        block.attention_norm.register_forward_pre_hook(lambda module, args: runs.append(module))
+    hidden = torch.randn(2, 16, 32)
+    grads = (torch.randn(2, 16, 32), None, None)
+    full_stage.forward(0, (hidden, None, None))
+    full_stage.backward(0, grads)
+    split_stage.forward(0, (hidden, None, None))
+    split_stage.backward_input(0, grads)
+    assert len(runs) == 2 * len(blocks)
+    split_stage.backward_weight(0)
+    assert len(runs) == 3 * len(blocks)
+    _assert_same_grads(_param_grads(models[0]), _param_grads(models[1]))
 
 
 class CrossingWeights(nn.Module):

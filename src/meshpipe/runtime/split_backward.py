@@ -28,6 +28,13 @@ per transformer layer). Memory: the graph is retained from I to W (as any split 
 must) and the captured gradients at the frontier nodes (about one activation gradient per
 weight-consuming op) are held until W.
 
+Recomputation: a region under ``torch.utils.checkpoint(..., use_reentrant=False)`` is
+recomputed by I, and once more by W: its frontier nodes read their saved tensors in both
+passes, and the checkpoint hands out each recomputed tensor once per pass. W's calls share
+that one recomputation (``torch.utils.checkpoint.GraphExecGroup``); without it each call
+recomputed the region again, and W cost several forwards more (a torch without that group
+still does).
+
 W accumulates through ``autograd.backward(inputs=weights)``, the way a full backward does
 (into ``.grad``, running the parameters' hooks), so I then W gives the gradients of B.
 
@@ -46,10 +53,12 @@ Limits:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.utils import checkpoint
 
 GradTuple = tuple[Tensor | None, ...]
 
@@ -208,6 +217,13 @@ def _pack_into_calls(groups: list[_WeightGroup],
     return calls
 
 
+def _one_recomputation() -> AbstractContextManager:
+    """A context in which the backward calls made recompute each checkpointed region once
+    between them (the module docstring); a no-op on a torch without the group."""
+    group = getattr(checkpoint, "GraphExecGroup", None)
+    return nullcontext() if group is None else group()
+
+
 class SplitBackward:
     """The backward of one microbatch, run as ``input_grads()`` then ``accumulate_weight_grads()``.
 
@@ -248,8 +264,9 @@ class SplitBackward:
         for edge, grad in zip(self._roots, self._root_grads):
             roots_at.setdefault(edge.node, []).append((edge, grad))
         try:
-            for groups in self._calls:
-                self._run_call(groups, roots_at)
+            with _one_recomputation():
+                for groups in self._calls:
+                    self._run_call(groups, roots_at)
         finally:
             self._calls, self._captured, self._roots, self._root_grads = [], {}, [], []
 

@@ -99,9 +99,10 @@ class CostModel:
         backward, keeping only its input) or "selective" (only the attention core re-runs).
 
         Backward pays for the recomputed forward: ``compute_fraction`` x ``forward`` is added
-        to B and to I, and W stays, so B = I + W still holds. With non-reentrant
-        checkpointing the forward is recomputed by the first backward pass that needs its
-        saved tensors, which in a split backward is I; W reuses what I recomputed. An
+        to B and to I, and W stays, so B = I + W still holds. In a split backward the
+        runtime recomputes a region in I, and under "full" once more in W, whose weight
+        products read the region's saved tensors again (``runtime.split_backward``); the
+        attention core that "selective" recomputes holds no weight, so W never reads it. An
         explicit ``overlap`` cost grows by the same amount (per stage of its forward half);
         without one, an OVERLAP's compute grows through its backward half.
         ``activation_bytes`` is multiplied by ``memory_fraction``, the share of activations
@@ -111,8 +112,9 @@ class CostModel:
         The fractions default to ``recompute_compute_fraction(mode, seq_len, dim)`` and
         ``recompute_memory_fraction(mode, seq_len, dim, heads)`` (Korthikanti et al. 2022)
         for layers of that size. Not modelled: the one layer's activations a recomputation
-        briefly rebuilds (a per-rank constant, not per microbatch); in split-backward
-        schedules, the recomputed tensors that W needs, which stay live from I until W; and
+        briefly rebuilds (a per-rank constant, not per microbatch); under "full" in
+        split-backward schedules, W's recomputation (``compute_fraction`` x ``forward`` more
+        per W than these costs give); and
         the all-to-alls of a recomputed MoE forward: ``a2a`` stays as it is, although a
         full recomputation re-runs each MoE layer's dispatch and combine too (unless the
         runtime keeps the dispatched tokens), so under "full" with ``a2a`` > 0 the B and I
