@@ -170,6 +170,18 @@ def test_activation_bytes_weigh_the_live_pairs_per_stage():
     assert simulate(schedule).peak_activation_bytes is None
 
 
+def test_what_a_split_backward_holds_for_w_is_live_from_each_i_to_its_w():
+    late = Schedule(1, 1, 2, (0,), [[F(0, 0), F(0, 1), I(0, 0), I(0, 1), W(0, 0), W(0, 1)]])
+    early = Schedule(1, 1, 2, (0,), [[F(0, 0), I(0, 0), W(0, 0), F(0, 1), I(0, 1), W(0, 1)]])
+    costs = CostModel(activation_bytes=10.0, held_for_weights=3.0)
+    assert simulate(late, costs).peak_activation_bytes == (26.0,)  # both pairs, both held
+    assert simulate(early, costs).peak_activation_bytes == (13.0,)
+    assert simulate(late, costs).peak_activations == (2,)  # counts pairs only
+    assert simulate(late, CostModel(activation_bytes=10.0)).peak_activation_bytes == (20.0,)
+    fused = Schedule(1, 1, 2, (0,), [[F(0, 0), F(0, 1), B(0, 0), B(0, 1)]])
+    assert simulate(fused, costs).peak_activation_bytes == (20.0,)  # a B holds nothing more
+
+
 def test_lowered_schedules_simulate_like_unlowered_ones_with_free_sends_and_receives():
     schedule = one_f_one_b(4, 6)
     costs = CostModel(comm=0.5)

@@ -401,6 +401,32 @@ def test_fused_and_split_backwards_are_priced_apart() -> None:
     assert split.backward_input[0] == 0.0  # stage 0's input is token ids
 
 
+def test_a_split_backward_is_priced_with_the_gradients_it_holds_from_i_to_w() -> None:
+    holding = replace(_profile(), layer=replace(LAYER, held_for_weights=1000.0),
+                      head=replace(EDGE, held_for_weights=100.0))
+    split = Layout(2, 1, 1, 1, 4, 1, "zb-h1")
+    assert stage_costs(split, holding, 2).held_for_weights == (0.0, (2 * 1000 + 100) * 64)
+    assert predict(split, holding).peak_bytes > predict(split, _profile()).peak_bytes
+    fused = replace(split, schedule="1f1b")
+    assert stage_costs(fused, holding, 2).held_for_weights is None
+    assert predict(fused, holding).peak_bytes == predict(fused, _profile()).peak_bytes
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_profile_measures_the_gradients_a_split_backward_holds(recompute) -> None:
+    """What I captures for W: the gradient at the output of each weight product (float32,
+    per token): a layer's q, k, v, o, gate, up and down and its two norms' scales; the head's
+    norm scale and logits. Recomputation does not change it; the embedding holds none."""
+    config = TrainConfig(dim=32, layers=2, heads=2, kv_heads=1, seq_len=32, microbatch_size=2,
+                         recompute=recompute)
+    profile = tune_profile.model_profile(config, torch.device("cpu"))
+    dim, kv_dim, ffn = 32, 16, 96  # one key/value head of 16
+    assert profile.layer.held_for_weights == 4 * (dim + 2 * kv_dim + dim + 2 * ffn + dim
+                                                  + 2 * dim)
+    assert profile.head.held_for_weights == 4 * (32 + 256)
+    assert profile.embedding.held_for_weights == 0.0
+
+
 def test_contention_slows_layouts_that_keep_more_ranks_busy() -> None:
     alone = _profile(message=Link(0.0, 1e15))
     shared = replace(alone, cores=2)

@@ -258,6 +258,13 @@ class SplitBackward:
         self._inputs = []
         return grads
 
+    def held_bytes(self) -> int:
+        """Bytes of the gradients I captured for W (each storage once): what this split
+        backward holds beyond the forward's saved tensors until W."""
+        storages = {grad.untyped_storage().data_ptr(): grad.untyped_storage().nbytes()
+                    for grads in self._captured.values() for grad in grads if grad is not None}
+        return sum(storages.values())
+
     def accumulate_weight_grads(self) -> None:
         """Add the weight gradients into ``.grad`` from what I captured."""
         roots_at: dict[Node, list[tuple[GradientEdge, Tensor]]] = {}

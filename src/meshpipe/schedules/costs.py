@@ -50,8 +50,12 @@ class CostModel:
     gain from co-scheduling.
 
     ``activation_bytes`` is the size of one microbatch's saved activations on a stage; with
-    it the simulation reports peak live activation memory. ``with_recompute`` turns these
-    costs into those of the same model with activation recomputation (checkpointing).
+    it the simulation reports peak live activation memory. ``held_for_weights`` is what a
+    split backward holds on top of them from the start of a microbatch's I to the end of its
+    W: the gradients I captured at the stage's weight products, for W to start from
+    (``runtime.split_backward``); schedules with B never hold it, and None is none.
+    ``with_recompute`` turns these costs into those of the same model with activation
+    recomputation (checkpointing).
     """
 
     forward: Cost = 1.0
@@ -62,6 +66,7 @@ class CostModel:
     comm: Cost = 0.0
     a2a: Cost = 0.0
     activation_bytes: Cost | None = None
+    held_for_weights: Cost | None = None
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -76,7 +81,7 @@ class CostModel:
 
     def scaled(self, factor: float) -> CostModel:
         """Compute costs, ``a2a`` (its all-to-alls are per layer, like compute) and
-        activation sizes times ``factor``; ``comm`` is per message and stays. Splitting each
+        memory sizes times ``factor``; ``comm`` is per message and stays. Splitting each
         rank's share of a model into v stages is ``scaled(1 / v)``."""
         def scale(value: float | tuple[float, ...] | None) -> float | tuple[float, ...] | None:
             if value is None or isinstance(value, float):
@@ -169,7 +174,7 @@ class CostModel:
 
 
 _SCALED_COSTS = ("forward", "backward", "backward_input", "backward_weight", "overlap",
-                 "a2a", "activation_bytes")
+                 "a2a", "activation_bytes", "held_for_weights")
 
 
 def _times(value: float | tuple[float, ...], factor: float) -> float | tuple[float, ...]:

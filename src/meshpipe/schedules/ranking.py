@@ -48,8 +48,9 @@ The model of one layout:
   replicas, 2 the gradients too; bf16: 2 B weights and 4 B masters, shared out at 1 and 2
   like the moments), plus the schedule's peak of live
   activations, each (stage, microbatch) pair weighing its pieces' saved bytes per token
-  times the tokens. Not modelled: temporaries inside one action, allocator slack, the
-  process's own baseline (torch, data).
+  times the tokens, and in a split backward the gradients it holds from I to W
+  (``Piece.held_for_weights``; none on the first stage). Not modelled: temporaries inside
+  one action, allocator slack, the process's own baseline (torch, data).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class MemoryBudgetError(TuneError):
 class Piece:
     """One part of the model: compute seconds per token (forward, input-gradient and
     weight-gradient halves of a split backward, and a fused backward), activation bytes
-    saved per token, parameters."""
+    saved per token, parameters, and the bytes per token a split backward holds on top of
+    the activations from its I to its W (``CostModel.held_for_weights``)."""
 
     forward: float
     backward_input: float
@@ -111,6 +113,7 @@ class Piece:
     backward: float
     activation_bytes: float
     parameters: int
+    held_for_weights: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -297,10 +300,11 @@ def stage_costs(layout: Layout, profile: Profile, num_stages: int) -> CostModel:
                + profile.message_overhead_s)
     if schedule_spec(layout.schedule).split_backward:
         halves = per_stage("backward_input"), per_stage("backward_weight")
-        # Stage 0's input is token ids: its whole backward runs in W.
+        # Stage 0's input is token ids: its whole backward runs in W, and I holds nothing.
         fixed = profile.action_overhead_s
         backward = {"backward_input": (fixed, *halves[0][1:]),
-                    "backward_weight": (halves[0][0] + halves[1][0] - fixed, *halves[1][1:])}
+                    "backward_weight": (halves[0][0] + halves[1][0] - fixed, *halves[1][1:]),
+                    "held_for_weights": (0.0, *per_stage("held_for_weights", 0.0, tokens)[1:])}
     else:
         backward = {"backward": per_stage("backward")}
     all_to_all = tuple(count * _ulysses_s(layout, profile, tokens) for count in counts)

@@ -60,9 +60,12 @@ class Simulation:
 
     @cached_property
     def peak_activation_bytes(self) -> tuple[float, ...] | None:
-        """Per rank, the peak live activation size; None without ``costs.activation_bytes``."""
-        sizes = self.costs.per_stage("activation_bytes", self.schedule.num_stages)
-        return None if sizes is None else self.timeline.peak_activations(sizes)
+        """Per rank, the peak live activation size, with what a split backward holds from I
+        to W (``costs.held_for_weights``); None without ``costs.activation_bytes``."""
+        num_stages = self.schedule.num_stages
+        sizes = self.costs.per_stage("activation_bytes", num_stages)
+        return None if sizes is None else self.timeline.peak_activations(
+            sizes, self.costs.per_stage("held_for_weights", num_stages))
 
     def summary(self) -> str:
         """One line: makespan, overall bubble and the largest peak of live activations."""

@@ -208,16 +208,20 @@ class Timeline:
         table = self._table
         return not (table.overlap_rows.size or np.isin(table.kind, (B_CODE, I_CODE, W_CODE)).any())
 
-    def peak_activations(self, activation_bytes: Sequence[float] | None = None
+    def peak_activations(self, activation_bytes: Sequence[float] | None = None,
+                         held_for_weights: Sequence[float] | None = None
                          ) -> tuple[float, ...]:
         """Per rank, the peak of live activations: a count, or bytes if sizes are given.
 
         A (stage, microbatch) pair is live from the start of its forward until the end of
         its backward (of its W for a split backward); in a forward-only timeline, until
         the end of its forward. ``activation_bytes[stage]`` weighs each pair; without it
-        each pair counts 1. Each rank's actions are swept in execution order.
+        each pair counts 1. With sizes, ``held_for_weights[stage]`` is live too from the
+        start of a pair's I to the end of its W. Each rank's actions are swept in execution
+        order.
         """
-        adds, removes = _live_changes(self._table, activation_bytes, self.forward_only)
+        held = held_for_weights if activation_bytes is not None else None
+        adds, removes = _live_changes(self._table, activation_bytes, self.forward_only, held)
         peaks = tuple(_peak_live(adds[rows], removes[rows])
                       for rows in map(self._rows, range(self.num_ranks)))
         return peaks if activation_bytes is not None else tuple(int(p) for p in peaks)
@@ -227,11 +231,12 @@ class Timeline:
                 f"makespan={self.makespan:g})")
 
 
-def _live_changes(table: ActionTable, weights: Sequence[float] | None,
-                  forward_only: bool) -> tuple[np.ndarray, np.ndarray]:
+def _live_changes(table: ActionTable, weights: Sequence[float] | None, forward_only: bool,
+                  held: Sequence[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the activations it makes live (when it starts) and frees (when it ends): a
     forward (or an OVERLAP's forward half) adds its pair, a B or W (an OVERLAP's backward
-    half; forward-only, the forward itself) frees one. ``weights[stage]`` weighs a pair."""
+    half; forward-only, the forward itself) frees one. ``weights[stage]`` weighs a pair;
+    ``held[stage]`` is added by an I and freed by its W."""
     weight = (np.ones(max(1, int(table.stage.max(initial=0)) + 1)) if weights is None
               else np.asarray(weights, np.float64))
     kind = table.kind
@@ -241,6 +246,10 @@ def _live_changes(table: ActionTable, weights: Sequence[float] | None,
     removes = np.where(frees, weight[table.stage], 0.0)
     if table.overlap_rows.size:
         removes[table.overlap_rows] = weight[table.overlap_stage]
+    if held is not None:
+        held_here = np.asarray(held, np.float64)[table.stage]
+        adds += np.where(kind == I_CODE, held_here, 0.0)
+        removes += np.where(kind == W_CODE, held_here, 0.0)
     return adds, removes
 
 

@@ -22,11 +22,12 @@ from collections.abc import Callable
 from typing import Any, ContextManager
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from meshpipe.models import causal_lm_loss
 from meshpipe.models.transformer import Transformer
 from meshpipe.schedules.ranking import Link, Piece, Profile, layouts
-from meshpipe.runtime import MasterWeights, autocast, weights_dtype
+from meshpipe.runtime import MasterWeights, SplitBackward, autocast, weights_dtype
 from meshpipe.train import sources
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.launch import device_for_this_rank
@@ -47,12 +48,15 @@ def model_profile(config: TrainConfig, device: torch.device | None = None) -> Pr
     model = in_training_precision(
         Transformer(sources.model_config(config), recompute=config.recompute).to(device), config)
     tokens = config.microbatch_size * config.seq_len
-    pieces = _pieces(model, config, device)
+    pieces, hidden = _pieces(model, config, device)
     with torch.no_grad():
         seconds = _seconds_in_turn(pieces, device)
         sent = pieces["layer"]()
+    # The embedding's input is token ids: its whole backward runs in W, holding nothing more.
+    inputs = {"embedding": [], "layer": [hidden], "head": [hidden]}
     measured = {name: (_saved_bytes(run, model) / tokens,
-                       statistics.median(seconds[name]) / tokens)
+                       statistics.median(seconds[name]) / tokens,
+                       _held_for_weights(run, inputs[name]) / tokens)
                 for name, run in pieces.items()}
     parameters = {"embedding": model.embedding.weight.numel(),
                   "layer": sum(p.numel() for p in model.layers[0].parameters()),
@@ -60,8 +64,8 @@ def model_profile(config: TrainConfig, device: torch.device | None = None) -> Pr
                                                   *model.head.parameters()))}
 
     def piece(name: str) -> Piece:
-        saved, seconds = measured[name]
-        return Piece(seconds, seconds, seconds, 2 * seconds, saved, parameters[name])
+        saved, seconds, held = measured[name]
+        return Piece(seconds, seconds, seconds, 2 * seconds, saved, parameters[name], held)
 
     return Profile(layers=config.layers, heads=config.heads, seq_len=config.seq_len,
                    embedding=piece("embedding"), layer=piece("layer"), head=piece("head"),
@@ -71,10 +75,10 @@ def model_profile(config: TrainConfig, device: torch.device | None = None) -> Pr
                    masters=weights_dtype(config.dtype) != torch.float32)
 
 
-def _pieces(model: Transformer, config: TrainConfig,
-            device: torch.device) -> dict[str, Callable[[], torch.Tensor]]:
+def _pieces(model: Transformer, config: TrainConfig, device: torch.device
+            ) -> tuple[dict[str, Callable[[], torch.Tensor]], torch.Tensor]:
     """One microbatch's forward through each piece in the run's precision, as a function
-    returning its output."""
+    returning its output; and the hidden states the layer and the head take."""
     vocab = model.config.vocab_size
     shape = (config.microbatch_size, config.seq_len)
     tokens = torch.randint(vocab, shape, device=device)
@@ -92,7 +96,7 @@ def _pieces(model: Transformer, config: TrainConfig,
 
     return {"embedding": in_precision(lambda: model.embedding(tokens)),
             "layer": in_precision(lambda: model.layers[0](hidden, None, None)),
-            "head": in_precision(head)}
+            "head": in_precision(head)}, hidden
 
 
 def in_training_precision(module: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
@@ -140,6 +144,17 @@ def _saved_bytes(run: Callable[[], torch.Tensor], model: torch.nn.Module) -> flo
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         run()
     return float(sum(saved.values()))
+
+
+def _held_for_weights(run: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> float:
+    """Bytes a split backward of ``run`` holds from its I to its W, taking the gradient
+    toward ``inputs`` (``SplitBackward.held_bytes``): 0 without inputs."""
+    if not inputs:
+        return 0.0
+    out = run()
+    split = SplitBackward([get_gradient_edge(out)], [torch.ones_like(out)], inputs)
+    split.input_grads()
+    return float(split.held_bytes())
 
 
 def _synchronize(device: torch.device) -> None:
