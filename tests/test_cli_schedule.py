@@ -153,9 +153,9 @@ def test_compare_recompute_changes_the_makespan_and_memory_columns(capsys, tmp_p
                            "--recompute", "full", "--seq-len", "128", "--dim", "64",
                            "--heads", "8", "--json", str(path))
     assert (status, err) == (0, "")
-    # 5 a s / h = 80: 2/114 of the activations kept; B and I re-run the forward
+    # 5 a s / h = 80: 2/114 of the activations kept; B, I and W re-run the forward
     assert ("costs F=1 B=2 I=1 W=1 comm=0; recompute full (seq-len 128, dim 64, heads 8): "
-            "B and I re-run 100% of F, 1.75% of activations kept") in out
+            "B, I and W re-run 100% of F, 1.75% of activations kept") in out
     before, after = _table(plain), _table(out)
     assert before["1f1b"][2:5] == ["33", "4", "4"]
     assert after["1f1b"][2:5] == ["44", "4", f"{4 * 2 / 114:g}"]  # makespan, peaks, memory

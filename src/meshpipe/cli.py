@@ -148,8 +148,9 @@ def _recompute_description(args: argparse.Namespace) -> str:
         return ""
     compute = recompute_compute_fraction(args.recompute, args.seq_len, args.dim)
     memory = recompute_memory_fraction(args.recompute, args.seq_len, args.dim, args.heads)
+    passes = "B, I and W" if args.recompute == "full" else "B and I"
     return (f"recompute {args.recompute} (seq-len {args.seq_len}, dim {args.dim}, heads "
-            f"{args.heads}): B and I re-run {100 * compute:.3g}% of F, "
+            f"{args.heads}): {passes} re-run {100 * compute:.3g}% of F, "
             f"{100 * memory:.3g}% of activations kept")
 
 

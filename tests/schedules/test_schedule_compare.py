@@ -7,6 +7,7 @@ import pytest
 from meshpipe.schedules import SCHEDULES, Schedule, ScheduleError, build, compare
 from meshpipe.schedules.actions import B, F
 from meshpipe.schedules import CostModel, SimulationDeadlock, simulate
+from meshpipe.schedules.table import W_CODE
 
 # ``meshpipe.schedules.compare`` is the function once the package is imported; the module
 # is reached through importlib.
@@ -46,7 +47,9 @@ def test_every_schedule_does_the_same_work_whatever_backward_cost_is_given(costs
         assert row.simulation.makespan >= m * (model.forward + model.backward) - 1e-9
 
 
-def test_recompute_adds_a_forward_to_every_schedules_work_and_shrinks_its_memory():
+def test_recompute_adds_a_forward_to_every_backwards_work_and_shrinks_its_memory():
+    """Full recomputation re-runs the forward in every B or I, and in every W of a split
+    backward."""
     p, m = 4, 8
     base = {row.name: row for row in compare(p, m) if row.simulation is not None}
     recomputed = CostModel().with_recompute("full", memory_fraction=0.25)
@@ -54,7 +57,12 @@ def test_recompute_adds_a_forward_to_every_schedules_work_and_shrinks_its_memory
             if row.simulation is not None}
     assert rows.keys() == base.keys() >= {"1f1b", "zb-h1", "zb-v", "dualpipe-v"}
     for name, row in rows.items():
-        assert sum(row.simulation.busy) == pytest.approx(p * m * (1 + 2 + 1)), name
+        simulation = row.simulation
+        table, stages = simulation.schedule.table, simulation.schedule.num_stages
+        recomputed_in_w = simulation.costs.per_stage("weight_recompute", stages)
+        extra = sum(recomputed_in_w[stage] for stage in table.stage[table.kind == W_CODE])
+        assert (extra > 0) == (name in {"zb-h1", "zb-v", "dualpipe-v"}), name
+        assert sum(simulation.busy) == pytest.approx(p * m * (1 + 2 + 1) + extra), name
         assert row.simulation.makespan > base[name].simulation.makespan, name
         assert row.peak_activation_memory == pytest.approx(
             base[name].peak_activation_memory * 0.25), name

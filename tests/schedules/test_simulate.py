@@ -356,6 +356,7 @@ def test_full_recompute_lowers_peak_activation_memory_and_raises_the_1f1b_makesp
     recomputed = costs.with_recompute("full")
     assert (recomputed.backward, recomputed.backward_input, recomputed.backward_weight) == (
         3.0, 2.0, 1.0)  # B = I + W with the recomputed forward in I
+    assert recomputed.weight_recompute == 1.0  # and a split backward's W recomputes it again
     assert recomputed.activation_bytes == pytest.approx(2 / 54)
     for split in (False, True):
         base = simulate(one_f_one_b(p, m, split), costs)
@@ -363,7 +364,8 @@ def test_full_recompute_lowers_peak_activation_memory_and_raises_the_1f1b_makesp
         if not split:
             assert (base.makespan, full.makespan) == ((m + p - 1) * 3, (m + p - 1) * 4)
         assert full.makespan > base.makespan
-        assert sum(full.busy) == sum(base.busy) + p * m  # one more F per (stage, microbatch)
+        # One more F per (stage, microbatch) in B, or in each of I and W.
+        assert sum(full.busy) == sum(base.busy) + (2 if split else 1) * p * m
         assert full.peak_activations == base.peak_activations == (4, 3, 2, 1)
         assert full.peak_activation_bytes == pytest.approx(
             tuple(peak * 2 / 54 for peak in base.peak_activation_bytes))
@@ -386,6 +388,7 @@ def test_with_recompute_follows_per_stage_costs_and_keeps_the_split_invariant():
     assert recomputed.backward == (4.5, 5.0)
     assert recomputed.backward_input == (3.5, 2.0)
     assert recomputed.backward_weight == (1.0, 3.0)
+    assert recomputed.weight_recompute == 0.0  # the attention core holds no weight
     assert recomputed.overlap == (5.5, 6.0)
     assert recomputed.activation_bytes == 0.25  # None read as 1: memory is now reported
     assert CostModel(activation_bytes=(2, 4)).with_recompute(

@@ -55,7 +55,9 @@ class CostModel:
     W: the gradients I captured at the stage's weight products, for W to start from
     (``runtime.split_backward``); schedules with B never hold it, and None is none.
     ``with_recompute`` turns these costs into those of the same model with activation
-    recomputation (checkpointing).
+    recomputation (checkpointing); ``weight_recompute`` is what a W re-runs of the
+    forward on top of ``backward_weight`` (under full recomputation a split backward
+    recomputes a block in I and again in W), which ``with_recompute`` sets.
     """
 
     forward: Cost = 1.0
@@ -67,6 +69,7 @@ class CostModel:
     a2a: Cost = 0.0
     activation_bytes: Cost | None = None
     held_for_weights: Cost | None = None
+    weight_recompute: Cost = 0.0
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -106,10 +109,11 @@ class CostModel:
         Backward pays for the recomputed forward: ``compute_fraction`` x ``forward`` is added
         to B and to I, and W stays, so B = I + W still holds. In a split backward the
         runtime recomputes a region in I, and under "full" once more in W, whose weight
-        products read the region's saved tensors again (``runtime.split_backward``); the
-        attention core that "selective" recomputes holds no weight, so W never reads it. An
-        explicit ``overlap`` cost grows by the same amount (per stage of its forward half);
-        without one, an OVERLAP's compute grows through its backward half.
+        products read the region's saved tensors again (``runtime.split_backward``): under
+        "full" the same amount is the ``weight_recompute`` of each W. The attention core
+        that "selective" recomputes holds no weight, so W never reads it. An explicit
+        ``overlap`` cost grows by the same amount (per stage of its forward half); without
+        one, an OVERLAP's compute grows through its backward half.
         ``activation_bytes`` is multiplied by ``memory_fraction``, the share of activations
         still saved per microbatch; None is read as 1, one microbatch's activations without
         recomputation, so the result always reports memory, in those units.
@@ -117,10 +121,8 @@ class CostModel:
         The fractions default to ``recompute_compute_fraction(mode, seq_len, dim)`` and
         ``recompute_memory_fraction(mode, seq_len, dim, heads)`` (Korthikanti et al. 2022)
         for layers of that size. Not modelled: the one layer's activations a recomputation
-        briefly rebuilds (a per-rank constant, not per microbatch); under "full" in
-        split-backward schedules, W's recomputation (``compute_fraction`` x ``forward`` more
-        per W than these costs give); and
-        the all-to-alls of a recomputed MoE forward: ``a2a`` stays as it is, although a
+        briefly rebuilds (a per-rank constant, not per microbatch); and the all-to-alls of
+        a recomputed MoE forward: ``a2a`` stays as it is, although a
         full recomputation re-runs each MoE layer's dispatch and combine too (unless the
         runtime keeps the dispatched tokens), so under "full" with ``a2a`` > 0 the B and I
         costs here are short of the real ones by up to ``a2a``.
@@ -159,7 +161,9 @@ class CostModel:
         return replace(self, backward=plus_recompute(self.backward),
                        backward_input=plus_recompute(self.backward_input),
                        overlap=plus_recompute(self.overlap),
-                       activation_bytes=_times(activations, memory_fraction))
+                       activation_bytes=_times(activations, memory_fraction),
+                       weight_recompute=(plus_recompute(self.weight_recompute)
+                                         if mode == "full" else self.weight_recompute))
 
     def per_stage(self, name: str, num_stages: int) -> tuple[float, ...] | None:
         """Field ``name`` expanded to one value per stage (None stays None)."""
@@ -174,7 +178,7 @@ class CostModel:
 
 
 _SCALED_COSTS = ("forward", "backward", "backward_input", "backward_weight", "overlap",
-                 "a2a", "activation_bytes", "held_for_weights")
+                 "a2a", "activation_bytes", "held_for_weights", "weight_recompute")
 
 
 def _times(value: float | tuple[float, ...], factor: float) -> float | tuple[float, ...]:

@@ -163,7 +163,8 @@ def mean_speeds(starts: np.ndarray, ends: np.ndarray, cores: float,
 def _durations(schedule: Schedule, costs: CostModel) -> np.ndarray:
     """How long each row of the schedule's table lasts (SEND/RECV: 0).
 
-    F, B and I wait for their stage's all-to-alls, W has none; an OVERLAP costs the explicit
+    F, B and I wait for their stage's all-to-alls, W has none (a W adds what it recomputes,
+    ``weight_recompute``); an OVERLAP costs the explicit
     ``overlap`` of its forward's stage, else the co-scheduled time (see ``CostModel``): both
     halves' compute back to back, or both all-to-alls if they take longer.
     """
@@ -171,13 +172,13 @@ def _durations(schedule: Schedule, costs: CostModel) -> np.ndarray:
     table = schedule.table
     per_stage = {name: np.asarray(costs.per_stage(name, num_stages), np.float64)
                  for name in ("forward", "backward", "backward_input", "backward_weight",
-                              "a2a")}
+                              "weight_recompute", "a2a")}
     a2a = per_stage["a2a"]
     by_kind = np.zeros((len(KINDS), num_stages))
     by_kind[F_CODE] = per_stage["forward"] + a2a
     by_kind[B_CODE] = per_stage["backward"] + a2a
     by_kind[I_CODE] = per_stage["backward_input"] + a2a
-    by_kind[W_CODE] = per_stage["backward_weight"]
+    by_kind[W_CODE] = per_stage["backward_weight"] + per_stage["weight_recompute"]
     durations = by_kind[table.kind, table.stage]
     if table.overlap_rows.size:
         forward_stage = table.stage[table.overlap_rows]
