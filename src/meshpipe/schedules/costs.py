@@ -122,10 +122,10 @@ class CostModel:
         ``recompute_memory_fraction(mode, seq_len, dim, heads)`` (Korthikanti et al. 2022)
         for layers of that size. Not modelled: the one layer's activations a recomputation
         briefly rebuilds (a per-rank constant, not per microbatch); and the all-to-alls of
-        a recomputed MoE forward: ``a2a`` stays as it is, although a
-        full recomputation re-runs each MoE layer's dispatch and combine too (unless the
-        runtime keeps the dispatched tokens), so under "full" with ``a2a`` > 0 the B and I
-        costs here are short of the real ones by up to ``a2a``.
+        a recomputed MoE forward: ``a2a`` stays as it is, although a full recomputation
+        re-runs each MoE layer's dispatch and combine too (unless the runtime keeps the
+        dispatched tokens), so under "full" with ``a2a`` > 0 the B and I costs here are
+        short of the real ones by up to ``a2a``.
         Apply it once, to costs without recomputation (it adds on every call).
         """
         _check_recompute_mode(mode)
