@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from meshpipe.comm.collectives import split_sizes
 from meshpipe.context.shards import ShardLayout
 from meshpipe.context import AttentionError, LocalAttention, attention_mask, plan_heads
-from meshpipe.context.blockwise import CPU_FLASH, MATH, heads_first, merge_block
+from meshpipe.context import blockwise
+from meshpipe.context.blockwise import CAUSAL, CPU_FLASH, MATH, heads_first, merge_block
 from meshpipe.context.tiles import CAUSAL_LEAF
 from meshpipe.context.masks import (Piece, TokenRun, plan_block, plan_pieces, split_causal,
                                    token_runs)
@@ -57,6 +58,24 @@ def test_fully_masked_tiles_are_skipped():
     assert plan_block(layout.positions(0), None, layout.positions(1), None, True) is None
     docs = torch.tensor([0, 0, 1, 1])
     assert plan_block(torch.arange(4), docs, torch.arange(4), docs + 2, False) is None
+
+
+@pytest.mark.parametrize("mask", [None, CAUSAL], ids=["unmasked", "causal"])
+def test_the_cpu_flash_kernel_repeats_grouped_heads_for_a_torch_before_2_9(mask, monkeypatch):
+    """Before torch 2.9 the CPU flash ops read past the last key/value head when there are
+    fewer of them than query heads; the kernel then repeats them and sums their gradients
+    back, and equals the math kernel."""
+    monkeypatch.setattr(blockwise, "_CPU_FLASH_GROUPS_HEADS", False)
+    torch.manual_seed(0)
+    q, grad = torch.randn(1, 4, 6, 8), torch.randn(1, 4, 6, 8)
+    k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    assert [t.shape[1] for t in blockwise._cpu_flash_heads(k, v, 4)] == [4, 4]
+
+    def forward_and_backward(kernel):
+        out, lse = kernel.forward(q, k, v, mask, 0.3)
+        return out, lse, *kernel.backward(grad, q, k, v, out, lse, mask, 0.3)
+    for got, want in zip(forward_and_backward(CPU_FLASH), forward_and_backward(MATH)):
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("kernel", [MATH, CPU_FLASH], ids=lambda k: k.name)

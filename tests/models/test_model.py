@@ -395,16 +395,21 @@ def _assert_grads_close(grads, model):
         torch.testing.assert_close(grads[name], param.grad, msg=name)
 
 
+@pytest.mark.parametrize("older_torch", [False, True], ids=["this-torch", "torch-2.6"])
 @pytest.mark.parametrize(("dtype", "gain_dtype"), [(torch.float32, torch.float32),
                                                    (torch.bfloat16, torch.bfloat16),
                                                    (torch.bfloat16, torch.float32)])
-def test_rms_norm_is_torchs_one_call_and_equals_the_formula(monkeypatch, dtype, gain_dtype):
+def test_rms_norm_is_torchs_one_call_and_equals_the_formula(monkeypatch, dtype, gain_dtype,
+                                                            older_torch):
     """The norm is one call of torch's ``rms_norm`` with the gain (one fused kernel on CUDA,
     where the formula written out launches five and casts around them): bit for bit the
     formula in float32, and in bf16 the formula computed in float32 and rounded once; the
-    bf16 call takes the bf16 activations as they are (``--dtype bf16``'s weights are bf16)."""
+    bf16 call takes the bf16 activations as they are (``--dtype bf16``'s weights are bf16)
+    where torch computes them in float32 (2.8 on), else their float32 copy."""
     from meshpipe.models.transformer import RMSNorm
 
+    if older_torch:
+        monkeypatch.setattr(RMSNorm, "torch_computes_in_float32", False)
     calls = []
     original = F.rms_norm
     monkeypatch.setattr(F, "rms_norm",
@@ -417,7 +422,8 @@ def test_rms_norm_is_torchs_one_call_and_equals_the_formula(monkeypatch, dtype, 
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)
     formula = (normed * norm.weight.float()).to(dtype)
     assert torch.equal(norm(x), formula)
-    assert calls == [dtype if gain_dtype == dtype else torch.float32]
+    as_they_are = gain_dtype == dtype and RMSNorm.torch_computes_in_float32
+    assert calls == [dtype if as_they_are else torch.float32]
 
 
 def test_rotary_tables_are_looked_up_once_per_positions_tensor():

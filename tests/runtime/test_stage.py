@@ -823,17 +823,16 @@ class ReentrantCheckpoint(nn.Module):
         return checkpoint(lambda h: torch.tanh(self.linear(h)), hidden, use_reentrant=True)
 
 
-@pytest.mark.parametrize("index, failing_action", [(1, "backward_input"),
-                                                   (0, "backward_weight")])
-def test_split_backward_through_a_reentrant_checkpoint_asks_for_use_reentrant_false(
-        index, failing_action):
+@pytest.mark.parametrize("index", [1, 0])
+def test_split_backward_through_a_reentrant_checkpoint_asks_for_use_reentrant_false(index):
+    """Found in the graph by I, before anything runs, on the first stage too (whose I
+    computes nothing): torch 2.8 failed only in W, with another message, and 2.6 crashed."""
     stage = Stage(ReentrantCheckpoint(first=index == 0), index, 3)
     x = torch.randint(0, 10, (2, 4)) if index == 0 else torch.randn(2, 4, 8)
     stage.forward(0, x)
     with pytest.raises(StageError) as info:
         stage.backward_input(0, torch.ones(2, 4, 8))
-        stage.backward_weight(0)
-    assert info.value.action == failing_action
+    assert info.value.action == "backward_input"
     assert "use torch.utils.checkpoint(..., use_reentrant=False) with zero-bubble schedules" \
         in str(info.value)
     stage.forward(1, x)  # a full backward works through it

@@ -5,9 +5,11 @@ partial outputs; in backward it needs the gradient of one block's share given th
 output and log-sum-exp. Two kernels do this:
 
 - ``CPU_FLASH``: PyTorch's CPU flash-attention kernel (the one SDPA uses on CPU), called
-  through its aten ops, which return the log-sum-exp and accept it back in backward. It
-  supports grouped-query attention natively (key/value gradients come out summed over each
-  group) and an additive mask. About 3x faster than the math kernel on CPU.
+  through its aten ops, which return the log-sum-exp and accept it back in backward. Since
+  torch 2.9 it supports grouped-query attention natively (key/value gradients come out
+  summed over each group); for an older torch the grouped heads are repeated and their
+  gradients summed back. It takes an additive mask. About 3x faster than the math kernel
+  on CPU.
 - ``CUDA_EFFICIENT``: PyTorch's memory-efficient CUDA kernel (the one SDPA uses for float32
   on CUDA; the flash kernel takes only half precision), through its aten ops. It takes an
   additive bias instead of a mask and the same number of query and key/value heads, so
@@ -167,19 +169,34 @@ def _flash_mask(mask: TileMask) -> tuple[bool, Tensor | None]:
     return False, torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
+_CPU_FLASH_GROUPS_HEADS = torch.__version__ >= (2, 9)
+"""Whether the CPU flash ops take fewer key/value heads than query heads: before torch 2.9
+they read past the last key/value head (garbage values, then an abort)."""
+
+
+def _cpu_flash_heads(k: Tensor, v: Tensor, heads_q: int) -> tuple[Tensor, Tensor]:
+    """``k`` and ``v`` with the heads this torch's CPU flash ops take."""
+    if _CPU_FLASH_GROUPS_HEADS:
+        return k, v
+    return _repeat_kv(k, heads_q), _repeat_kv(v, heads_q)
+
+
 def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask,
                        scale: float) -> tuple[Tensor, Tensor]:
     is_causal, attn_mask = _flash_mask(mask)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+        q, *_cpu_flash_heads(k, v, q.shape[1]), 0.0, is_causal, attn_mask=attn_mask,
+        scale=scale)
 
 
 def _cpu_flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                         lse: Tensor, mask: TileMask,
                         scale: float) -> tuple[Tensor, Tensor, Tensor]:
     is_causal, attn_mask = _flash_mask(mask)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, *_cpu_flash_heads(k, v, q.shape[1]), out, lse, 0.0, is_causal,
+        attn_mask=attn_mask, scale=scale)
+    return dq, _sum_groups(dk, k.shape[1]), _sum_groups(dv, k.shape[1])
 
 
 MATH = BlockKernel("math", _math_forward, _math_backward)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from meshpipe import graph_breaks
@@ -103,21 +104,28 @@ def _weightless_pieces(block: nn.Module) -> list[nn.Module]:
     return norms + ([activation] if isinstance(activation, nn.Module) else [])
 
 
+NESTED_GRAPH_BREAKS = torch.__version__ >= (2, 10)
+"""Whether ``compile_blocks`` turns TorchDynamo's nested graph breaks on: torch 2.9 has them,
+but its compiled blocks then fail on symbolic sizes (a norm's gain against a dynamic hidden
+size), so there a break inside a nested call cuts every enclosing function."""
+
+
 def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False) -> int:
     """Compile every block of ``chunks`` (their ``layers``) in place, ``regions`` of each
     (a module shared by blocks once); how many modules.
 
     A split backward keeps the autograd graph from its input half to its weight half, which
     AOTAutograd's donated buffers (backward freeing saved tensors early) forbid: they are
-    turned off, process-wide. Where the torch has them, TorchDynamo's nested graph breaks
-    are turned on, process-wide: a break inside a nested call (a Hugging Face layer calls
-    its attention module, whose core breaks) then resumes there instead of cutting every
-    enclosing function around the call, so such a layer is two graphs, not four."""
+    turned off, process-wide. From torch 2.10 (``NESTED_GRAPH_BREAKS``), TorchDynamo's
+    nested graph breaks are turned on, process-wide: a break inside a nested call (a Hugging
+    Face layer calls its attention module, whose core breaks) then resumes there instead of
+    cutting every enclosing function around the call, so such a layer is two graphs, not
+    four."""
     from torch._dynamo import config as dynamo_config
     from torch._functorch import config as functorch_config
 
     functorch_config.donated_buffer = False
-    if hasattr(dynamo_config, "nested_graph_breaks"):
+    if NESTED_GRAPH_BREAKS:
         dynamo_config.nested_graph_breaks = True
     graph_breaks.install()
     compiled: dict[int, nn.Module] = {}

@@ -130,6 +130,7 @@ class TransformerConfig:
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned gain, computed in float32 (the gain included)
     and returned in the input's dtype."""
+    torch_computes_in_float32 = torch.__version__ >= (2, 8)  # 2.6 rounds before the gain
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -141,7 +142,7 @@ class RMSNorm(nn.Module):
         # formula written out launches five and casts around them (a step's kernel launches
         # are what bound it there). `.to`: autocast may count it among its float32 ops.
         shape = (x.shape[-1],)
-        if self.weight.dtype != x.dtype:  # a float32 gain on low-precision activations
+        if self.weight.dtype != x.dtype or not self.torch_computes_in_float32:
             return F.rms_norm(x.float(), shape, self.weight.float(), self.eps).to(x.dtype)
         return F.rms_norm(x, shape, self.weight, self.eps).to(x.dtype)
 

@@ -46,8 +46,9 @@ Limits:
   after the hook), but side effects (counting, logging, recording statistics) happen
   twice; keep such hooks pure, or use a schedule with full backwards (B).
 - ``torch.utils.checkpoint(..., use_reentrant=True)`` cannot run here: its backward refuses
-  ``autograd.grad`` and ``backward(inputs=...)``, which I and W are made of. ``Stage``
-  reports that failure as a StageError asking for ``use_reentrant=False``, which works.
+  ``autograd.grad`` and ``backward(inputs=...)``, which I and W are made of. I finds it in
+  the graph and raises before computing anything; ``Stage`` reports that as a StageError
+  asking for ``use_reentrant=False``, which works.
 """
 
 from __future__ import annotations
@@ -217,6 +218,18 @@ def _pack_into_calls(groups: list[_WeightGroup],
     return calls
 
 
+REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
+
+
+def _refuse_reentrant_checkpoints(nodes: Iterable[Node]) -> None:
+    """Raise before any gradient is computed if the graph holds a reentrant checkpoint: its
+    backward refuses ``autograd.grad`` and ``backward(inputs=...)`` (torch 2.8 fails in W
+    instead, with another message, and torch 2.6 crashes there)."""
+    if any(node.name() == REENTRANT_CHECKPOINT_NODE for node in nodes):
+        raise RuntimeError("a split backward cannot run through torch.utils.checkpoint(..., "
+                           "use_reentrant=True)")
+
+
 def _one_recomputation() -> AbstractContextManager:
     """A context in which the backward calls made recompute each checkpointed region once
     between them (the module docstring); a no-op on a torch without the group."""
@@ -243,6 +256,7 @@ class SplitBackward:
     def input_grads(self) -> list[Tensor | None]:
         """Gradients of the inputs (None where no gradient reached one); stores what W needs."""
         parents = _parents_of_graph(self._roots)
+        _refuse_reentrant_checkpoints(parents)
         input_nodes = {get_gradient_edge(t).node for t in self._inputs}
         input_side = _ancestors(input_nodes & parents.keys(), parents)
         root_nodes = {edge.node for edge in self._roots}

@@ -288,7 +288,9 @@ def save(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimiz
     dist.barrier()  # the leftovers are gone before any rank writes
     # Into a fresh directory: dcp warns on every rank when it overwrites a checkpoint (what
     # saving a step again after a resume did when saves went straight to step-NNNNNN).
-    _dcp().save(state, checkpoint_id=str(partial))
+    with warnings.catch_warnings():  # torch 2.9's writer reads its storages the old way
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+        _dcp().save(state, checkpoint_id=str(partial))
     if after_write is not None:
         after_write()
     dist.barrier()
