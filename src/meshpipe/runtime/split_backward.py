@@ -218,16 +218,20 @@ def _pack_into_calls(groups: list[_WeightGroup],
     return calls
 
 
-REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
+class ReentrantCheckpointError(RuntimeError):
+    """The graph of a split backward holds ``torch.utils.checkpoint(..., use_reentrant=True)``."""
+
+
+_REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
 
 
 def _refuse_reentrant_checkpoints(nodes: Iterable[Node]) -> None:
     """Raise before any gradient is computed if the graph holds a reentrant checkpoint: its
     backward refuses ``autograd.grad`` and ``backward(inputs=...)`` (torch 2.8 fails in W
     instead, with another message, and torch 2.6 crashes there)."""
-    if any(node.name() == REENTRANT_CHECKPOINT_NODE for node in nodes):
-        raise RuntimeError("a split backward cannot run through torch.utils.checkpoint(..., "
-                           "use_reentrant=True)")
+    if any(node.name() == _REENTRANT_CHECKPOINT_NODE for node in nodes):
+        raise ReentrantCheckpointError("a split backward cannot run through "
+                                       "torch.utils.checkpoint(..., use_reentrant=True)")
 
 
 def _one_recomputation() -> AbstractContextManager:

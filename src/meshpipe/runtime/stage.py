@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from meshpipe.runtime.split_backward import SplitBackward
+from meshpipe.runtime.split_backward import ReentrantCheckpointError, SplitBackward
 from meshpipe.runtime.substeps import Exchange, comm_worker, drain, record_event
 
 Task = Generator[None, None, Any]
@@ -128,10 +128,6 @@ class _Microbatch:
     boundaries: list[_Boundary] = field(default_factory=list)
     # The split backward of each piece, last piece first, from I until W.
     split: list[SplitBackward] | None = None
-
-
-# What torch's reentrant checkpoint says when backward is limited to some inputs.
-_REENTRANT_CHECKPOINT_FAILURE = "use_reentrant=True"
 
 
 def _is_differentiable(value: Any) -> bool:
@@ -508,7 +504,7 @@ class Stage:
                         hint: str) -> StageError:
         """A failed backward as a StageError; a split backward through a reentrant checkpoint
         (which supports neither ``autograd.grad`` nor ``backward(inputs=...)``) gets its fix."""
-        if action != "backward" and _REENTRANT_CHECKPOINT_FAILURE in str(exc):
+        if isinstance(exc, ReentrantCheckpointError):
             hint = ("use torch.utils.checkpoint(..., use_reentrant=False) with zero-bubble "
                     "schedules, whose split backward (I then W) needs it")
         return self._error(f"autograd failed: {exc}", microbatch, action, hint)
