@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshpipe-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-slow test-all bench clean
 
 # torch is installed first and pinned: an unpinned torch resolves the newest CUDA build.
 $(STAMP): pyproject.toml
@@ -16,7 +16,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m meshpipe demo
 
+# make test leaves out the tests marked slow (the longest end-to-end runs); make test-slow
+# runs only those, make test-all everything. CI runs make test, then make test-slow.
 test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -49,7 +49,7 @@ def measure(rank: int, world_size: int, init_file: str, result_file: str,
             config: TrainConfig) -> None:
     torch.set_num_threads(1)
     join_ranks(rank, world_size, init_file)
-    from meshpipe.train.trainer import Trainer
+    from meshpipe.train.loop.trainer import Trainer
 
     trainer = Trainer(config)
     start = time.perf_counter()

@@ -61,9 +61,9 @@ from harness import write_results
 from meshpipe.models import Transformer, causal_lm_loss
 from meshpipe.runtime import autocast
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.data import load_corpus
-from meshpipe.train.sources import model_config
-from meshpipe.train.trainer import Trainer
+from meshpipe.train.data.corpus import load_corpus
+from meshpipe.train.run.sources import model_config
+from meshpipe.train.loop.trainer import Trainer
 
 RESULTS = Path(__file__).parent / "results"
 # Dense bf16 tensor-core peaks (TFLOP/s, SXM parts) by a name in torch's device name.

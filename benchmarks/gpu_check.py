@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from harness import write_results
-from meshpipe.train.arguments import add_arguments, from_arguments
+from meshpipe.train.run.arguments import add_arguments, from_arguments
 
 RESULTS = Path(__file__).parent / "results"
 COMMON = ["--no-progress", "--eval-every", "0", "--timeline-step", "0"]

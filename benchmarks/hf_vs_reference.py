@@ -120,7 +120,7 @@ def reference_parameters(reference: TransformerConfig) -> int:
 
 def one_run(config: TrainConfig, warmup: int) -> dict:
     """Train once; the tokens/s of every step and of the steps after ``warmup``."""
-    from meshpipe.train.trainer import run
+    from meshpipe.train.loop.trainer import run
 
     start = time.perf_counter()
     metrics = run(config)

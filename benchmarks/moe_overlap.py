@@ -124,7 +124,7 @@ REAL_LAYOUTS = (  # (pp, vpp, sequential counterpart of combined-1f1b)
 def _exchanges_per_rank_step(config: TrainConfig) -> int:
     """Exchanges one rank posts in a step: dispatch + combine per MoE layer, forward and
     backward, per microbatch (the most loaded pipeline rank)."""
-    from meshpipe.train.plan import build_schedule, layers_per_stage
+    from meshpipe.train.run.plan import build_schedule, layers_per_stage
 
     schedule = build_schedule(config)
     per_stage = layers_per_stage(config, schedule)
@@ -160,7 +160,7 @@ def _run_with_latency(run, config: TrainConfig, latency: float) -> dict:
 
 
 def real_rows(args: argparse.Namespace) -> list[dict]:
-    from meshpipe.train.trainer import run
+    from meshpipe.train.loop.trainer import run
 
     base = TrainConfig(dp=2, ep=2, moe_experts=4, microbatches=args.microbatches,
                        steps=args.steps, warmup_steps=1, eval_every=0, timeline_step=0,

@@ -33,7 +33,7 @@ import gpu_bench
 from gpu_attention import sync
 from harness import load_average, write_results
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.trainer import Trainer
+from meshpipe.train.loop.trainer import Trainer
 
 DTYPES = ("fp32", "bf16")
 # Ops that make a view or an alias of their input: no kernel on any device.

@@ -33,8 +33,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import gpu_bench
 from gpu_attention import sync
-from meshpipe.train.data import load_corpus
-from meshpipe.train.trainer import Trainer
+from meshpipe.train.data.corpus import load_corpus
+from meshpipe.train.loop.trainer import Trainer
 
 # variant: (--compile, --pack)
 VARIANTS = {"eager": (False, False), "pack": (False, True), "compile": (True, False),

@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def step_time_rows(args: argparse.Namespace) -> list[dict]:
-    from meshpipe.train.trainer import run
+    from meshpipe.train.loop.trainer import run
 
     rows = []
     base = TrainConfig(dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.heads,

@@ -4,7 +4,7 @@ step time ``meshpipe train`` measures for them on this machine.
     .venv/bin/python benchmarks/tune_picks.py                # about 2-3 min on 2 cores
     .venv/bin/python benchmarks/tune_picks.py --picks 5 --steps 10 --dim 256
 
-It tunes the reference transformer for ``--world-size`` processes (``meshpipe.train.tuner``:
+It tunes the reference transformer for ``--world-size`` processes (``meshpipe.train.tune.tuner``:
 a short measured run of its base layout, then every layout simulated), then trains each of
 the ``--picks`` fastest predicted layouts (skipping a layout that only renames the schedule
 of an earlier pick at the same predicted time) with ``meshpipe.train.run`` (local gloo processes,
@@ -36,9 +36,9 @@ from harness import load_average, write_results
 
 from meshpipe.schedules.ranking import Prediction, table
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.trainer import run
-from meshpipe.train.tune_runs import config_for
-from meshpipe.train.tuner import tune
+from meshpipe.train.loop.trainer import run
+from meshpipe.train.tune.measure import config_for
+from meshpipe.train.tune.tuner import tune
 
 WARMUP_STEPS = 2
 

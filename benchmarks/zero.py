@@ -69,7 +69,7 @@ def measure(rank: int, world_size: int, init_file: str, result_file: str, config
             overlap: bool) -> None:
     torch.set_num_threads(1)
     join_ranks(rank, world_size, init_file)
-    from meshpipe.train.trainer import Trainer
+    from meshpipe.train.loop.trainer import Trainer
 
     trainer = Trainer(config)
     trainer._overlap = overlap

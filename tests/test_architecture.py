@@ -1,8 +1,10 @@
 """The shape of the package (docs/DESIGN.md), checked by reading its source.
 
 - No import circles: the modules of ``meshpipe`` form a graph without cycles. Every import
-  counts, also one inside a function, except inside a module-level ``__getattr__``: that is
-  how a name that moved keeps working where users imported it, resolved only on use.
+  counts, also one inside a function or a module-level ``__getattr__``.
+- One import path per name: a function or class is imported from the module that defines
+  it (or from its package's ``__init__``, the package's public names), in ``src/``, the tests
+  and the benchmarks; no module only hands out names defined elsewhere.
 - ``meshpipe.schedules`` is Python and numpy: none of its modules imports torch.
 - A module (or benchmark script) longer than ``LONG_MODULE`` lines says in its docstring why
   it is one module.
@@ -12,6 +14,8 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -39,13 +43,8 @@ def _imported(tree: ast.Module, module: str, is_package: bool,
     """The modules ``tree`` imports, resolved (a package's ``__init__`` only where a name
     defined there is imported, not for each of its submodules)."""
     package = module if is_package else module.rpartition(".")[0]
-    skipped = {id(node) for top in tree.body
-               if isinstance(top, ast.FunctionDef) and top.name == "__getattr__"
-               for node in ast.walk(top)}
     names = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -114,6 +113,70 @@ def test_the_circle_finder_finds_a_circle():
     assert _cycles(graph) == [["a", "b", "c"]]
 
 
+def test_the_import_reader_sees_imports_inside_functions_and_module_getattr():
+    source = ("def helper():\n    from pkg import b\n"
+              "def __getattr__(name):\n    import pkg.c\n    return pkg.c\n")
+    modules = {"pkg": Path("pkg/__init__.py"), "pkg.a": Path("pkg/a.py"),
+               "pkg.b": Path("pkg/b.py"), "pkg.c": Path("pkg/c.py")}
+    assert _imported(ast.parse(source), "pkg.a", False, modules) == {"pkg.b", "pkg.c"}
+
+
+def _meshpipe_imports(path: Path) -> list[tuple[int, str, str]]:
+    """``(line, module, name)`` of every ``from meshpipe... import name`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module and (
+                node.module == "meshpipe" or node.module.startswith("meshpipe.")):
+            found.extend((node.lineno, node.module, alias.name) for alias in node.names)
+    return found
+
+
+def _second_paths(files: list[Path]) -> list[str]:
+    """Imports of a function or class from a module (not a package) that did not define it."""
+    found = []
+    for path in files:
+        for line, module_name, name in _meshpipe_imports(path):
+            module = importlib.import_module(module_name)
+            value = getattr(module, name, None)
+            if hasattr(module, "__path__") or not (inspect.isclass(value)
+                                                   or inspect.isfunction(value)):
+                continue
+            if value.__module__ != module_name:
+                found.append(f"{path}:{line}: {name} from "
+                             f"{module_name}, defined in {value.__module__}")
+    return found
+
+
+def test_every_name_is_imported_from_the_module_that_defines_it():
+    pytest.importorskip("transformers")  # meshpipe.models.hf imports it
+    files = [path for folder in (SOURCE, SOURCE.parent / "tests", BENCHMARKS)
+             for path in sorted(folder.rglob("*.py"))]
+    assert _second_paths(files) == []
+
+
+def test_the_second_path_finder_finds_a_name_imported_through_another_module(tmp_path):
+    script = tmp_path / "uses.py"
+    script.write_text("from meshpipe.comm.errors import P2PError\n"
+                      "from meshpipe.comm.p2p import P2PError, P2PTransport\n")
+    assert _second_paths([script]) == [
+        f"{script}:2: P2PError from meshpipe.comm.p2p, defined in meshpipe.comm.errors"]
+
+
+def test_no_module_only_hands_out_names_defined_elsewhere():
+    """A module whose body is imports (and ``__all__``) is a second path to every name."""
+    only_imports = []
+    for module, path in _modules().items():
+        body = ast.parse(path.read_text()).body
+        statements = [node for node in body if not (
+            isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+        defines = [node for node in statements if not isinstance(node, (ast.Import, ast.ImportFrom))
+                   and not (isinstance(node, ast.Assign)
+                            and [getattr(t, "id", None) for t in node.targets] == ["__all__"])]
+        if path.name != "__init__.py" and statements and not defines:
+            only_imports.append(module)
+    assert only_imports == []
+
+
 def test_schedules_import_no_torch():
     offenders = {}
     modules = _modules()
@@ -150,7 +213,7 @@ DEFERRED = {"torch._dynamo": "imported by --compile only: 1.5 s",
 def test_a_ranks_start_leaves_out_compile_and_checkpoints():
     """The graph-break marks cost nothing until --compile, and checkpoints nothing until a
     save or a load: each import would add its seconds (``DEFERRED``) to every rank's start."""
-    probe = ("import sys, meshpipe.cli, meshpipe.train.trainer, meshpipe.train.launch, "
+    probe = ("import sys, meshpipe.cli, meshpipe.train.loop.trainer, meshpipe.train.supervisor.launch, "
              f"meshpipe.models.hf; print([m for m in {sorted(DEFERRED)!r} if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True)

@@ -18,7 +18,7 @@ from hf_models import save_tiny_model, write_documents
 from meshpipe.models import Transformer, TransformerConfig
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.trainer import Trainer
+from meshpipe.train.loop.trainer import Trainer
 from trainer_cases import SMALL, for_a_model
 
 pytestmark = pytest.mark.distributed

@@ -366,7 +366,7 @@ def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
 def test_tune_under_torchrun_measures_on_the_gpu(tmp_path):
     """Under torchrun the tuner's in-process profile, its measuring steps and its probes
     (message, all-reduce, optimizer) run on the rank's GPU, timed after a synchronize."""
-    from meshpipe.train import tune_profile
+    from meshpipe.train.tune import profile as tune_profile
     from meshpipe.train.config import TrainConfig
 
     config = TrainConfig(dim=64, layers=2, heads=4, kv_heads=2, seq_len=64, microbatch_size=2)

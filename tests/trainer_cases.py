@@ -3,9 +3,9 @@ every rank of a pool, and training a run (optionally resumed from a given checkp
 
 from pathlib import Path
 
-from meshpipe.train import checkpoint
-from meshpipe.train.resume import resume_from
-from meshpipe.train.trainer import Trainer
+from meshpipe.train.checkpoints import store as checkpoint
+from meshpipe.train.checkpoints.resume import resume_from
+from meshpipe.train.loop.trainer import Trainer
 
 SMALL = dict(dim=32, layers=4, heads=4, kv_heads=2, seq_len=16, microbatch_size=2, steps=4,
              eval_every=0, timeline_step=0, progress=False)
@@ -43,7 +43,7 @@ def train_then_logits(rank, world_size, config, tokens):
     holding the last stage, None from the others."""
     import torch.distributed as dist
 
-    from meshpipe.train.trainer import export_newest
+    from meshpipe.train.loop.trainer import export_newest
 
     trainer = Trainer(config)
     trainer.fit()

@@ -37,10 +37,10 @@ from meshpipe.schedules.costs import (RECOMPUTE_MODES, BackwardCostMismatch, Cos
                                       recompute_compute_fraction, recompute_memory_fraction)
 from meshpipe.schedules.simulator import simulate
 from meshpipe.schedules.validation import validate
-from meshpipe.train.config import TrainConfig
-from meshpipe.train.devices import plan_devices
-from meshpipe.train.arguments import add_arguments as add_train_arguments
-from meshpipe.train.arguments import from_arguments as train_config_from_arguments
+from meshpipe.train.config import HF_FAMILIES, TrainConfig
+from meshpipe.train.run.devices import plan_devices
+from meshpipe.train.run.arguments import add_arguments as add_train_arguments
+from meshpipe.train.run.arguments import from_arguments as train_config_from_arguments
 
 USAGE_ERROR = 2
 
@@ -170,8 +170,8 @@ def _recompute_document(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _parser() -> _Parser:
-    parser = _Parser(prog="meshpipe", description="Pipeline- and context-parallel training "
-                     "for PyTorch: schedules as data, one executor.")
+    parser = _Parser(prog="meshpipe", description="Pipeline-, context-, tensor-, data- and "
+                     "expert-parallel training for PyTorch: schedules as data, one executor.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     schedule = commands.add_parser("schedule", help="build, simulate and draw schedules")
@@ -204,11 +204,11 @@ def _parser() -> _Parser:
     train = commands.add_parser(
         "train", help="train the reference transformer or a Hugging Face decoder (--model) on "
         "the shipped corpus or your text (--data)",
-        description="Train the reference transformer, or a Hugging Face Llama, Mistral, "
-        "Qwen2/3, Phi-3 or Gemma 2/3 directory (--model), with any pipeline schedule and "
-        "context-parallel layout, on the shipped corpus or your own text (--data): one local process per rank (on the "
+        description=f"Train the reference transformer, or a Hugging Face {HF_FAMILIES} "
+        "directory (--model), with any pipeline schedule and parallel layout, on the shipped "
+        "corpus or your own text (--data): one local process per rank (on the "
         "GPUs where there are, else on the CPU: --device, --backend), or the processes "
-        "torchrun started. Every flag is a field of meshpipe.train.TrainConfig; "
+        "torchrun started. Every flag is a field of meshpipe.train.config.TrainConfig; "
         "--config run.toml gives them as a TOML file, and the flags given on the command line "
         "override it.")
     add_train_arguments(train)
@@ -290,10 +290,10 @@ def _add_tune_parser(commands) -> None:
 def _tune(args: argparse.Namespace, out: TextIO) -> int:
     """Tune, print the table; exit status 1 if the measuring run failed."""
     from meshpipe.schedules.ranking import table
-    from meshpipe.train.launch import LaunchError, reports_for_the_job
-    from meshpipe.train.toml_config import to_toml
-    from meshpipe.train.tune_runs import config_for
-    from meshpipe.train.tuner import tune
+    from meshpipe.train.supervisor.launch import LaunchError, reports_for_the_job
+    from meshpipe.train.run.toml_config import to_toml
+    from meshpipe.train.tune.measure import config_for
+    from meshpipe.train.tune.tuner import tune
 
     chosen = [f"--{name.replace('_', '-')}" for name in _TUNED_FIELDS if hasattr(args, name)]
     if chosen:
@@ -414,28 +414,47 @@ def _train_and_report(config: TrainConfig) -> int:
     the signal's number if a signal stopped it. A failure is one line (the tracebacks are in
     the out-dir's logs)."""
     # Imported here: torch loads in seconds, and the schedule commands do not need it.
-    from meshpipe.train.launch import Interrupted, LaunchError
-    from meshpipe.train.trainer import run as run_training
+    from meshpipe.train.supervisor.launch import Interrupted, LaunchError
+    from meshpipe.train.loop.trainer import run as run_training
 
     try:
         metrics = run_training(config)
     except LaunchError as error:
-        print(f"meshpipe: training failed: {error}{_loss_so_far(config)}", file=sys.stderr)
+        print(f"{_below_the_bar(config)}meshpipe: training failed: {error}"
+              f"{_loss_so_far(config)}", file=sys.stderr)
         return 1
     except Interrupted as stop:
-        print(f"meshpipe: training {stop}; resume with --resume{_loss_so_far(config)}",
-              file=sys.stderr)
+        print(f"{_below_the_bar(config)}meshpipe: training {stop}; {_how_to_go_on(config)}"
+              f"{_loss_so_far(config)}", file=sys.stderr)
         return stop.exit_code
     check = (metrics or {}).get("check")
     return 1 if check and not check["passed"] else 0
+
+
+def _below_the_bar(config: TrainConfig) -> str:
+    """A line break where rank 0's progress bar may stand unfinished on the terminal (a
+    stopped rank does not end its line), so that the one line of the failure starts a line."""
+    return "\n" if config.progress and sys.stderr.isatty() else ""
+
+
+def _how_to_go_on(config: TrainConfig) -> str:
+    """``--resume`` where the run saved a checkpoint to resume from, else how to save one."""
+    from meshpipe.train.checkpoints.resume import checkpoint_root
+    from meshpipe.train.checkpoints.store import newest
+
+    saved = newest(checkpoint_root(config))
+    if saved is not None:
+        return f"resume with --resume (from {saved.directory.name})"
+    return ("no checkpoint was saved, so a new run starts from step 1 (--checkpoint-every N "
+            "saves during a run, --checkpoint-on-signal when it is stopped)")
 
 
 def _loss_so_far(config: TrainConfig) -> str:
     """Draw the steps a failed or stopped run took (they tell where it went wrong): the
     end of its one-line report; '' where it took none, the picture cannot be written (the
     failure matters more) or another rank reports."""
-    from meshpipe.train.launch import reports_for_the_job
-    from meshpipe.train.plots import plot_run
+    from meshpipe.train.supervisor.launch import reports_for_the_job
+    from meshpipe.train.outputs.plots import plot_run
 
     if not reports_for_the_job():
         return ""
@@ -446,7 +465,7 @@ def _loss_so_far(config: TrainConfig) -> str:
 
 
 def _plot(args: argparse.Namespace, out: TextIO) -> int:
-    from meshpipe.train.plots import plot_run
+    from meshpipe.train.outputs.plots import plot_run
 
     try:
         path = plot_run(args.out_dir)
@@ -458,8 +477,8 @@ def _plot(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _export(args: argparse.Namespace, out: TextIO) -> int:
-    from meshpipe.train import checkpoint, sources
-
+    from meshpipe.train.checkpoints import store as checkpoint
+    from meshpipe.train.run import sources
     saved = checkpoint.find(args.checkpoint)
     model = saved.config.get("model", "") if args.model is None else args.model
     exported = sources.export(saved.directory, args.out, model)

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from meshpipe.comm import collectives as cc
+from meshpipe.comm.checks import CHECK_ENV
 from meshpipe.comm import ops
 from meshpipe.context import shards
 from meshpipe.context import split_gather as sg
@@ -399,14 +400,14 @@ def _bad_inputs(rank: int, world_size: int) -> dict[str, str]:
         # the ranks exchange shapes, so a rank whose other dims differ fails everywhere
         "gather shapes": _error_of(lambda: sg.gather(torch.ones(2, 3 + rank), None, 0)),
     }
-    os.environ[cc.CHECK_ENV] = "1"
+    os.environ[CHECK_ENV] = "1"
     try:
         errors["checked all_to_all"] = _error_of(
             lambda: cc.all_to_all(torch.ones(4, 2 + rank, 3), None, 0, 2))
         errors["checked gather sizes"] = _error_of(
             lambda: sg.gather(torch.ones(2 + rank, 3), None, 0, sizes=[2, 2]))
     finally:
-        del os.environ[cc.CHECK_ENV]
+        del os.environ[CHECK_ENV]
     return errors
 
 
@@ -519,13 +520,3 @@ def test_document_ids_and_positions_in_document_for_a_shard():
     assert shards.positions_in_document(seq_lens, positions).tolist() == [2, 3, 4, 1]
     with pytest.raises(ValueError, match="positions must lie in 0..9"):
         shards.document_ids(seq_lens, torch.tensor([10]))
-
-
-def test_moved_names_still_import_from_where_they_were():
-    from meshpipe.comm import shards as old_shards
-
-    assert cc.zigzag_split is sg.zigzag_split and cc.GradScale is sg.GradScale
-    assert cc.ShardLayout is shards.ShardLayout is old_shards.ShardLayout
-    assert old_shards.split_sizes is cc.split_sizes
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        cc.nothing  # noqa: B018

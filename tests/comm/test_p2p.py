@@ -10,12 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshpipe.comm.p2p import (
-    MessageMismatchError,
-    P2PError,
-    P2PTimeoutError,
-    P2PTransport,
-)
+from meshpipe.comm.errors import MessageMismatchError, P2PError, P2PTimeoutError
+from meshpipe.comm.p2p import P2PTransport
 from meshpipe.comm.vtp import VTPTransport
 from meshpipe.comm.wire import HEADER_NBYTES, UnsupportedMessageError, flatten
 from meshpipe.testing import run_distributed

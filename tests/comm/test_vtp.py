@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpipe.comm.p2p import MessageMismatchError, average_messages
-from meshpipe.comm.transport import stop_notice
-from meshpipe.comm.vtp import FanoutTransport, VTPTransport, is_stop_notice, linked_ranks
+from meshpipe.comm.averaging import average_messages
+from meshpipe.comm.errors import MessageMismatchError
+from meshpipe.comm.transport import is_stop_notice, stop_notice
+from meshpipe.comm.vtp import FanoutTransport, VTPTransport, linked_ranks
 from meshpipe.runtime import Executor, ExecutorError, Stage
 from meshpipe.schedules import build
 from meshpipe.testing import run_distributed

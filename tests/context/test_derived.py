@@ -58,7 +58,7 @@ def test_a_packed_batch_reaches_attention_with_its_host_copies(monkeypatch, kern
     of a CUDA tensor would wait for it) derives the pack's runs from them, and runs, where
     reading the device raised before: document by document, or (bf16, as on CUDA) as one
     variable-length call a layer on the cumulative lengths, backward too."""
-    from meshpipe.train.batches import RankBatches
+    from meshpipe.train.loop.batches import RankBatches
     from meshpipe.train.config import TrainConfig
 
     class Packed:

@@ -127,7 +127,7 @@ def test_another_attention_runs_eagerly_with_exactly_the_options_given(eager_cal
 @pytest.mark.parametrize("cp, positions", [
     (dict(), None), (dict(cp_ring=2), [0, 1, 6, 7]), (dict(cp_ulysses=2), [0, 1, 2, 3])])
 def test_the_loader_gives_no_positions_without_context_parallelism(cp, positions):
-    from meshpipe.train.batches import RankBatches
+    from meshpipe.train.loop.batches import RankBatches
     from meshpipe.train.config import TrainConfig
 
     class Batch:
@@ -152,7 +152,7 @@ def test_the_loader_gives_no_positions_without_context_parallelism(cp, positions
 def test_the_loader_hands_a_whole_pack_over_without_copying_it(cp):
     """Without context parallelism a pack's rows go to the (here CPU) device as views of the
     batch, with no index over every column; over a ring each rank's own columns."""
-    from meshpipe.train.batches import RankBatches
+    from meshpipe.train.loop.batches import RankBatches
     from meshpipe.train.config import TrainConfig
 
     class Packed:

@@ -168,7 +168,7 @@ def test_the_reference_transformer_exports_as_the_llama_it_is(tmp_path, tied):
                  r".*, 2; use a tp that divides 2")])
 def test_a_tensor_parallel_size_the_model_cannot_take_is_one_line(tmp_path, arch, tp, message):
     from meshpipe.train.config import TrainConfig
-    from meshpipe.train.plan import plan_run
+    from meshpipe.train.run.plan import plan_run
 
     directory = save_tiny_model(tmp_path / "model", arch)
     config = TrainConfig(model=str(directory), pp=1, schedule="none", tp=tp, seq_len=16,
@@ -199,7 +199,7 @@ def test_gemma_needs_the_transformers_it_was_built_on(tmp_path, monkeypatch):
     ("qwen2_moe", dict(moe_aux_coef=0.1), r"--moe-aux-coef describes the reference transformer")])
 def test_expert_flags_the_model_cannot_take_are_one_line(tmp_path, arch, flags, message):
     from meshpipe.train.config import TrainConfig
-    from meshpipe.train.plan import plan_run
+    from meshpipe.train.run.plan import plan_run
 
     directory = save_tiny_model(tmp_path / "model", arch)
     with pytest.raises(ValueError, match=message) as caught:

@@ -101,7 +101,7 @@ def test_a_frozen_input_and_frozen_weights_get_no_gradient_products():
 
 
 def _joint_modules(rank, world_size, config):
-    from meshpipe.train.trainer import Trainer
+    from meshpipe.train.loop.trainer import Trainer
 
     trainer = Trainer(config)
     return sorted({type(module).__name__: getattr(module, "joint", False)
@@ -129,7 +129,7 @@ def test_the_trainer_lays_out_the_projections_as_asked(mode, laid):
     ("auto", "zb-v", False, "cuda", False), ("auto", "1f1b", True, "cuda", False),
     ("on", "1f1b", False, "cpu", True), ("off", "1f1b", False, "cuda", False)])
 def test_when_a_run_projects_jointly(mode, schedule, compiled, device, joint_run):
-    from meshpipe.train import sources
+    from meshpipe.train.run import sources
     from meshpipe.train.config import TrainConfig
 
     config = TrainConfig(pp=2, vpp=2 if schedule == "zb-v" else 1, schedule=schedule,

@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from dispatched_ops import DispatchedOps
 from meshpipe.context import LocalAttention, RingAttention, UlyssesAttention
-from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, balanced_layers,
-                             causal_lm_loss, shared_parameters, split)
+from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, causal_lm_loss,
+                             shared_parameters, split)
+from meshpipe.schedules.placement import balanced_layers
 from meshpipe.testing import run_distributed
 
 SMALL = TransformerConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,

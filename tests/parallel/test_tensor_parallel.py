@@ -23,6 +23,7 @@ from meshpipe.parallel import (ColumnParallelLinear, RowParallelLinear,
                                reduce_from_tp, reduce_scatter_to_sequence,
                                scatter_to_sequence, shard, shard_dim, tp_rank_and_size,
                                unshard, vocab_parallel_cross_entropy)
+from meshpipe.comm.checks import CHECK_ENV
 from meshpipe.parallel import tp_comm
 from meshpipe.testing import keep_across_calls, run_distributed
 
@@ -372,12 +373,12 @@ def _bad_sizes(rank: int, world_size: int) -> dict[str, str]:
         "scatter": _error_of(lambda: scatter_to_sequence(odd, group)),
         "reduce_scatter": _error_of(lambda: reduce_scatter_to_sequence(odd, group)),
     }
-    os.environ[tp_comm.CHECK_ENV] = "1"
+    os.environ[CHECK_ENV] = "1"
     try:
         errors["gather shapes"] = _error_of(
             lambda: gather_from_sequence(torch.ones(B, 1 + rank, D), group))
     finally:
-        del os.environ[tp_comm.CHECK_ENV]
+        del os.environ[CHECK_ENV]
     return errors
 
 

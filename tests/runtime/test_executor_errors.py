@@ -24,7 +24,7 @@ from meshpipe.schedules.actions import Action
 from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.lowering import lower
 from meshpipe.testing import run_distributed
-from meshpipe.train.launch import LaunchError, launch
+from meshpipe.train.supervisor.launch import LaunchError, launch
 
 pytestmark = pytest.mark.distributed
 

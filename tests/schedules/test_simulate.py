@@ -16,7 +16,6 @@ from meshpipe.schedules import (
     CostModel,
     SimulationDeadlock,
     TimedAction,
-    Timeline,
     fit_costs,
     recompute_compute_fraction,
     recompute_memory_fraction,

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from meshpipe.testing import run_distributed
-from meshpipe.train import checkpoint
+from meshpipe.train.checkpoints import store as checkpoint
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.learning_rate import LearningRate
-from meshpipe.train.resume import (IGNORED_FIELDS, LAYOUT_FIELDS, MODEL_FIELDS, RUN_FIELDS,
+from meshpipe.train.loop.learning_rate import LearningRate
+from meshpipe.train.checkpoints.resume import (IGNORED_FIELDS, LAYOUT_FIELDS, MODEL_FIELDS, RUN_FIELDS,
                                    SCHEDULE_FIELDS,
                                    plan_resume)
 
@@ -209,18 +209,18 @@ def test_every_config_field_is_in_exactly_one_group():
 
 def test_resume_notes_the_checkpoint_and_a_changed_layout(tmp_path):
     saved_at = time.mktime((2026, 11, 24, 8, 30, 12, 0, 0, -1))
-    directory = _fake(tmp_path, 9, _config(tmp_path, pp=2, eval_every=3), saved_at)
+    directory = _fake(tmp_path, 10, _config(tmp_path, pp=2, eval_every=3), saved_at)
     plan = plan_resume(_config(tmp_path, pp=4, schedule="gpipe", hang_timeout=5.0))
     assert plan.checkpoint.directory == directory and plan.start_step == 10
     assert plan.notes == [
-        f"resuming from {directory} (step 10 of 30, saved 2026-11-24 08:30:12)",
+        f"resuming from {directory} (saved 2026-11-24 08:30:12): step 11 of 30 is next",
         "run settings changed: eval_every 3 -> 10, hang_timeout 30.0 -> 5.0",
         "layout changed: pp 2 -> 4, schedule 1f1b -> gpipe (checkpoints are layout-free)"]
 
 
 def test_resume_picks_the_newest_save_even_with_a_lower_step(tmp_path):
-    _fake(tmp_path, 20, _config(tmp_path), saved_at=1000.0, run_id="long")
-    _fake(tmp_path, 4, _config(tmp_path), saved_at=2000.0, run_id="short")
+    _fake(tmp_path, 21, _config(tmp_path), saved_at=1000.0, run_id="long")
+    _fake(tmp_path, 5, _config(tmp_path), saved_at=2000.0, run_id="short")
     plan = plan_resume(_config(tmp_path))
     assert (plan.checkpoint.run_id, plan.start_step) == ("short", 5)
 
@@ -240,14 +240,14 @@ def test_resume_with_only_interrupted_saves_says_so(tmp_path):
 
 
 def test_another_model_is_always_refused_naming_each_field(tmp_path):
-    _fake(tmp_path, 3, _config(tmp_path, dim=64, layers=4, tie_embeddings=True))
+    _fake(tmp_path, 4, _config(tmp_path, dim=64, layers=4, tie_embeddings=True))
     message = _refusal(_config(tmp_path, dim=32, layers=6, allow_config_change=True))
     assert "holds another model" in message
     assert "dim 64 -> 32, layers 4 -> 6, tie_embeddings True -> False" in message
 
 
 def test_changed_training_settings_need_allow_config_change(tmp_path):
-    _fake(tmp_path, 3, _config(tmp_path, lr=3e-3, seed=0, dp=1))
+    _fake(tmp_path, 4, _config(tmp_path, lr=3e-3, seed=0, dp=1))
     message = _refusal(_config(tmp_path, lr=1e-3, seed=7, dp=2))
     assert "lr 0.003 -> 0.001, min_lr 0.0003 -> 0.0001, seed 0 -> 7, dp 1 -> 2" in message
     assert "--allow-config-change" in message
@@ -258,24 +258,23 @@ def test_changed_training_settings_need_allow_config_change(tmp_path):
                              "--allow-config-change)")
 
 
-@pytest.mark.parametrize("saved_step,steps,position", [(29, 30, "the last"),
-                                                      (29, 20, "past the last")])
-def test_nothing_to_train_says_to_raise_steps(tmp_path, saved_step, steps, position):
-    _fake(tmp_path, saved_step, _config(tmp_path, steps=steps))
+@pytest.mark.parametrize("steps", [30, 20])
+def test_nothing_to_train_says_to_raise_steps(tmp_path, steps):
+    _fake(tmp_path, 30, _config(tmp_path, steps=steps))
     message = _refusal(_config(tmp_path, steps=steps))
-    assert message == (f"nothing to train: checkpoint step 30 is {position} of --steps "
+    assert message == (f"nothing to train: checkpoint step-000030 holds 30 steps and --steps is "
                        f"{steps}; give a larger --steps to continue the run")
 
 
 def test_a_longer_or_shorter_run_is_taken_with_the_learning_rate_rule(tmp_path):
-    _fake(tmp_path, 1, _config(tmp_path, steps=4, warmup_steps=0, eval_every=2))
+    _fake(tmp_path, 2, _config(tmp_path, steps=4, warmup_steps=0, eval_every=2))
     longer = plan_resume(_config(tmp_path, steps=6, warmup_steps=0, eval_every=3))
     assert longer.start_step == 2
     assert longer.learning_rate == LearningRate.of(
         _config(tmp_path, steps=6, warmup_steps=0), {"step": 1, "progress": 0.25})
     assert longer.notes[1] == (
         "run settings changed: steps 4 -> 6, eval_every 2 -> 3; the cosine decay goes on from "
-        f"step 2 at lr {longer.learning_rate.at(2):.3g} (40% decayed) and reaches --min-lr "
+        f"step 3 at lr {longer.learning_rate.at(2):.3g} (40% decayed) and reaches --min-lr "
         "0.0003 at step 6 (was 4)")
     shorter = plan_resume(_config(tmp_path, steps=3, warmup_steps=0))
     assert shorter.learning_rate.anchor == {"step": 1, "progress": 0.25}
@@ -283,7 +282,7 @@ def test_a_longer_or_shorter_run_is_taken_with_the_learning_rate_rule(tmp_path):
 
 
 def test_a_resume_continues_the_anchor_its_checkpoint_saved(tmp_path):
-    _fake(tmp_path, 7, _config(tmp_path, steps=20, warmup_steps=0),
+    _fake(tmp_path, 8, _config(tmp_path, steps=20, warmup_steps=0),
           learning_rate={"step": 4, "progress": 0.4})
     same = plan_resume(_config(tmp_path, steps=20, warmup_steps=0))
     assert same.learning_rate.anchor == {"step": 4, "progress": 0.4}
@@ -293,7 +292,7 @@ def test_a_resume_continues_the_anchor_its_checkpoint_saved(tmp_path):
 
 
 def test_a_changed_learning_rate_still_needs_allow_config_change(tmp_path):
-    _fake(tmp_path, 1, _config(tmp_path, steps=2))
+    _fake(tmp_path, 2, _config(tmp_path, steps=2))
     message = _refusal(_config(tmp_path, steps=3, lr=1e-3))
     assert "lr 0.003 -> 0.001, min_lr 0.0003 -> 0.0001" in message
     assert "--allow-config-change" in message

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.distributed
 
 def _check_compiled(rank, world_size, config):
     os.environ[BACKEND_VARIABLE] = "aot_eager"
-    from meshpipe.train.trainer import Trainer
+    from meshpipe.train.loop.trainer import Trainer
 
     return Trainer(config).check_first_step()
 
@@ -64,7 +64,7 @@ def _check_compiled_with_the_kernel_granted(rank, world_size, config):
     from flash_stand_in import StandInKernel
     from meshpipe.context import local
     from meshpipe.models import compile as compile_module
-    from meshpipe.train.trainer import Trainer
+    from meshpipe.train.loop.trainer import Trainer
 
     kernel = StandInKernel()
     backend = kernel.backend()

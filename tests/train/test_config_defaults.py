@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from meshpipe.train.arguments import add_arguments, from_arguments
+from meshpipe.train.run.arguments import add_arguments, from_arguments
 from meshpipe.train.config import DERIVED_DEFAULTS, TrainConfig, field_kind
-from meshpipe.train.plan import plan_run
-from meshpipe.train.toml_config import read_toml, to_toml
+from meshpipe.train.run.plan import plan_run
+from meshpipe.train.run.toml_config import read_toml, to_toml
 
 # Values people give, one flag at a time. Every numeric field is here (a test checks it).
 TYPICAL = {
@@ -88,3 +88,18 @@ def test_derived_defaults_parse_from_flags_and_round_trip_through_toml(tmp_path)
     path = tmp_path / "run.toml"
     path.write_text(written)
     assert TrainConfig(**read_toml(path)) == config
+
+
+# How ``--model``'s help names each model type meshpipe trains.
+FAMILY_OF_TYPE = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                  "phi3": "Phi-3", "gemma2": "Gemma 2", "gemma3_text": "Gemma 3",
+                  "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
+
+
+def test_the_model_flags_help_names_every_supported_family():
+    from meshpipe.models.hf import SUPPORTED_MODEL_TYPES
+    from meshpipe.train.config import FIELD_HELP, HF_FAMILIES
+
+    assert set(FAMILY_OF_TYPE) == set(SUPPORTED_MODEL_TYPES)
+    assert [name for name in FAMILY_OF_TYPE.values() if name not in HF_FAMILIES] == []
+    assert HF_FAMILIES in FIELD_HELP["model"]

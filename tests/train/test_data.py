@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from meshpipe.train.data import VOCAB_SIZE, CorpusSampler, decode, encode, load_corpus
+from meshpipe.train.data.corpus import VOCAB_SIZE, CorpusSampler, decode, encode, load_corpus
 
 
 def test_corpus_ships_with_the_package():

@@ -21,7 +21,7 @@ from meshpipe.comm.collectives import post_transfers
 from meshpipe.comm.p2p import P2PTransport
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.devices import DevicePlan, plan_devices
+from meshpipe.train.run.devices import DevicePlan, plan_devices
 from trainer_cases import SMALL, check_first_step
 
 pytestmark = pytest.mark.distributed
@@ -200,7 +200,7 @@ def test_batches_go_to_cuda_through_pinned_memory_without_waiting(monkeypatch):
     """A batch copied from pageable memory would hold the host until the device finished the
     previous step; to CUDA it goes pinned and non-blocking (recorded here, as this build has
     no CUDA), elsewhere as it is."""
-    from meshpipe.train.batches import to_device
+    from meshpipe.context.derived import to_device
 
     calls = []
     monkeypatch.setattr(torch.Tensor, "pin_memory",

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from meshpipe.runtime import activity
-from meshpipe.train.diagnosis import failure_report, hang_report, read_statuses
-from meshpipe.train.metrics import MetricsLog, dumps, read
+from meshpipe.train.supervisor.diagnosis import failure_report, hang_report, read_statuses
+from meshpipe.train.outputs.metrics import MetricsLog, dumps, read
 
 
 def _record(rank, time, cause, consequence=False, where="step 1, stage 0"):
@@ -179,13 +179,13 @@ def test_the_reporter_writes_status_files_the_launcher_reads(tmp_path):
 
 def test_metrics_lines_are_strict_json_and_a_resume_continues_the_history(tmp_path):
     log = MetricsLog(tmp_path, 0)
-    for step, loss in enumerate([2.0, math.nan, 1.5]):
+    for step, loss in enumerate([2.0, math.nan, 1.5], start=1):
         log.append({"step": step, "loss": loss})
     log.close()
     text = (tmp_path / "metrics.jsonl").read_text()
     assert "NaN" not in text and json.loads(text.splitlines()[1])["loss"] is None
-    resumed = MetricsLog(tmp_path, 2)  # the checkpoint was step 1: step 2 is redone
-    resumed.append({"step": 2, "loss": 1.25})
+    resumed = MetricsLog(tmp_path, 2)  # the checkpoint was step 2: step 3 is redone
+    resumed.append({"step": 3, "loss": 1.25})
     resumed.close()
     assert [r["loss"] for r in read(tmp_path / "metrics.jsonl")] == [2.0, None, 1.25]
     assert dumps({"x": math.inf, "y": [math.nan, 1.0]}) == '{"x": null, "y": [null, 1.0]}'

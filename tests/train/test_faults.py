@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fault_cases import CASES, PP2, wait_for_training, command, run_case, run_cases
-from meshpipe.train import checkpoint
+from meshpipe.train.checkpoints import store as checkpoint
 
 pytestmark = pytest.mark.distributed
 
@@ -78,11 +78,11 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint_exactly(tmp_pat
     killed = run_case(kill, tmp_path / "killed")
     _check_stopped(kill, killed)
     saved = [c.step for c in checkpoint.complete_checkpoints(killed.out_dir / "checkpoint")]
-    assert sorted(saved) == [0, 1]
+    assert sorted(saved) == [1, 2]
     resumed = subprocess.run(command((*kill.args, "--resume"), killed.out_dir),
                              capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr
-    assert "step-000001" in resumed.stdout
+    assert "step-000002" in resumed.stdout
     _, straight_stderr = straight.communicate(timeout=240)
     assert straight.returncode == 0, straight_stderr
     assert _losses(killed.out_dir) == _losses(straight_dir)
@@ -101,7 +101,7 @@ def test_a_skipped_non_finite_step_keeps_nan_out_of_the_weights(tmp_path):
     metrics = json.loads((outcome.out_dir / "metrics.json").read_text())
     assert metrics["summary"]["nonfinite_steps"] == 1
     newest = checkpoint.newest(outcome.out_dir / "checkpoint")
-    assert newest.step == 2
+    assert newest.step == 3
     whole = tmp_path / "whole.pt"
     dcp_to_torch_save(newest.directory, whole)
     weights = {k: v for k, v in torch.load(whole, weights_only=False).items()
@@ -125,7 +125,7 @@ def test_sigusr1_prints_who_waits_on_whom_without_stopping(tmp_path):
 
 def test_under_torchrun_every_rank_names_the_rank_that_failed(tmp_path):
     """torchrun's own failure handling stops the job; each rank prints the same culprit."""
-    env = {**os.environ, "MESHPIPE_FAULT": "kind=raise,at=forward,rank=1,step=1"}
+    env = {**os.environ, "MESHPIPE_FAULT": "kind=raise,at=forward,rank=1,step=2"}
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            *command(PP2, tmp_path / "run")[1:]]
     done = subprocess.run(run, capture_output=True, text=True, timeout=240, env=env)
@@ -134,4 +134,4 @@ def test_under_torchrun_every_rank_names_the_rank_that_failed(tmp_path):
              if line.startswith("meshpipe: training failed:")]
     assert len(lines) == 2, done.stderr[-3000:]
     assert all(line.startswith("meshpipe: training failed: rank 1 failed") for line in lines)
-    assert all("injected fault at forward of step 1" in line for line in lines)
+    assert all("injected fault at forward of step 2" in line for line in lines)

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from meshpipe.train.devices import DevicePlan
-from meshpipe.train.launch import LaunchError, Supervision, launch
+from meshpipe.train.run.devices import DevicePlan
+from meshpipe.train.supervisor.launch import LaunchError, Supervision, launch
 
 pytestmark = pytest.mark.distributed
 

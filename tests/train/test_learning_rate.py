@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.learning_rate import LearningRate
+from meshpipe.train.loop.learning_rate import LearningRate
 
 LR, MIN_LR = 1e-3, 1e-4
 

@@ -7,7 +7,7 @@ import matplotlib.image
 import pytest
 
 from meshpipe.cli import main
-from meshpipe.train.plots import plot_run
+from meshpipe.train.outputs.plots import plot_run
 
 
 def step(number, loss, grad_norm=1.0, **extra):
@@ -81,7 +81,7 @@ def test_meshpipe_plot_without_steps_prints_one_line_and_exits_2(tmp_path, capsy
 
 
 def test_the_end_of_a_run_draws_it_and_says_where(tmp_path, capsys):
-    from meshpipe.train.reporting import write_metrics
+    from meshpipe.train.outputs.reporting import write_metrics
 
     out = write_jsonl(tmp_path, A_RUN)
     write_metrics(out, {})
@@ -90,8 +90,8 @@ def test_the_end_of_a_run_draws_it_and_says_where(tmp_path, capsys):
 
 
 def test_a_failed_run_draws_the_steps_it_took(tmp_path, capsys, monkeypatch):
-    from meshpipe.train import trainer
-    from meshpipe.train.launch import LaunchError
+    from meshpipe.train.loop import trainer
+    from meshpipe.train.supervisor.launch import LaunchError
 
     def fail(config):
         write_jsonl(tmp_path, A_RUN[:2])

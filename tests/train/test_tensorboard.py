@@ -7,11 +7,11 @@ import math
 import pytest
 
 from meshpipe.testing import run_distributed
-from meshpipe.train import tensorboard
+from meshpipe.train.outputs import tensorboard
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.metrics import MetricsLog
-from meshpipe.train.plan import plan_run
-from meshpipe.train.trainer import Trainer
+from meshpipe.train.outputs.metrics import MetricsLog
+from meshpipe.train.run.plan import plan_run
+from meshpipe.train.loop.trainer import Trainer
 from trainer_cases import SMALL, resume_plan
 
 event_accumulator = pytest.importorskip(
@@ -38,23 +38,23 @@ def test_each_metric_has_its_group(key, expected):
 
 def test_records_become_scalars_at_their_steps_and_a_resume_purges_what_it_redoes(tmp_path):
     log = MetricsLog(tmp_path, 0, tensorboard=True)
-    for step in range(4):
-        log.append({"step": step, "loss": 5.0 - step, "lr": 1e-3, "grad_norm": None,
-                    "skipped": step == 2})
-    log.append({"step": 3, "val_loss": 4.5})
-    log.append({"step": 1, "bubble_measured": 0.3, "bubble_simulated": 0.2})
+    for step in range(1, 5):
+        log.append({"step": step, "loss": 6.0 - step, "lr": 1e-3, "grad_norm": None,
+                    "skipped": step == 3})
+    log.append({"step": 4, "val_loss": 4.5})
+    log.append({"step": 2, "bubble_measured": 0.3, "bubble_simulated": 0.2})
     log.close()
     curves = scalars(tmp_path)
-    assert curves["train/loss"] == [(0, 5.0), (1, 4.0), (2, 3.0), (3, 2.0)]
-    assert curves["train/skipped"] == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 0.0)]
-    assert curves["val/loss"] == [(3, 4.5)]
-    assert curves["bubble/measured"] == [(1, pytest.approx(0.3))]
+    assert curves["train/loss"] == [(1, 5.0), (2, 4.0), (3, 3.0), (4, 2.0)]
+    assert curves["train/skipped"] == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 0.0)]
+    assert curves["val/loss"] == [(4, 4.5)]
+    assert curves["bubble/measured"] == [(2, pytest.approx(0.3))]
     assert "train/grad_norm" not in curves  # null: not finite, left out
-    resumed = MetricsLog(tmp_path, 2, tensorboard=True)  # redoes steps 2 and 3
-    resumed.append({"step": 2, "loss": 2.5, "lr": 1e-3, "grad_norm": float("nan")})
+    resumed = MetricsLog(tmp_path, 2, tensorboard=True)  # 2 steps done: redoes steps 3 and 4
+    resumed.append({"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": float("nan")})
     resumed.close()
     curves = scalars(tmp_path)
-    assert curves["train/loss"] == [(0, 5.0), (1, 4.0), (2, 2.5)]
+    assert curves["train/loss"] == [(1, 5.0), (2, 4.0), (3, 2.5)]
     assert "train/grad_norm" not in curves
 
 
@@ -79,12 +79,12 @@ def test_a_run_writes_its_curves_and_a_resumed_run_continues_them(tmp_path):
     curves = scalars(tmp_path)
     for key in ("loss", "lr", "grad_norm", "step_seconds", "tokens_per_s"):
         assert curves[f"train/{key}"] == [(r["step"], pytest.approx(r[key])) for r in history]
-    assert [step for step, _ in curves["val/loss"]] == [1]
-    assert [step for step, _ in curves["bubble/measured"]] == [1]
-    assert [step for step, _ in curves["bubble/simulated"]] == [1]
+    assert [step for step, _ in curves["val/loss"]] == [2]
+    assert [step for step, _ in curves["bubble/measured"]] == [2]
+    assert [step for step, _ in curves["bubble/simulated"]] == [2]
     longer = dataclasses.replace(config, steps=4, resume=True, timeline_step=0)
-    resumed = run_distributed(2, _fit, longer, rewind_to="step-000001")[0]
+    resumed = run_distributed(2, _fit, longer, rewind_to="step-000002")[0]
     curves = scalars(tmp_path)
-    assert [step for step, _ in curves["train/loss"]] == [0, 1, 2, 3]
+    assert [step for step, _ in curves["train/loss"]] == [1, 2, 3, 4]
     assert curves["train/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in resumed]
     assert all(math.isfinite(value) for _, value in curves["train/lr"])

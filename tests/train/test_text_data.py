@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from meshpipe.train import text_data
-from meshpipe.train.data import encode
-from meshpipe.train.text_data import (IGNORE_INDEX, TokenizedData, data_files, read_documents,
+from meshpipe.train.data import text as text_data
+from meshpipe.train.data.corpus import encode
+from meshpipe.train.data.text import (IGNORE_INDEX, TokenizedData, data_files, read_documents,
                                       tokenize_dataset)
-from meshpipe.train.text_sampling import TextSampler
-from meshpipe.train.tokenizers import ByteTokenizer, HFTokenizer, has_tokenizer, resolve_tokenizer
+from meshpipe.train.data.sampling import TextSampler
+from meshpipe.train.data.tokenizers import ByteTokenizer, HFTokenizer, has_tokenizer, resolve_tokenizer
 
 SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "the end"]
 
@@ -423,9 +423,3 @@ def test_concurrent_tokenizations_of_one_dataset_tokenize_once(tmp_path):
     assert len(calls) == 1
     assert len(results) == 3 and all(np.array_equal(r.tokens, results[0].tokens)
                                      for r in results)
-
-
-def test_the_tokenizers_and_samplers_still_import_from_text_data():
-    from meshpipe.train import text_data
-
-    assert text_data.TextSampler is TextSampler and text_data.ByteTokenizer is ByteTokenizer

@@ -15,9 +15,9 @@ import torch
 
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.sources import reference_step as reference_gradients
-from meshpipe.train.parity import compare_with_single_process
-from meshpipe.train.trainer import Trainer
+from meshpipe.train.run.sources import reference_step as reference_gradients
+from meshpipe.train.loop.parity import compare_with_single_process
+from meshpipe.train.loop.trainer import Trainer
 from trainer_cases import SMALL, check_first_step, resume_plan, train
 
 pytestmark = pytest.mark.distributed
@@ -53,37 +53,37 @@ def _cosine(config: TrainConfig, progress: float) -> float:
 
 
 def test_resume_extends_or_shortens_a_run_and_re_spans_the_decay(tmp_path):
-    """--steps 2, then --steps 3 --resume: step 2 goes on from the decay's progress at step 1
-    (0.5) over the new remaining steps, to 0.75; and 4 -> 2 from step 0 speeds it up."""
+    """--steps 2, then --steps 3 --resume: step 3 goes on from the decay's progress at step 2
+    (0.5) over the new remaining steps, to 0.75; and 4 -> 2 from step 1 speeds it up."""
     base = dict(SMALL, pp=2, warmup_steps=0, checkpoint_every=1, keep_checkpoints=4)
     for name in ("extend", "shorten"):
         (tmp_path / name).mkdir()
     two = TrainConfig(**{**base, "steps": 2}, out_dir=str(tmp_path / "extend"))
     assert run_distributed(2, _learning_rates, two)[0] == [
-        (0, pytest.approx(_cosine(two, 0))), (1, pytest.approx(_cosine(two, 0.5)))]
+        (1, pytest.approx(_cosine(two, 0))), (2, pytest.approx(_cosine(two, 0.5)))]
     three = dataclasses.replace(two, steps=3, resume=True)
     assert run_distributed(2, _learning_rates, three)[0] == [
-        (0, pytest.approx(_cosine(two, 0))), (1, pytest.approx(_cosine(two, 0.5))),
-        (2, pytest.approx(_cosine(two, 0.75)))]
+        (1, pytest.approx(_cosine(two, 0))), (2, pytest.approx(_cosine(two, 0.5))),
+        (3, pytest.approx(_cosine(two, 0.75)))]
     four = TrainConfig(**{**base, "steps": 4}, out_dir=str(tmp_path / "shorten"))
     run_distributed(2, _learning_rates, four)
     two_of_four = dataclasses.replace(four, steps=2, resume=True)
-    assert run_distributed(2, _learning_rates, two_of_four, rewind_to="step-000000")[0] == [
-        (0, pytest.approx(_cosine(four, 0))), (1, pytest.approx(_cosine(four, 0.5)))]
+    assert run_distributed(2, _learning_rates, two_of_four, rewind_to="step-000001")[0] == [
+        (1, pytest.approx(_cosine(four, 0))), (2, pytest.approx(_cosine(four, 0.5)))]
 
 
 def test_resume_continues_exactly_and_across_layouts(tmp_path):
     base = dict(SMALL, out_dir=str(tmp_path), checkpoint_every=2)
     straight = run_distributed(2, train, TrainConfig(**base, pp=2))[0]
     assert sorted(p.name for p in (tmp_path / "checkpoint").glob("step-*")) == [
-        "step-000001", "step-000003"]
+        "step-000002", "step-000004"]
     resumed = run_distributed(2, train, TrainConfig(**base, pp=2, resume=True),
-                              rewind_to="step-000001")[0]
-    # The history continues (steps 0-1 from the first run), and the resumed steps are the
+                              rewind_to="step-000002")[0]
+    # The history continues (steps 1-2 from the first run), and the resumed steps are the
     # straight run's bit for bit.
     assert resumed == straight
     relayout = run_distributed(4, train, TrainConfig(**base, pp=4, resume=True),
-                               rewind_to="step-000001")[0]
+                               rewind_to="step-000002")[0]
     torch.testing.assert_close(torch.tensor(relayout), torch.tensor(straight))
 
 
@@ -126,7 +126,7 @@ def test_cli_trains_and_writes_metrics(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 1000
     assert "tokens/s" in done.stdout
     bubble = metrics["bubble"]  # of the timeline step, beside the simulated one
-    assert bubble["step"] == 1 and 0 <= bubble["simulated"] < 1 and 0 <= bubble["measured"] < 1
+    assert bubble["step"] == 2 and 0 <= bubble["simulated"] < 1 and 0 <= bubble["measured"] < 1
     assert f"bubble {100 * bubble['measured']:.1f}% measured" in done.stdout
 
 
@@ -144,7 +144,7 @@ def test_resume_a_tied_model_in_another_layout(tmp_path):
     base = dict(SMALL, out_dir=str(tmp_path), checkpoint_every=2, tie_embeddings=True)
     straight = run_distributed(1, train, TrainConfig(**base, pp=1, schedule="none"))[0]
     relayout = run_distributed(2, train, TrainConfig(**base, pp=2, resume=True),
-                               rewind_to="step-000001")[0]
+                               rewind_to="step-000002")[0]
     torch.testing.assert_close(torch.tensor(relayout), torch.tensor(straight))
 
 
@@ -161,8 +161,7 @@ def test_check_fails_when_a_gradient_is_missing():
 def _train_from_plan(rank, world_size, plan):
     """A rank given the launcher's plan builds from it: building a schedule here fails."""
     from meshpipe.schedules import builders
-    from meshpipe.train import plan as plan_module
-
+    from meshpipe.train.run import plan as plan_module
     def refuse(*args, **kwargs):
         raise AssertionError("a rank with a plan built a schedule")
 
@@ -177,7 +176,7 @@ def _train_from_plan(rank, world_size, plan):
 
 
 def test_ranks_build_from_the_launchers_plan_without_deciding_again(tmp_path):
-    from meshpipe.train.plan import plan_run
+    from meshpipe.train.run.plan import plan_run
 
     config = TrainConfig(**{**SMALL, "pp": 2, "schedule": "zb-v", "out_dir": str(tmp_path)})
     plan = plan_run(config)

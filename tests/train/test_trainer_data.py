@@ -11,9 +11,9 @@ import torch
 
 from hf_models import save_tiny_model, save_tiny_tokenizer, write_documents
 from meshpipe.testing import run_distributed
-from meshpipe.train import sources
+from meshpipe.train.run import sources
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.trainer import run
+from meshpipe.train.loop.trainer import run
 from trainer_cases import SMALL, check_first_step, for_a_model
 
 pytestmark = pytest.mark.distributed
@@ -133,7 +133,7 @@ def test_the_issue_command_line_trains_checks_and_exports(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     check = json.loads((tmp_path / "R" / "metrics.json").read_text())["check"]
     assert check["passed"] and check["loss_difference"] < 1e-5
-    assert "|diff|" in done.stdout and "exported step 2" in done.stdout
+    assert "|diff|" in done.stdout and "exported step 3" in done.stdout
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "E"))
     assert exported.config.model_type == "llama"
     tokens = torch.randint(0, 256, (1, 8))
@@ -149,5 +149,5 @@ def test_a_resumed_run_on_packed_data_continues_exactly(tmp_path):
                 out_dir=str(tmp_path / "run"), checkpoint_every=2)
     straight = run_distributed(1, train, TrainConfig(**base))[0]
     resumed = run_distributed(1, train, TrainConfig(**base, resume=True),
-                              rewind_to="step-000001")[0]
+                              rewind_to="step-000002")[0]
     assert resumed == straight

@@ -65,7 +65,7 @@ def test_resume_continues_exactly_in_another_layout(tmp_path):
     base = dict(HF, model=str(directory), out_dir=str(tmp_path / "run"), checkpoint_every=2)
     straight = run_distributed(2, train, TrainConfig(**base, pp=2))[0]
     other_layout = TrainConfig(**base, pp=1, schedule="none", cp_ulysses=2, resume=True)
-    resumed = run_distributed(2, train, other_layout, rewind_to="step-000001")[0]
+    resumed = run_distributed(2, train, other_layout, rewind_to="step-000002")[0]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
 
 
@@ -77,7 +77,7 @@ def test_fused_tensor_parallel_shards_resume_without_tensor_parallelism(tmp_path
                 pp=2)
     straight = run_distributed(4, train, TrainConfig(**base, tp=2))[0]
     resumed = run_distributed(2, train, TrainConfig(**base, resume=True),
-                              rewind_to="step-000001")[0]
+                              rewind_to="step-000002")[0]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
 
 
@@ -112,14 +112,14 @@ def test_meshpipe_export_writes_a_reference_run_as_a_llama(tmp_path):
 
     from meshpipe.cli import main
     from meshpipe.models import Transformer
-    from meshpipe.train.checkpoint import read_model_weights
-    from meshpipe.train.sources import model_config
+    from meshpipe.train.checkpoints.store import read_model_weights
+    from meshpipe.train.run.sources import model_config
 
     config = TrainConfig(**SMALL, pp=2, out_dir=str(tmp_path), tie_embeddings=True)
     run_distributed(2, train, config)
     assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "E")]) == 0
     trained = Transformer(model_config(config))
-    weights = read_model_weights(tmp_path / "checkpoint" / "step-000003")
+    weights = read_model_weights(tmp_path / "checkpoint" / "step-000004")
     result = trained.load_state_dict(weights, strict=False)
     assert result.missing_keys == ["head.weight"] and not result.unexpected_keys  # tied
     assert torch.equal(trained.head.weight, weights["embedding.weight"])

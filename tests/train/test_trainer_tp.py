@@ -11,7 +11,7 @@ import torch
 
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.trainer import Trainer, run as run_training
+from meshpipe.train.loop.trainer import Trainer, run as run_training
 
 from trainer_cases import SMALL, check_first_step, resume_plan, train
 
@@ -91,7 +91,7 @@ def test_resume_a_tensor_parallel_run_without_tensor_parallelism(tmp_path):
     base = dict(SMALL, out_dir=str(tmp_path), checkpoint_every=2)
     straight = run_distributed(4, train, TrainConfig(**base, pp=2, tp=2))[0]
     resumed = run_distributed(2, train, TrainConfig(**base, pp=2, resume=True),
-                              rewind_to="step-000001")[0]
+                              rewind_to="step-000002")[0]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
 
 
@@ -107,7 +107,7 @@ def test_fp16_resume_continues_the_loss_scale(tmp_path):
     assert state["good_steps"] == 3
     resumed, resumed_state = run_distributed(
         2, _train_fp16_and_report_scale, TrainConfig(**base, resume=True),
-        rewind_to="step-000001")[0]
+        rewind_to="step-000002")[0]
     assert resumed == losses
     assert resumed_state == state
 

@@ -21,7 +21,10 @@ from meshpipe.schedules.ranking import (Layout, Link, MemoryBudgetError, NoLayou
                                      parse_bytes, predict, rank_layouts, stage_costs,
                                      state_bytes)
 from meshpipe.testing import run_distributed
-from meshpipe.train import tune_profile, tune_runs, tuner
+from meshpipe.train.tune import profile as tune_profile
+from meshpipe.train.tune import measure as tune_runs
+from meshpipe.train.tune import calibrate as calibration
+from meshpipe.train.tune import tuner
 from meshpipe.train.config import TrainConfig
 
 pytestmark = pytest.mark.distributed
@@ -128,15 +131,15 @@ def test_action_overhead_is_the_line_through_the_measured_sizes() -> None:
                        forward=(0.5 * (4 * c + variable) / 2,) * 2,
                        backward=(0.5 * (4 * c + variable) / 2,) * 2,
                        sizes=tuple((size, 4 * c + r * variable) for size, r in relative.items()))
-    assert tuner._action_overhead(measured, relative) == pytest.approx(c)
+    assert calibration._action_overhead(measured, relative) == pytest.approx(c)
     # One size says nothing; noise may make it neither negative nor more than half an
     # action at the smallest size.
-    assert tuner._action_overhead(replace(measured, sizes=measured.sizes[1:2]),
+    assert calibration._action_overhead(replace(measured, sizes=measured.sizes[1:2]),
                                        relative) == 0.0
-    assert tuner._action_overhead(
+    assert calibration._action_overhead(
         replace(measured, sizes=((1, 0.01), (2, 0.03), (4, 0.06))), relative) == 0.0
     shrinking = replace(measured, sizes=((1, 0.02), (2, 0.019), (4, 0.018)))
-    assert tuner._action_overhead(shrinking, relative) == pytest.approx(0.018 / 8)
+    assert calibration._action_overhead(shrinking, relative) == pytest.approx(0.018 / 8)
 
 
 def test_calibration_prices_each_measured_size_at_what_training_measured() -> None:
@@ -145,7 +148,7 @@ def test_calibration_prices_each_measured_size_at_what_training_measured() -> No
     measured = replace(_fake_measurement(None, layout), sizes=sizes)  # base: 2 x (2 + 4) ms
     profile = replace(_profile(), token_curve=((64.0, 1.2), (128.0, 1.0), (256.0, 0.8),
                                                (512.0, 0.7)))
-    priced = tuner.calibrate(profile, measured)
+    priced = calibration.calibrate(profile, measured)
 
     def forward_and_backward(size: int) -> float:
         costs = stage_costs(tune_runs.size_layout(layout, size), priced, 2)
@@ -336,7 +339,7 @@ def test_measurement_on_processes_prices_the_profile(tmp_path) -> None:
     assert min(seconds for _, seconds in measurement.sizes) > 0
     assert measurement.step_s >= measurement.pipeline_s > 0
     assert measurement.message_s is not None  # stage 1's first forward waits for stage 0's
-    priced = tuner.calibrate(profile, measurement, cores=2)
+    priced = calibration.calibrate(profile, measurement, cores=2)
     predicted = predict(layout, priced)
     assert predicted.step_s == pytest.approx(measurement.step_s, rel=0.01) or (
         priced.step_overhead_s == 0 and predicted.step_s > measurement.step_s)
@@ -442,13 +445,3 @@ def test_measured_actions_are_priced_as_if_they_ran_alone() -> None:
     records = {0: [("0F0", 0.0, 2.0)], 1: [("1F0", 0.0, 2.0), ("1B0", 2.0, 3.0)]}
     alone = tune_runs._alone(records, cores=1)
     assert alone == {0: [("0F0", 0.0, 1.0)], 1: [("1F0", 0.0, 1.0), ("1B0", 2.0, 3.0)]}
-
-
-def test_the_tuners_names_still_import_from_their_old_modules():
-    from meshpipe.schedules import ranking
-    from meshpipe.schedules import tune as old_ranking
-    from meshpipe.train import tune as old_tuner
-
-    assert old_tuner.tune is tuner.tune and old_tuner.config_for is tune_runs.config_for
-    assert old_tuner.layer_curve is tune_profile.layer_curve
-    assert old_ranking.rank_layouts is ranking.rank_layouts

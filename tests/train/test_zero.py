@@ -12,9 +12,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from meshpipe.testing import run_distributed
-from meshpipe.train import checkpoint
+from meshpipe.train.checkpoints import store as checkpoint
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.trainer import Trainer
+from meshpipe.train.loop.trainer import Trainer
 from trainer_cases import SMALL, check_first_step, train
 
 pytestmark = pytest.mark.distributed
@@ -117,7 +117,7 @@ def _load_then_save(rank, world_size, config, source, target_root):
     """Load checkpoint ``source`` into ``config``'s layout and save it again at once."""
     trainer = Trainer(config)
     step = checkpoint.read_info(source).step
-    trainer.checkpointer.load(source, step + 1)
+    trainer.checkpointer.load(source, step)
     checkpoint.save(target_root, trainer.parameters, trainer.optimizer, step, trainer.tp_group,
                     trainer.scaler, config=config.to_dict(), run_id="copy",
                     buckets=trainer.gradients.buckets)
@@ -129,14 +129,14 @@ def test_a_checkpoint_moves_between_zero_levels_and_dp_sizes_bit_for_bit(tmp_pat
     saved = TrainConfig(**{**SMALL, "steps": 2}, pp=2, dp=2, zero=1, checkpoint_every=2,
                         out_dir=str(tmp_path / "run"))
     run_distributed(4, train, saved)
-    source = tmp_path / "run" / "checkpoint" / "step-000001"
+    source = tmp_path / "run" / "checkpoint" / "step-000002"
     original = _whole_checkpoint(source)
     assert any(key.endswith("exp_avg_sq") for key in original)
     for zero, dp in ((0, 1), (2, 2), (1, 1), (0, 2)):
         target = tmp_path / f"zero{zero}-dp{dp}"
         config = dataclasses.replace(saved, zero=zero, dp=dp, out_dir=str(tmp_path / "run"))
         run_distributed(config.world_size, _load_then_save, config, source, target)
-        copied = _whole_checkpoint(target / "step-000001")
+        copied = _whole_checkpoint(target / "step-000002")
         assert copied.keys() == original.keys()
         for key, tensor in original.items():
             assert torch.equal(copied[key], tensor), (zero, dp, key)
@@ -150,7 +150,7 @@ def test_resume_at_another_zero_level_continues_exactly(tmp_path):
                                torch.tensor(straight))
     for zero in (0, 2):
         resumed = run_distributed(4, train, dataclasses.replace(sharded, zero=zero, resume=True),
-                                  rewind_to="step-000001")[0]
+                                  rewind_to="step-000002")[0]
         torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.plan import plan_run
+from meshpipe.train.run.plan import plan_run
 
 
 @pytest.mark.parametrize("zero", [-1, 3])

@@ -331,24 +331,3 @@ def all_to_all_rows(x: Tensor, send_rows: Sequence[int], receive_rows: Sequence[
     """``exchange_rows`` with autograd: the backward sends each row's gradient back to the
     rank the row came from (the same exchange with the sizes swapped)."""
     return _AllToAllRows.apply(x, tuple(send_rows), tuple(receive_rows), group)
-
-
-_MOVED = {**dict.fromkeys(("GradScale", "gather", "hybrid_gather", "hybrid_split",
-                           "packed_gather", "packed_hybrid_gather", "packed_hybrid_split",
-                           "packed_split", "split", "zigzag_gather", "zigzag_split"),
-                          "meshpipe.context.split_gather"),
-          **dict.fromkeys(("ShardLayout", "contiguous_positions", "document_ids",
-                           "hybrid_positions", "packed_hybrid_positions", "packed_positions",
-                           "positions_in_document", "zigzag_positions"),
-                          "meshpipe.context.shards")}
-
-
-def __getattr__(name: str) -> Any:
-    """The sequence split/gather and shard bookkeeping where they were imported before they
-    moved to ``meshpipe.context`` (compatibility names, resolved on use: those modules build
-    on this one)."""
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    return getattr(importlib.import_module(module), name)

@@ -92,9 +92,6 @@ from meshpipe.comm.wire import (HEADER_NBYTES, SLOW_TAG, STEADY_SLOT, STEADY_TAG
                                 flatten, host_message, label_digest, layout_for, new_buffer,
                                 pack_into, unpack)
 
-# Where it was imported before averaging got a module of its own.
-from meshpipe.comm.averaging import average_messages  # noqa: E402,F401
-
 GroupArg = ProcessGroup | Sequence[ProcessGroup] | None
 MODES = ("async", "batched")
 

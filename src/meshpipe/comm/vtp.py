@@ -34,7 +34,6 @@ from meshpipe.comm.errors import MessageMismatchError, P2PError
 from meshpipe.comm.handles import RecvHandle, SendHandle
 from meshpipe.comm.p2p import GroupArg, P2PTransport, remaining
 from meshpipe.comm.p2p_records import TransportStats
-from meshpipe.comm.transport import STOP_NOTICE_KEY  # noqa: F401 - where it was imported
 from meshpipe.comm.transport import is_stop_notice
 from meshpipe.comm.wire import (
     HEADER_NUMEL,
@@ -376,7 +375,7 @@ class FanoutTransport:
     ``big / small`` (equal sizes: ``j <-> j``). ``post_send(message, dst)`` (``dst``: any
     global rank of the peer position) sends to every linked rank of that position;
     ``post_recv(src)`` receives from every linked rank of it and ``wait`` returns their
-    mean (:func:`~meshpipe.comm.p2p.average_messages`: floating tensors averaged in
+    mean (:func:`~meshpipe.comm.averaging.average_messages`: floating tensors averaged in
     float32, everything else must be equal), or the one message of a single link. A
     message for which ``passthrough(message)`` is true (default: the executor's stop
     notice) is returned from a fan-in as it is, so a failure crosses it.

@@ -18,7 +18,7 @@ class HybridAttention(UlyssesAttention):
     for a subset of heads, and ring attention runs across the ranks that hold the same heads
     of the other ring shards. Layout: the sequence is split over the ring (zigzag for causal
     balance, or per document for a pack), then each ring shard contiguously over Ulysses
-    (``comm.collectives.hybrid_split`` / ``packed_hybrid_split``).
+    (``context.split_gather.hybrid_split`` / ``packed_hybrid_split``).
     """
 
     def __init__(self, ring_group: dist.ProcessGroup | None,

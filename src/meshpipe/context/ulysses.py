@@ -62,7 +62,7 @@ class UlyssesAttention(nn.Module):
 
     ``inner`` is any attention (default: ``LocalAttention``; ``RingAttention`` over another
     group gives the hybrid). The ranks must hold the group's sequence split contiguously in
-    rank order with ``split_sizes`` (what ``comm.collectives.split`` produces); the tokens'
+    rank order with ``split_sizes`` (what ``context.split_gather.split`` produces); the tokens'
     own positions and documents are free (zigzag, packed), they only feed the mask.
     """
 
@@ -88,7 +88,7 @@ class UlyssesAttention(nn.Module):
             raise AttentionError(
                 f"{where}: the Ulysses ranks hold {layout.sizes} tokens (by group rank), but a "
                 f"sequence of {layout.total} tokens must be split as {expected} (the first "
-                f"ranks one more); shard the sequence with comm.collectives.split")
+                f"ranks one more); shard the sequence with context.split_gather.split")
         plan = plan_heads(heads_q, k.shape[2], ranks, where)
         query_order = plan.query_order()
         fused = _can_fuse(q, k, v, plan, ranks)

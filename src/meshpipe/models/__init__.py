@@ -1,8 +1,7 @@
 """meshpipe.models: the reference transformer, its pipeline split and its loss."""
 
 from meshpipe.models.loss import causal_lm_loss
-from meshpipe.models.split import (SharedParameter, TransformerChunk, balanced_layers,
-                                   shared_parameters, split)
+from meshpipe.models.split import SharedParameter, TransformerChunk, shared_parameters, split
 from meshpipe.models.transformer import Transformer, TransformerConfig
 
 __all__ = [
@@ -10,7 +9,6 @@ __all__ = [
     "Transformer",
     "TransformerChunk",
     "TransformerConfig",
-    "balanced_layers",
     "causal_lm_loss",
     "shared_parameters",
     "split",

@@ -44,7 +44,7 @@ SPLITS = {"self_attn.q_proj": COLUMN, "self_attn.k_proj": COLUMN, "self_attn.v_p
 # Fused projections (Phi-3): their rows are parts, each split on its own, so a rank holds
 # its q, k and v heads (its gate and up width) side by side: the parts' sizes by config.
 FUSED = {"self_attn.qkv_proj": lambda c: (c.num_attention_heads * _head_dim(c),
-                                          _kv_heads(c) * _head_dim(c), _kv_heads(c) * _head_dim(c)),
+                                          kv_heads(c) * _head_dim(c), kv_heads(c) * _head_dim(c)),
          "mlp.gate_up_proj": lambda c: (c.intermediate_size, c.intermediate_size)}
 # Head counts an attention module may keep as attributes.
 HEAD_COUNTS = ("num_heads", "num_key_value_heads")
@@ -60,7 +60,7 @@ ROWS_ATTR = "_meshpipe_checkpoint_slice"
 def check_sizes(config: Any, tp: int, where: str) -> None:
     """One-line ValueErrors, before any process starts, for a ``tp`` the model cannot split."""
     sizes = {"attention heads (num_attention_heads)": config.num_attention_heads,
-             "key/value heads (num_key_value_heads)": _kv_heads(config),
+             "key/value heads (num_key_value_heads)": kv_heads(config),
              "MLP width (intermediate_size)": config.intermediate_size,
              "vocabulary (vocab_size)": config.vocab_size}
     for what, size in sizes.items():
@@ -69,7 +69,7 @@ def check_sizes(config: Any, tp: int, where: str) -> None:
                              f"that divides {size}")
 
 
-def _kv_heads(config: Any) -> int:
+def kv_heads(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
@@ -149,7 +149,7 @@ def shard_skeleton(model: nn.Module, region: TensorParallelRegion) -> None:
     check_sizes(config, region.size, "the model")
     local_config = copy.copy(config)
     local_config.num_attention_heads = config.num_attention_heads // region.size
-    local_config.num_key_value_heads = _kv_heads(config) // region.size
+    local_config.num_key_value_heads = kv_heads(config) // region.size
     for name, module in list(model.named_modules()):
         end = next((end for end in SPLITS if name.endswith(end)), None)
         if end is not None:

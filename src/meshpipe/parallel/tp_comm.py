@@ -22,7 +22,6 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from meshpipe.comm import ops
-from meshpipe.comm.checks import CHECK_ENV  # noqa: F401 - the variable's name, as before
 from meshpipe.comm.checks import checks_enabled, exchange_shapes
 from meshpipe.graph_breaks import graph_break
 

@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
-from meshpipe.comm.p2p import P2PConnectionError
+from meshpipe.comm.errors import P2PConnectionError
 from meshpipe.comm.transport import Transport, is_stop_notice, stop_notice, stopped_by
 from meshpipe.runtime import activity
 from meshpipe.runtime.hooks import OverlapHooks, StageHooks, stage_moments

@@ -2,9 +2,9 @@
 
 from meshpipe.schedules.actions import Action, Kind
 from meshpipe.schedules.schedule import Schedule
-from meshpipe.schedules.builders import (SCHEDULES, build, combined_1f1b, dualpipe_v, gpipe,
-                                         interleaved_1f1b, no_pipelining, one_f_one_b, zb_h1,
-                                         zb_v)
+from meshpipe.schedules.builders import SCHEDULES, build, gpipe, no_pipelining, one_f_one_b
+from meshpipe.schedules.interleaved import combined_1f1b, interleaved_1f1b
+from meshpipe.schedules.zero_bubble import dualpipe_v, zb_h1, zb_v
 from meshpipe.schedules.compare import Comparison, compare
 from meshpipe.schedules.lowering import lower
 from meshpipe.schedules.placement import (PLACEMENTS, loop_placement, resolve_placement,

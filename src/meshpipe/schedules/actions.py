@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any, Iterable, NamedTuple
+from typing import Iterable, NamedTuple
 
 
 class Kind(enum.Enum):
@@ -169,12 +169,3 @@ def I(stage: int, microbatch: int) -> Action:  # noqa: E741,E743
 
 def W(stage: int, microbatch: int) -> Action:
     return Action(Kind.W, stage, microbatch)
-
-
-def __getattr__(name: str) -> Any:
-    """``Schedule`` as it was imported before it got a module of its own (a compatibility
-    name, resolved on use: this module must not import the table that ``Schedule`` holds)."""
-    if name == "Schedule":
-        from meshpipe.schedules.schedule import Schedule
-        return Schedule
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

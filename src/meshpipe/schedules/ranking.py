@@ -1,7 +1,7 @@
 """Choosing a layout: predict the step time and peak memory of every layout (pp, vpp, dp,
 cp, microbatches, schedule) of a world size from a ``Profile`` of the model, and rank them.
 
-Pure Python (no torch): ``meshpipe.train.tuner`` measures the profile from a real step, and
+Pure Python (no torch): ``meshpipe.train.tune.tuner`` measures the profile from a real step, and
 this module only does arithmetic and simulation, so rankings are testable without processes.
 
 The model of one layout:

@@ -1,8 +1,8 @@
 """Training configuration: one dataclass, also the source of the ``meshpipe train`` flags.
 
 Every field becomes a ``--flag`` (underscores become dashes) with its default and the help
-text from ``FIELD_HELP`` (``meshpipe.train.arguments``), so the CLI never drifts from the
-library. ``--config run.toml`` gives them as a TOML file (``meshpipe.train.toml_config``);
+text from ``FIELD_HELP`` (``meshpipe.train.run.arguments``), so the CLI never drifts from the
+library. ``--config run.toml`` gives them as a TOML file (``meshpipe.train.run.toml_config``);
 the flags given override it.
 """
 
@@ -21,7 +21,7 @@ from meshpipe.schedules.costs import RECOMPUTE_MODES
 from meshpipe.schedules.placement import PLACEMENTS
 from meshpipe.schedules.ranking import ZERO_LEVELS
 from meshpipe.topology import ParallelLayout
-from meshpipe.train.devices import BACKENDS, DEVICES
+from meshpipe.train.run.devices import BACKENDS, DEVICES
 
 STAGE_LINKS = ("root", "fanout")
 # --joint-projections: q/k/v and gate/up as one product each (meshpipe.models.joint).
@@ -363,6 +363,10 @@ def flag_name(name: str) -> str:
     return name.replace("_", "-")
 
 
+# The Hugging Face families ``--model`` trains (``meshpipe.models.hf.SUPPORTED_MODEL_TYPES``).
+HF_FAMILIES = ("Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen2-MoE or "
+               "Qwen3-MoE")
+
 FIELD_HELP = {
     "pp": "pipeline-parallel ranks",
     "vpp": "virtual stages (model chunks) per pipeline rank",
@@ -382,8 +386,8 @@ FIELD_HELP = {
     "microbatches": "microbatches per step (per data-parallel replica)",
     "microbatch_size": "sequences per microbatch",
     "seq_len": "tokens per sequence",
-    "model": "a Hugging Face model directory (config.json + safetensors) of a Llama, Mistral, "
-             "Qwen2, Qwen3, Phi-3 or Gemma 2/3 decoder to train (empty: the reference transformer)",
+    "model": f"a Hugging Face model directory (config.json + safetensors) of a {HF_FAMILIES} "
+             "decoder to train (empty: the reference transformer)",
     "data": "training text: a .txt file (documents separated by blank lines), a .jsonl file "
             "with a text field, or a folder of them (empty: the shipped corpus)",
     "tokenizer": "tokenizer directory for --data (transformers AutoTokenizer, offline); "
@@ -432,8 +436,9 @@ FIELD_HELP = {
     "resume": "continue from the newest complete checkpoint in --out-dir",
     "keep_checkpoints": "checkpoints of this run kept in --out-dir (older ones of this run are "
                         "deleted; other runs' are never touched)",
-    "allow_config_change": "with --resume, accept a checkpoint written with other steps, "
-                           "learning rates, batch or seed (a different model is always refused)",
+    "allow_config_change": "with --resume, accept a checkpoint written with other learning "
+                           "rates, batch, seed, data or precision (another --steps needs no "
+                           "flag; a different model is always refused)",
     "check": "also run the first step in one process and print the loss/gradient difference",
     "timeline_step": "step whose measured per-rank timeline is drawn (0 disables)",
     "progress": "show a progress bar",
@@ -449,13 +454,3 @@ FIELD_HELP = {
     "checkpoint_on_signal": "on Ctrl-C or SIGTERM, save a checkpoint at the end of the current "
                             "step before stopping",
 }
-
-
-def __getattr__(name: str) -> Any:
-    """``add_arguments`` and ``from_arguments`` where they were before they moved to
-    ``meshpipe.train.arguments`` (compatibility names, resolved on use: that module builds
-    on this one)."""
-    if name in ("add_arguments", "from_arguments"):
-        from meshpipe.train import arguments
-        return getattr(arguments, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,157 @@
+"""Seekable samplers of the user's tokenized text (``--data``): ``TextSampler.batch(step)`` is
+a pure function of (seed, step), the same on every rank and after a resume, with no state to
+checkpoint. The infinite order of the data is a sequence of epochs, each a permutation
+seeded by (seed, epoch), so batch ``step`` is found by arithmetic instead of by replaying the
+earlier steps. Targets never cross a document boundary: a document's last token, like
+padding, has ``IGNORE_INDEX`` as its target. With ``pack`` several documents share a
+sequence and each batch says where they start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from meshpipe.train.data.text import IGNORE_INDEX, TokenizedData
+
+
+@dataclass(frozen=True)
+class TextBatch:
+    """``tokens`` and ``targets`` [batch, seq_len] int64; ``targets`` holds the next token of
+    the same document piece, ``IGNORE_INDEX`` where there is none. With packing,
+    ``doc_lens`` gives each sequence's document-piece lengths in order (each sums to
+    seq_len); None without."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    doc_lens: tuple[tuple[int, ...], ...] | None
+
+
+class TextSampler:
+    """Batches of ``batch_size`` sequences of ``seq_len`` tokens; ``batch(step)`` is a pure
+    function of (seed, step).
+
+    Without ``pack`` every document is cut into pieces of at most ``seq_len`` tokens, one
+    piece per sequence (padded with ``pad_id``); epoch ``e`` visits every piece once, in a
+    permutation seeded by (seed, e). With ``pack`` the epochs' permutations of whole
+    documents are concatenated into one endless stream and cut into consecutive windows of
+    ``seq_len`` tokens; ``doc_lens`` tells attention where each document piece starts.
+    """
+
+    def __init__(self, data: TokenizedData, seq_len: int, batch_size: int, *, seed: int = 0,
+                 pack: bool = False, pad_id: int = 0):
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be positive, got {seq_len} and "
+                             f"{batch_size}")
+        if data.num_tokens == 0:
+            raise ValueError(f"this split of --data has {data.num_documents} documents and no "
+                             "tokens, so it cannot give a sequence: add text to --data")
+        self.data = data
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.pack = pack
+        self.pad_id = pad_id
+        self._offsets = np.asarray(data.offsets, dtype=np.int64)
+        self._doc_lengths = np.diff(self._offsets)
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if not pack:
+            self._piece_starts, self._piece_lengths = self._pieces()
+
+    def batch(self, step: int) -> TextBatch:
+        """Batch number ``step``: identical on every rank and across restarts."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        first = step * self.batch_size
+        rows = range(first, first + self.batch_size)
+        if self.pack:
+            return self._packed_batch(rows)
+        return self._unpacked_batch(rows)
+
+    # -- epochs ------------------------------------------------------------------------------
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch ``epoch``'s permutation of the units (pieces, or documents with ``pack``)
+        and, with ``pack``, the stream offset at which each of its documents starts.
+
+        The two most recent epochs are kept: a batch spans at most an epoch boundary
+        (unless the data is smaller than a batch)."""
+        if epoch not in self._epochs:
+            units = len(self._doc_lengths) if self.pack else len(self._piece_starts)
+            generator = np.random.default_rng([self.seed % 2**64, epoch])
+            order = generator.permutation(units)
+            starts = (np.concatenate([[0], np.cumsum(self._doc_lengths[order])])
+                      if self.pack else np.zeros(0, dtype=np.int64))
+            self._epochs[epoch] = (order, starts)
+            while len(self._epochs) > 2:
+                del self._epochs[min(self._epochs)]
+        return self._epochs[epoch]
+
+    # -- without packing ---------------------------------------------------------------------
+
+    def _pieces(self) -> tuple[np.ndarray, np.ndarray]:
+        """Start (into the token array) and length of every piece: document ``d`` gives
+        ``ceil(len_d / seq_len)`` pieces, all of ``seq_len`` tokens but its last."""
+        per_doc = -(-self._doc_lengths // self.seq_len)
+        doc = np.repeat(np.arange(len(per_doc)), per_doc)
+        first_piece = np.cumsum(per_doc) - per_doc
+        index_in_doc = np.arange(len(doc)) - first_piece[doc]
+        starts = self._offsets[doc] + index_in_doc * self.seq_len
+        lengths = np.minimum(self.seq_len, self._offsets[doc + 1] - starts)
+        return starts, lengths
+
+    def _unpacked_batch(self, rows: range) -> TextBatch:
+        tokens = np.full((len(rows), self.seq_len), self.pad_id, dtype=np.int64)
+        targets = np.full((len(rows), self.seq_len), IGNORE_INDEX, dtype=np.int64)
+        count = len(self._piece_starts)
+        for row, sequence in enumerate(rows):
+            epoch, index = divmod(sequence, count)
+            piece = self._epoch(epoch)[0][index]
+            start, length = int(self._piece_starts[piece]), int(self._piece_lengths[piece])
+            tokens[row, :length] = self.data.tokens[start:start + length]
+            targets[row, :length - 1] = tokens[row, 1:length]
+        return TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets), None)
+
+    # -- with packing ------------------------------------------------------------------------
+
+    def _packed_batch(self, rows: range) -> TextBatch:
+        tokens = np.empty((len(rows), self.seq_len), dtype=np.int64)
+        targets = np.empty_like(tokens)
+        doc_lens = []
+        for row, sequence in enumerate(rows):
+            sources, lengths = self._window(sequence * self.seq_len)
+            index = np.arange(self.seq_len) + np.repeat(
+                sources - (np.cumsum(lengths) - lengths), lengths)
+            tokens[row] = self.data.tokens[index]
+            targets[row, :-1] = tokens[row, 1:]
+            targets[row, np.cumsum(lengths) - 1] = IGNORE_INDEX
+            doc_lens.append(tuple(int(n) for n in lengths))
+        return TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets), tuple(doc_lens))
+
+    def _window(self, begin: int) -> tuple[np.ndarray, np.ndarray]:
+        """The document pieces of stream tokens ``[begin, begin + seq_len)``: where each
+        starts in the token array, and its length."""
+        total = self.data.num_tokens
+        end = begin + self.seq_len
+        sources, lengths = [], []
+        for epoch in range(begin // total, (end - 1) // total + 1):
+            low = max(begin, epoch * total) - epoch * total
+            high = min(end, (epoch + 1) * total) - epoch * total
+            piece_sources, piece_lengths = self._epoch_pieces(epoch, low, high)
+            sources.append(piece_sources)
+            lengths.append(piece_lengths)
+        return np.concatenate(sources), np.concatenate(lengths)
+
+    def _epoch_pieces(self, epoch: int, low: int, high: int) -> tuple[np.ndarray, np.ndarray]:
+        """The pieces of epoch ``epoch``'s tokens ``[low, high)``: every document that
+        overlaps the range, clipped to it."""
+        order, starts = self._epoch(epoch)
+        first = int(np.searchsorted(starts, low, side="right")) - 1
+        last = int(np.searchsorted(starts, high, side="left"))
+        piece_begin = np.maximum(starts[first:last], low)
+        piece_end = np.minimum(starts[first + 1:last + 1], high)
+        sources = self._offsets[order[first:last]] + (piece_begin - starts[first:last])
+        nonempty = piece_end > piece_begin  # documents without tokens give no piece
+        return sources[nonempty], (piece_end - piece_begin)[nonempty]

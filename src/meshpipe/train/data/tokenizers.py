@@ -1,0 +1,113 @@
+"""Tokenizers for ``--data``: byte-level (vocabulary 256, no files) or a Hugging Face
+tokenizer directory (``AutoTokenizer``, offline), behind the small ``Tokenizer`` protocol the
+token cache and the samplers use. A tokenizer's ``name`` fingerprints its files, so a cache
+entry is keyed by the exact tokenizer that wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Protocol
+
+from meshpipe.train.data.corpus import VOCAB_SIZE
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Files of a model directory that never change what its tokenizer produces; hashing them
+# (gigabytes of weights) would make every start slow.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack",
+                   ".onnx")
+
+
+class Tokenizer(Protocol):
+    """What the trainer needs of a tokenizer."""
+
+    name: str
+    vocab_size: int
+    eos_id: int | None
+    pad_id: int
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes: the ids of ``meshpipe.train.data.corpus.encode``, no end-of-document token."""
+
+    name = "bytes"
+    vocab_size = VOCAB_SIZE
+    eos_id = None
+    pad_id = 0
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(text.encode("utf-8")) for text in texts]
+
+
+class HFTokenizer:
+    """A tokenizer directory that ``transformers.AutoTokenizer`` loads offline.
+
+    Each document is encoded with the tokenizer's own special tokens (a Llama-style BOS
+    included) and ends with EOS, so a model trained on packed documents learns where one
+    ends.
+    """
+
+    def __init__(self, path: str | Path):
+        import transformers
+
+        directory = Path(path).resolve()
+        try:
+            self._tokenizer = transformers.AutoTokenizer.from_pretrained(
+                str(directory), local_files_only=True)
+        except Exception as err:  # transformers raises many types; the CLI wants one line
+            raise ValueError(f"cannot load the tokenizer in {directory}: "
+                             f"{_first_line(err)}") from err
+        self.name = f"hf:{directory}:{_fingerprint(directory)}"
+        self.vocab_size = len(self._tokenizer)
+        self.eos_id = self._tokenizer.eos_token_id
+        self.pad_id = next((i for i in (self._tokenizer.pad_token_id, self.eos_id)
+                            if i is not None), 0)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        encoded = self._tokenizer(texts, add_special_tokens=True, return_attention_mask=False,
+                                  return_token_type_ids=False, verbose=False)["input_ids"]
+        if self.eos_id is None:
+            return encoded
+        return [ids if ids and ids[-1] == self.eos_id else ids + [self.eos_id]
+                for ids in encoded]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _fingerprint(directory: Path) -> str:
+    """sha256 over the names and contents of the directory's files other than weights: a
+    tokenizer edited in place gets a new cache key."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in directory.iterdir()
+                       if p.is_file() and p.suffix.lower() not in WEIGHT_SUFFIXES):
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a saved tokenizer."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def resolve_tokenizer(model_dir: str, tokenizer_dir: str) -> Tokenizer:
+    """``--tokenizer`` when given, else the ``--model``'s own tokenizer, else byte-level."""
+    if tokenizer_dir:
+        if not Path(tokenizer_dir).exists():
+            raise ValueError(f"--tokenizer {tokenizer_dir} does not exist: give a directory "
+                             "written by a transformers tokenizer's save_pretrained")
+        if not has_tokenizer(tokenizer_dir):
+            raise ValueError(f"--tokenizer {tokenizer_dir} holds no tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)}): give a directory written by a "
+                             "transformers tokenizer's save_pretrained")
+        return HFTokenizer(tokenizer_dir)
+    if model_dir and has_tokenizer(model_dir):
+        return HFTokenizer(model_dir)
+    return ByteTokenizer()
+
+

@@ -1,0 +1,80 @@
+"""A rank's share of each batch: the stage-0 inputs and last-stage targets of every
+microbatch, on the rank's device, and what each microbatch's summed loss is divided by.
+
+Every rank of a context-parallel group gets the same batch and keeps its slice of the
+sequence: zigzag over the ring, then a contiguous Ulysses split (``hybrid_positions``). A
+packed batch (``--pack``) runs each microbatch as one row holding this rank's piece of every
+document (each document split contiguously over the ring, then Ulysses), with each token's
+position inside its document and its document id, so that attention applies the
+block-diagonal causal mask without materialising it here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshpipe.context.derived import to_device
+from meshpipe.context.shards import hybrid_positions, packed_hybrid_positions
+from meshpipe.train.run import sources
+from meshpipe.train.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Microbatches:
+    """One step's messages for stage 0 and targets for the loss, and the loss denominator:
+    the replica's counted targets per microbatch, so the step's loss is the mean over every
+    counted target of the batch (padding and each document's last token do not count)."""
+
+    inputs: list[Any]
+    targets: list[torch.Tensor]
+    loss_denominator: float
+
+
+class RankBatches:
+    """``batches(sampler, step)``: this rank's ``Microbatches`` of batch ``step``."""
+
+    def __init__(self, config: TrainConfig, cp_ring_rank: int, cp_ulysses_rank: int,
+                 device: torch.device):
+        self.config = config
+        self.cp_ranks = (cp_ring_rank, cp_ulysses_rank)
+        self.device = device
+        self.positions = hybrid_positions(config.seq_len, config.cp_ring, cp_ring_rank,
+                                          config.cp_ulysses, cp_ulysses_rank)
+        # Without context parallelism a rank holds the plain sequence, which the model
+        # takes as no positions (nothing to derive or send; compiled, one graph a block).
+        self._slices = config.cp_ring * config.cp_ulysses > 1
+        self._device_positions = to_device(self.positions, device) if self._slices else None
+
+    def __call__(self, sampler: Any, step: int) -> Microbatches:
+        batch = sampler.batch(step)
+        counted = max(sources.counted_targets(batch.targets), 1)
+        denominator = counted / self.config.microbatches
+        if getattr(batch, "doc_lens", None) is not None:
+            return Microbatches(*self._packed(batch), denominator)
+        tokens = to_device(self._held(batch.tokens, self.positions), self.device)
+        targets = to_device(self._held(batch.targets, self.positions), self.device)
+        size = self.config.microbatch_size
+        inputs = [(t, self._device_positions, None) for t in tokens.split(size)]
+        return Microbatches(inputs, list(targets.split(size)), denominator)
+
+    def _held(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The columns of ``rows`` at this rank's ``positions``; without context parallelism
+        (every column) ``rows`` itself: a host index over every column costs milliseconds
+        when it wakes the thread pool."""
+        return rows[:, positions] if self._slices else rows
+
+    def _packed(self, batch) -> tuple[list[Any], list[torch.Tensor]]:
+        config, device = self.config, self.device
+        inputs, targets = [], []
+        for row_tokens, row_targets, lengths in sources.packed_rows(batch,
+                                                                    config.microbatch_size):
+            held = packed_hybrid_positions(lengths, config.cp_ring, self.cp_ranks[0],
+                                           config.cp_ulysses, self.cp_ranks[1])
+            positions, doc_ids = sources.packed_layout(lengths, held)
+            inputs.append((to_device(self._held(row_tokens, held), device),
+                           to_device(positions, device), to_device(doc_ids, device)))
+            targets.append(to_device(self._held(row_targets, held), device))
+        return inputs, targets

@@ -1,0 +1,402 @@
+"""What a run trains, and on what: the reference transformer or a Hugging Face decoder
+(``--model``), on the shipped corpus or on the user's text (``--data``, ``--pack``).
+
+The launcher calls ``check_sources`` before any process starts: the model directory, the
+sequence length against the model's positions, the data path, the tokenizer against the
+model's vocabulary, and the tokenization itself (cached, so the ranks then only map the
+token file). Every rank then builds its stages with ``build_chunks`` and its batches with
+``samplers``; ``--check`` and ``--export`` use ``reference_step`` and ``export``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshpipe.context.heads import plan_heads
+from meshpipe.context.interface import AttentionError
+from meshpipe.context.shards import document_ids, positions_in_document
+from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, causal_lm_loss,
+                             shared_parameters, split)
+from meshpipe.models.compile import compile_blocks
+from meshpipe.models.transformer import check_tensor_parallel_sizes
+from meshpipe.parallel import TensorParallelRegion
+from meshpipe.runtime import DynamicLossScaler, MasterWeights, autocast, weights_dtype
+from meshpipe.schedules.builders import SCHEDULE_SPECS
+from meshpipe.train.config import TrainConfig
+from meshpipe.train.data.corpus import VOCAB_SIZE, CorpusSampler, encode, load_corpus
+from meshpipe.train.data import text as text_data
+from meshpipe.train.data import sampling as text_sampling
+from meshpipe.train.data import tokenizers
+VAL_FRACTION = 0.05
+
+
+@lru_cache(maxsize=None)
+def model_info(model_dir: str):
+    """The checked description of a ``--model`` directory."""
+    from meshpipe.models import hf
+
+    return hf.inspect_model(model_dir)
+
+
+def num_layers(config: TrainConfig) -> int:
+    return model_info(config.model).num_layers if config.model else config.layers
+
+
+@lru_cache(maxsize=None)
+def _tokenizer(model_dir: str, tokenizer_dir: str):
+    return tokenizers.resolve_tokenizer(model_dir, tokenizer_dir)
+
+
+def tokenizer(config: TrainConfig):
+    """The tokenizer of ``--data``: ``--tokenizer``, the model's own, or byte-level."""
+    return _tokenizer(config.model, config.tokenizer)
+
+
+def data_cache(config: TrainConfig) -> Path:
+    return Path(config.data_cache or Path(config.out_dir) / "tokens")
+
+
+@lru_cache(maxsize=None)
+def _dataset(data: str, model_dir: str, tokenizer_dir: str, cache: str, progress: bool):
+    tokenized = text_data.tokenize_dataset(data, _tokenizer(model_dir, tokenizer_dir), cache,
+                                           progress=progress)
+    return tokenized.split(VAL_FRACTION)
+
+
+def dataset(config: TrainConfig, progress: bool = False):
+    """``--data`` tokenized (from the cache when it is there): (train, validation) splits."""
+    return _dataset(config.data, config.model, config.tokenizer, str(data_cache(config)),
+                    progress)
+
+
+def vocab_size(config: TrainConfig) -> int:
+    """Rows of the model's embedding: the model's, the tokenizer's for the reference model
+    on ``--data``, else the byte-level 256."""
+    if config.model:
+        return model_info(config.model).vocab_size
+    if config.data:
+        return tokenizer(config).vocab_size
+    return VOCAB_SIZE
+
+
+def check_sources(config: TrainConfig) -> None:
+    """One-line ValueErrors, before any process starts, for a model or data the run cannot
+    use; tokenizes ``--data`` into the cache (with a progress bar on large inputs)."""
+    if config.model:
+        from meshpipe.models import hf
+
+        hf.check_sequence_length(model_info(config.model), config.seq_len)
+        hf.check_experts(model_info(config.model), ep=config.ep,
+                         capacity_factor=config.moe_capacity_factor,
+                         tensor_parallel=config.tp > 1 or bool(config.stage_tp))
+    if not config.data:
+        if config.model and vocab_size(config) < VOCAB_SIZE:
+            raise ValueError(f"the shipped corpus is byte-level (256 token ids) but the model's "
+                             f"embedding has {vocab_size(config)} rows: give --data with the "
+                             "model's tokenizer")
+        return
+    words = tokenizer(config)
+    if config.model and words.vocab_size > vocab_size(config):
+        raise ValueError(f"the tokenizer has {words.vocab_size} tokens but the model's embedding "
+                         f"has {vocab_size(config)} rows: use the model's own tokenizer "
+                         "(--tokenizer) or a model with a larger vocabulary")
+    dataset(config, progress=config.progress)
+
+
+def check_tensor_parallel(config: TrainConfig, tp: int) -> None:
+    """A one-line ValueError when the run's model cannot be split over ``tp`` ranks."""
+    if not config.model:
+        check_tensor_parallel_sizes(model_config(config), tp)
+        return
+    from meshpipe.models import hf, hf_tp
+
+    hf_tp.check_sizes(hf.load_config(config.model), tp, f"--model {config.model}")
+
+
+def attention_heads(config: TrainConfig) -> tuple[int, int]:
+    """The model's (query, key/value) attention heads: ``--heads``/``--kv-heads``, or the
+    ``--model`` directory's."""
+    if not config.model:
+        reference = model_config(config)
+        return reference.n_heads, reference.kv_heads
+    from meshpipe.models import hf, hf_tp
+
+    loaded = hf.load_config(config.model)
+    return loaded.num_attention_heads, hf_tp.kv_heads(loaded)
+
+
+def check_ulysses(config: TrainConfig, tp: int) -> None:
+    """A one-line ValueError when ``--cp-ulysses`` cannot deal the heads of a rank of
+    tensor-parallel size ``tp`` to its ranks (the rule the ranks' Ulysses attention
+    follows: ``context.heads.plan_heads``)."""
+    heads, kv_heads = attention_heads(config)
+    try:
+        plan_heads(heads // tp, kv_heads // tp, config.cp_ulysses)
+    except AttentionError:
+        of_rank = f" of a tensor-parallel rank ({heads} / --tp {tp})" if tp > 1 else ""
+        raise ValueError(
+            f"--cp-ulysses {config.cp_ulysses} cannot spread the {heads // tp} query heads"
+            f"{of_rank} over {config.cp_ulysses} ranks: every Ulysses rank needs at least one "
+            f"head; use --cp-ulysses {heads // tp} or less, and --cp-ring for the rest of the "
+            "context parallelism") from None
+
+
+def model_config(config: TrainConfig) -> TransformerConfig:
+    """The reference transformer of the run's flags."""
+    return TransformerConfig(vocab_size=vocab_size(config), dim=config.dim,
+                             n_layers=config.layers, n_heads=config.heads,
+                             n_kv_heads=config.kv_heads, max_seq_len=config.seq_len,
+                             tie_embeddings=config.tie_embeddings, init_seed=config.seed,
+                             moe_experts=config.moe_experts, moe_top_k=config.moe_top_k,
+                             moe_every=config.moe_every,
+                             moe_capacity_factor=config.moe_capacity_factor)
+
+
+def samplers(config: TrainConfig, dp_rank: int) -> tuple[Any, Any]:
+    """Data-parallel replica ``dp_rank``'s (train, validation) samplers: each batch holds
+    microbatches x microbatch_size sequences and is a pure function of the step."""
+    batch = config.microbatches * config.microbatch_size
+    seed = config.seed * 7919 + dp_rank
+    if not config.data:
+        tokens = encode(load_corpus())
+        return tuple(CorpusSampler(tokens, config.seq_len, batch, seed=seed, split=name)
+                     for name in ("train", "val"))
+    pad = tokenizer(config).pad_id
+    return tuple(text_sampling.TextSampler(split, config.seq_len, batch, seed=split_seed,
+                                       pack=config.pack, pad_id=pad)
+                 for split, split_seed in zip(dataset(config), (seed, seed + 1_000_003)))
+
+
+def packed_rows(batch, size: int) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    """With ``--pack``, each microbatch's ``size`` sequences as one row of ``size x seq_len``
+    tokens and the lengths of its documents (the THD layout). No document crosses a
+    sequence, so the row's block-diagonal attention is exactly the sequences' own, and one
+    document layout serves the whole microbatch."""
+    rows = []
+    for start in range(0, batch.tokens.shape[0], size):
+        lengths = [n for sequence in batch.doc_lens[start:start + size] for n in sequence]
+        rows.append((batch.tokens[start:start + size].reshape(1, -1),
+                     batch.targets[start:start + size].reshape(1, -1), lengths))
+    return rows
+
+
+def packed_layout(doc_lens, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's position inside its document and its document, for tokens at
+    ``positions`` of a pack of documents of lengths ``doc_lens``."""
+    return positions_in_document(doc_lens, positions), document_ids(doc_lens, positions)
+
+
+def num_experts(config: TrainConfig) -> int:
+    """Experts per mixture-of-experts layer of the run's model (0: dense)."""
+    return model_info(config.model).experts if config.model else config.moe_experts
+
+
+def aux_coefficient(config: TrainConfig) -> float:
+    """The weight of the load-balancing loss in the training loss: ``--moe-aux-coef``, or
+    what a ``--model``'s config.json asks transformers to add."""
+    return model_info(config.model).aux_coef if config.model else config.moe_aux_coef
+
+
+@dataclass
+class ModelParts:
+    """A rank's view of the model: every stage's chunk (only this rank's hold weights for
+    a ``--model``), each parameter's full-model name, the parameters stages share, and the
+    global index of each mixture-of-experts layer's MLP."""
+
+    chunks: list[nn.Module]
+    names: dict[int, str]
+    shared: list[SharedParameter]
+    moe_index: dict[int, int]
+
+
+def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
+                 **groups: Any) -> ModelParts:
+    """Cut the model into ``len(layers)`` stages. The reference transformer is built whole
+    (its initialisation is a pure function of the seed) and sharded over ``groups``
+    (tp_group, ep_group, token_group); a ``--model`` is built on the meta device and only
+    the chunks in ``my_stages`` read their weights. With ``--compile`` the blocks of
+    ``my_stages`` are compiled (``meshpipe.models.compile``)."""
+    parts = (_hf_parts(config, layers, attention, my_stages, **groups) if config.model
+             else _reference_parts(config, layers, attention, **groups))
+    if config.compile:
+        compile_blocks((parts.chunks[stage] for stage in my_stages),
+                       split_backward=SCHEDULE_SPECS[config.schedule].split_backward)
+    return parts
+
+
+def joint_projections(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the run projects q/k/v and gate/up jointly (``--joint-projections``, see
+    ``meshpipe.models.joint``). ``auto``: on CUDA, where launches bound an eager step. Not on a
+    CPU, where the backward's concatenation of the projections' gradients costs more than
+    the fewer products save (a 4-layer model's step 5-11 % slower, dim 256-64). Never under a
+    split backward, which needs each weight's product apart, nor with ``--compile``, whose
+    blocks take the products as they are (their weights then need not alias each other)."""
+    if (SCHEDULE_SPECS[config.schedule].split_backward or config.compile
+            or config.joint_projections == "off"):
+        return False
+    return config.joint_projections == "on" or device.type == "cuda"
+
+
+def _reference_parts(config: TrainConfig, layers: list[int], attention,
+                     **groups: Any) -> ModelParts:
+    model = Transformer(model_config(config), attention=attention,
+                        sequence_parallel=config.sequence_parallel, recompute=config.recompute,
+                        **groups)
+    chunks = split(model, len(layers), layers)
+    moe = [layer for layer in model.layers if layer.is_moe]
+    return ModelParts(chunks=chunks,
+                      names={id(p): name for name, p in model.named_parameters()},
+                      shared=shared_parameters(chunks),
+                      moe_index={id(layer.mlp): i for i, layer in enumerate(moe)})
+
+
+def _hf_parts(config: TrainConfig, layers: list[int], attention, my_stages, *,
+              tp_group=None, ep_group=None, token_group=None) -> ModelParts:
+    """The ``--model``'s chunks; tensor-parallel shards and this rank's experts are cut on
+    the meta skeleton, so only they are read."""
+    from meshpipe.models import hf, hf_moe, hf_tp
+
+    skeleton = hf.build_skeleton(config.model, config.moe_capacity_factor)
+    region = TensorParallelRegion(tp_group, config.sequence_parallel)
+    if region.size > 1:
+        hf_tp.shard_skeleton(skeleton, region)
+    expert_layers = [hf_moe.expert_layer(layer) for layer in skeleton.model.layers]
+    expert_layers = [layer for layer in expert_layers if layer is not None]
+    for layer in expert_layers:
+        layer.shard(ep_group, token_group)
+    chunks = hf.split_model(skeleton, layers, attention, recompute=config.recompute == "full",
+                            sequence_shards=region.sequence_shards)
+    shared = shared_parameters(chunks)
+    meta_names = hf.full_names(skeleton)
+    real = hf.materialize(skeleton, [chunks[s] for s in my_stages], config.model)
+    return ModelParts(chunks=chunks,
+                      names={id(p): meta_names[meta] for meta, p in real.items()},
+                      shared=shared,
+                      moe_index={id(layer): i for i, layer in enumerate(expert_layers)})
+
+
+def reference_step(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of the first step computed by one process on the whole global batch, in
+    the run's precision (fp16 with the loss scale the run starts with; bf16 with bfloat16
+    weights, the gradients of their float32 masters). For a ``--model``
+    the process runs the unmodified transformers model, its own forward and loss."""
+    model = _reference_model(config)
+    named = MasterWeights(model.named_parameters(), weights_dtype(config.dtype)).named
+    scale = DynamicLossScaler().scale if config.dtype == "fp16" else 1.0
+    losses = []
+    with autocast(config.dtype, "cpu"):
+        for dp_rank in range(config.dp):
+            batch = samplers(config, dp_rank)[0].batch(0)
+            losses.append(_replica_loss(config, model, batch))
+    loss = torch.stack(losses).mean()
+    (loss * scale).backward()
+    grads = {name: p.grad / scale for name, p in named if p.grad is not None}
+    if config.model and model_info(config.model).experts:
+        grads = _in_file_names(config, grads)
+    return loss.item(), grads
+
+
+def _in_file_names(config: TrainConfig, grads: dict[str, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+    """The unmodified model's gradients under meshpipe's names, those of the weight files
+    (one tensor per expert, where transformers stacks them)."""
+    from meshpipe.models import hf_moe
+
+    architecture = hf_moe.ARCHITECTURES[model_info(config.model).model_type]
+    return {file_name: piece for name, grad in grads.items()
+            for file_name, piece in hf_moe.as_file_tensors(name, grad, architecture).items()}
+
+
+def _reference_model(config: TrainConfig) -> nn.Module:
+    if not config.model:
+        return Transformer(model_config(config))
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    # SDPA cannot soft-cap scores: such models (Gemma 2) run transformers' eager attention.
+    capped = model_info(config.model).attention_softcap is not None
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        config.model, dtype=torch.float32, attn_implementation="eager" if capped else "sdpa",
+        local_files_only=True)
+
+
+def counted_targets(targets: torch.Tensor) -> int:
+    """Targets that count in the loss (not padding, not a document's last token)."""
+    return int((targets != text_data.IGNORE_INDEX).sum())
+
+
+def _replica_loss(config: TrainConfig, model: nn.Module, batch) -> torch.Tensor:
+    """One data-parallel replica's loss: the mean over its counted targets (plus, with
+    experts, the mean load-balancing loss of its microbatches)."""
+    count = max(counted_targets(batch.targets), 1)
+    size = config.microbatch_size
+    if getattr(batch, "doc_lens", None) is not None:
+        microbatches = packed_rows(batch, size)
+    else:
+        microbatches = [(tokens, targets, None) for tokens, targets in
+                        zip(batch.tokens.split(size), batch.targets.split(size))]
+    total = torch.zeros(())
+    for tokens, targets, doc_lens in microbatches:
+        if config.model:
+            total = total + _upstream_loss(config, model, tokens, targets, doc_lens, count)
+            continue
+        positions = doc_ids = None
+        if doc_lens is not None:
+            positions, doc_ids = packed_layout(doc_lens,
+                                                torch.arange(tokens.shape[1], device=tokens.device))
+        output = model(tokens, positions, doc_ids)
+        logits, aux = output if isinstance(output, tuple) else (output, None)
+        total = total + causal_lm_loss(logits, targets, reduction="sum")[0] / count
+        if aux is not None:
+            total = total + config.moe_aux_coef * aux / config.microbatches
+    return total
+
+
+def _upstream_loss(config: TrainConfig, model: nn.Module, tokens: torch.Tensor,
+                   targets: torch.Tensor, doc_lens, count: int) -> torch.Tensor:
+    """transformers' own loss, summed over the microbatch's documents and divided by the
+    replica's counted targets (``num_items_in_batch``): a packed sequence's documents run
+    one by one, which is what the block-diagonal mask means. A model with experts adds each
+    layer's load-balancing loss over the microbatch's tokens, from its routers' logits."""
+    from meshpipe.models import hf_moe
+
+    pieces = [(0, tokens.shape[1])] if doc_lens is None else [
+        (start, length) for start, length in zip(accumulate(doc_lens, initial=0), doc_lens)]
+    experts = model_info(config.model).experts > 0
+    # transformers' own load-balancing loss is another formula (over all layers at once).
+    options = dict(output_router_logits=False) if experts else {}
+    total = torch.zeros(())
+    with hf_moe.recorded_router_logits(model) as router_logits:
+        for start, length in pieces:
+            piece_targets = targets[:, start:start + length]
+            out = model(input_ids=tokens[:, start:start + length], labels=piece_targets,
+                        shift_labels=piece_targets, num_items_in_batch=count, **options)
+            total = total + out.loss
+    for layer in router_logits:
+        aux = hf_moe.load_balancing_loss(torch.cat(layer), model.config.num_experts_per_tok)
+        total = total + aux_coefficient(config) * aux / config.microbatches
+    return total
+
+
+def export(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str = "") -> Path:
+    """A checkpoint as a directory transformers loads: a ``--model`` run in its own
+    architecture and names, a reference-transformer run as the Llama it is."""
+    from meshpipe.models import hf_export
+    from meshpipe.train.checkpoints.store import read_info, read_model_weights
+
+    weights = read_model_weights(Path(checkpoint_dir))
+    if model_dir:
+        return hf_export.export_model(weights, model_dir, out_dir)
+    info = read_info(Path(checkpoint_dir))
+    config = TrainConfig(**{**info.config, "resume": False, "check": False})
+    if config.moe_experts:
+        raise ValueError("a mixture-of-experts reference model has no transformers "
+                         "architecture to export to; export runs of dense models")
+    return hf_export.export_reference(weights, model_config(config), out_dir)

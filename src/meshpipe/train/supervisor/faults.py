@@ -1,0 +1,208 @@
+"""Fault injection: rehearse a failure of one rank of a real training run.
+
+``MESHPIPE_FAULT="kind=hang,at=forward,rank=1,step=2,microbatch=0" meshpipe train ...``
+makes global rank 1 hang in the forward of microbatch 0 of step 2 (steps count from 1, as
+metrics.jsonl and checkpoint names do).
+The fault-injection tests and ``benchmarks/faults.py`` use it to show that every fault
+stops the job with one line naming the rank; users can use it to check their own setup
+(a cluster's launcher, a job script) the same way.
+
+kinds: ``raise`` (an exception), ``exit`` (os._exit without a word), ``kill`` (SIGKILL to
+itself, as the out-of-memory killer does), ``hang`` (sleeps for an hour), ``nan`` (the
+loss becomes NaN; ``at=loss`` only), ``mismatch`` (the stage sends a tensor one feature narrower
+than the next stage takes; ``at=forward`` only).
+places (``at``): ``forward``, ``backward``, ``loss`` (on a rank holding the last stage),
+``step`` (the start of a step, before the step's first collective), ``save`` (inside a
+checkpoint save, after this rank wrote its part and before the save completes).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from meshpipe.runtime import activity
+
+ENVIRONMENT_VARIABLE = "MESHPIPE_FAULT"
+KINDS = ("raise", "exit", "kill", "hang", "nan", "mismatch")
+PLACES = ("forward", "backward", "loss", "step", "save")
+HANG_S = 3600.0
+EXIT_STATUS = 7
+
+
+class InjectedFault(RuntimeError):
+    """The exception of ``kind=raise``."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    at: str
+    rank: int
+    step: int
+    microbatch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"{ENVIRONMENT_VARIABLE}: unknown kind {self.kind!r}; choose one "
+                             f"of {', '.join(KINDS)}")
+        if self.at not in PLACES:
+            raise ValueError(f"{ENVIRONMENT_VARIABLE}: unknown place at={self.at!r}; choose "
+                             f"one of {', '.join(PLACES)}")
+        if self.kind == "nan" and self.at != "loss":
+            raise ValueError(f"{ENVIRONMENT_VARIABLE}: kind=nan needs at=loss")
+        if self.kind == "mismatch" and self.at != "forward":
+            raise ValueError(f"{ENVIRONMENT_VARIABLE}: kind=mismatch needs at=forward")
+
+    def due(self, step: int) -> bool:
+        """Whether the fault fires now (this rank, ``step``, the microbatch being run)."""
+        if step != self.step:
+            return False
+        return self.microbatch is None or activity.snapshot().get(
+            "microbatch") == self.microbatch
+
+    def fire(self) -> None:
+        """Fail the way ``kind`` says (``nan`` and ``mismatch`` change values instead).
+        The moment goes to this rank's stderr (its log), to time how fast the job stops."""
+        announce(self)
+        if self.kind == "raise":
+            raise InjectedFault(f"injected fault at {self.at} of step {self.step}")
+        if self.kind == "exit":
+            os._exit(EXIT_STATUS)
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "hang":
+            time.sleep(HANG_S)
+
+
+def announce(fault: Fault) -> None:
+    os.write(2, f"meshpipe: injected fault fired at {time.time():.3f} ({fault.kind} at "
+                f"{fault.at} of step {fault.step})\n".encode())
+
+
+REQUIRED_KEYS = ("kind", "at", "rank", "step")
+NUMBER_KEYS = ("rank", "step", "microbatch")
+EXAMPLE = "kind=hang,at=forward,rank=1,step=2"
+
+
+def parse(text: str) -> Fault:
+    """The fault ``text`` (``MESHPIPE_FAULT``'s value) describes; a one-line ValueError that
+    shows the expected form for anything else."""
+    fields: dict[str, Any] = {}
+    for item in text.split(","):
+        key, equals, value = (part.strip() for part in item.partition("="))
+        if not equals or not value:
+            raise ValueError(f"{ENVIRONMENT_VARIABLE}: {item.strip()!r} in {text!r} is not "
+                             f"key=value; write it as {EXAMPLE!r}")
+        if key not in REQUIRED_KEYS + NUMBER_KEYS:
+            raise ValueError(f"{ENVIRONMENT_VARIABLE}: unknown key {key!r} in {text!r}; use "
+                             "kind, at, rank, step and microbatch")
+        if key in NUMBER_KEYS:
+            if not value.isdigit():
+                raise ValueError(f"{ENVIRONMENT_VARIABLE}: {key}={value} in {text!r} is not a "
+                                 "number; give a whole number (steps count from 1)")
+            value = int(value)
+        fields[key] = value
+    missing = [key for key in REQUIRED_KEYS if key not in fields]
+    if missing:
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}: {text!r} lacks {', '.join(missing)}; give "
+                         f"all of kind, at, rank and step, as in {EXAMPLE!r}")
+    return Fault(**fields)
+
+
+def check_environment(world_size: int) -> None:
+    """Before any process starts: ``MESHPIPE_FAULT``, if set, names a fault a rank of this
+    run can fire (a one-line ValueError otherwise)."""
+    text = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
+    if not text:
+        return
+    fault = parse(text)
+    if fault.rank >= world_size:
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}: rank={fault.rank} is not a rank of this run "
+                         f"of {world_size} processes; give a rank below {world_size}")
+    if fault.step < 1:
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}: step={fault.step}: steps count from 1")
+
+
+def from_environment(rank: int) -> Fault | None:
+    """The fault ``MESHPIPE_FAULT`` asks of global rank ``rank`` (None: none, or another
+    rank's)."""
+    text = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
+    if not text:
+        return None
+    fault = parse(text)
+    return fault if fault.rank == rank else None
+
+
+def install(fault: Fault, stages: dict, current_step: Callable[[], int]) -> None:
+    """Put ``fault`` into this rank's stages (``at`` forward, backward or loss); the step and
+    save places are fired by the trainer through ``fault.due``/``fault.fire``."""
+    if fault.at in ("step", "save"):
+        return
+    if fault.at == "loss":
+        last = [stage for stage in stages.values() if stage.loss_fn is not None]
+        if not last:
+            raise ValueError(f"{ENVIRONMENT_VARIABLE}: at=loss needs a rank holding the last "
+                             f"stage; rank {fault.rank} holds stages {sorted(stages)}")
+        last[0].loss_fn = _faulty_loss(last[0].loss_fn, fault, current_step)
+        return
+    stage = stages[min(stages)]
+    if fault.kind == "mismatch":
+        _send_a_narrower_tensor(stage.module, fault, current_step)
+        return
+    stage.forward_steps = _faulty_forward(stage.forward_steps, fault, current_step)
+
+
+def _send_a_narrower_tensor(module: torch.nn.Module, fault: Fault,
+                            current_step: Callable[[], int]) -> None:
+    """The chunk's own output loses the last feature of its first tensor, as a chunk
+    built with another width on one side of a pipeline would send."""
+    def wrong(output: Any) -> Any:
+        if not fault.due(current_step()):
+            return output
+        announce(fault)
+        if isinstance(output, tuple):
+            return (output[0][..., :-1], *output[1:])
+        return output[..., :-1]
+
+    if callable(getattr(module, "forward_steps", None)):
+        original = module.forward_steps
+
+        def forward_steps(*args: Any) -> Any:
+            return wrong((yield from original(*args)))
+        module.forward_steps = forward_steps
+    else:
+        module.register_forward_hook(lambda _module, _args, output: wrong(output))
+
+
+def _faulty_loss(loss_fn: Callable, fault: Fault, current_step: Callable[[], int]) -> Callable:
+    def loss(output: Any, targets: Any) -> torch.Tensor:
+        value = loss_fn(output, targets)
+        if fault.due(current_step()):
+            if fault.kind == "nan":
+                announce(fault)
+                return value * float("nan")
+            fault.fire()
+        return value
+    return loss
+
+
+def _faulty_forward(forward_steps: Callable, fault: Fault,
+                    current_step: Callable[[], int]) -> Callable:
+    """The stage's forward task with the fault: before the forward runs, or on the
+    gradient of its output (in backward)."""
+    def faulty(microbatch: int, message: Any, **options: Any) -> Any:
+        due = fault.due(current_step())
+        if due and fault.at == "forward" and fault.kind != "mismatch":
+            fault.fire()
+        output = yield from forward_steps(microbatch, message, **options)
+        if due and fault.at == "backward":
+            tensor = output[0] if isinstance(output, tuple) else output
+            tensor.register_hook(lambda grad: fault.fire())
+        return output
+    return faulty
