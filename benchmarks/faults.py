@@ -5,12 +5,12 @@
 
 Each case runs ``meshpipe train`` (a tiny model, 2 or 4 local processes, --hang-timeout 5)
 in a child process with one fault injected through ``MESHPIPE_FAULT`` (see
-``meshpipe.train.supervisor.faults``), a signal sent to the launcher once training is underway, or bad
-input. "seconds to stop" runs from the moment the fault fired (its rank writes the time to
-its log) or the signal was sent to the launcher's exit; for bad input and the resume
-cases it is the whole command. "processes left" counts processes of the case still alive
-after the launcher exited (found by an environment tag). The cases are the ones
-tests/test_faults.py asserts on (tests/fault_cases.py). Results go to
+``meshpipe.train.supervisor.faults``), a signal sent to the launcher once training is
+underway, or bad input. "seconds to stop" runs from the moment the fault fired (its rank
+writes the time to its log) or the signal was sent to the launcher's exit; for bad input
+and the resume cases it is the whole command. "processes left" counts processes of the
+case still alive after the launcher exited (found by an environment tag). The cases are the ones
+tests/train/test_faults.py asserts on (tests/fault_cases.py). Results go to
 benchmarks/results/faults.json and faults.md; docs/when-something-goes-wrong.md
 shows the table.
 """

@@ -8,6 +8,8 @@ Shared by tests/test_faults.py (which asserts on each outcome) and benchmarks/fa
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
 import json
 import os
 import re
@@ -163,6 +165,22 @@ def run_case(case: Case, workdir: Path, timeout: float = 240) -> Outcome:
         last = next((line for line in reversed(stdout.splitlines()) if line.strip()), "")
     return Outcome(case, process.returncode, end - (fired or start), last,
                    "\n".join(lines), _leftovers(tag), out)
+
+
+def refused_in_process(case: Case, workdir: Path) -> Outcome:
+    """A case of bad input (refused before any process starts, so no run to do first) run by
+    ``meshpipe.cli.main`` in this process: the same status and last line as ``run_case``'s
+    child process, without the seconds of starting one."""
+    from meshpipe import cli
+
+    out = out_dir_for(case, workdir)
+    stderr = io.StringIO()
+    start = time.time()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        status = cli.main(["train", *TINY, *case.args, "--out-dir", str(out)])
+    lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
+    return Outcome(case, status, time.time() - start, lines[-1] if lines else "",
+                   "\n".join(lines), [], out)
 
 
 _BEFORE_RUNS: dict[tuple[str, ...], Path] = {}

@@ -265,7 +265,7 @@ def _output_shapes(case: dict, full: torch.Tensor) -> list[torch.Size]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @settings(max_examples=3, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())

@@ -76,6 +76,7 @@ def _check_compiled_with_the_kernel_granted(rank, world_size, config):
         local._varlen_runs_on, compile_module.backend = granted, chosen
 
 
+@pytest.mark.slow
 def test_a_compiled_pipeline_of_packs_in_the_blocks_graphs_matches_one_process(tmp_path):
     """``--pack --compile --dtype bf16`` over two pipeline stages, as on a GPU: each stage's
     chunk derives its microbatches' documents and its compiled blocks keep the pack's

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from fault_cases import CASES, PP2, wait_for_training, command, run_case, run_cases
+from fault_cases import (CASES, PP2, command, refused_in_process, run_case, run_cases,
+                         wait_for_training)
 from meshpipe.train.checkpoints import store as checkpoint
 
 pytestmark = pytest.mark.distributed
@@ -26,17 +27,43 @@ STOP_BOUND_S = 45
 # Cases whose run a test of their own checks further (the same checks, and then more).
 OWN_TESTS = ("kill during a checkpoint save", "non-finite loss, skipped")
 SHARED = [c for c in CASES if c.name not in OWN_TESTS]
+# Bad input needs no process to be refused: run in this process, it takes no process start.
+REFUSED = [c for c in SHARED if c.status == 2 and c.before is None]
+# One fault of each way a rank can end (an exception, a death, a hang, a value, a signal):
+# make test runs these; the rest of the catalogue is marked slow (make test-slow, CI).
+CORE = ("rank raises in forward", "rank killed (SIGKILL)", "rank hangs in forward",
+        "non-finite loss", "SIGINT to the launcher")
+RUN = [c for c in SHARED if c not in REFUSED and c.name in CORE]
+RUN_SLOW = [c for c in SHARED if c not in REFUSED and c.name not in CORE]
 
 
 @pytest.fixture(scope="module")
-def shared_outcomes(tmp_path_factory):
-    """The shared cases' outcomes, the cases run two at a time (``run_cases``)."""
-    return run_cases(SHARED, tmp_path_factory.mktemp("faults"))
+def outcomes(tmp_path_factory):
+    """The core cases' outcomes, the cases run two at a time (``run_cases``)."""
+    return run_cases(RUN, tmp_path_factory.mktemp("faults"))
 
 
-@pytest.mark.parametrize("case", SHARED, ids=[c.name for c in SHARED])
-def test_fault_stops_the_job_with_one_line(case, shared_outcomes):
-    _check_stopped(case, shared_outcomes[case.name])
+@pytest.fixture(scope="module")
+def slow_outcomes(tmp_path_factory):
+    return run_cases(RUN_SLOW, tmp_path_factory.mktemp("faults-slow"))
+
+
+@pytest.mark.parametrize("case", RUN, ids=[c.name for c in RUN])
+def test_fault_stops_the_job_with_one_line(case, outcomes):
+    _check_stopped(case, outcomes[case.name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", RUN_SLOW, ids=[c.name for c in RUN_SLOW])
+def test_every_other_fault_stops_the_job_with_one_line(case, slow_outcomes):
+    _check_stopped(case, slow_outcomes[case.name])
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=[c.name for c in REFUSED])
+def test_bad_input_is_one_line_before_any_process_starts(case, tmp_path):
+    outcome = refused_in_process(case, tmp_path)
+    _check_stopped(case, outcome)
+    assert not (outcome.out_dir / "logs").exists()  # no rank ever started
 
 
 def _case(name: str):
@@ -68,6 +95,7 @@ def _losses(out_dir):
     return [r["loss"] for r in lines if "loss" in r]
 
 
+@pytest.mark.slow
 def test_kill_during_a_save_resumes_from_the_previous_checkpoint_exactly(tmp_path):
     """Acceptance: kill -9 of one worker during a save, then --resume, equals a straight
     run, bit for bit; the torn save is not used."""
@@ -89,6 +117,7 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint_exactly(tmp_pat
     assert len(_losses(straight_dir)) == 4
 
 
+@pytest.mark.slow
 def test_a_skipped_non_finite_step_keeps_nan_out_of_the_weights(tmp_path):
     skip = _case("non-finite loss, skipped")
     outcome = run_case(skip, tmp_path)
@@ -109,6 +138,7 @@ def test_a_skipped_non_finite_step_keeps_nan_out_of_the_weights(tmp_path):
     assert weights and all(torch.isfinite(v).all() for v in weights.values())
 
 
+@pytest.mark.slow
 def test_sigusr1_prints_who_waits_on_whom_without_stopping(tmp_path):
     out = tmp_path / "run"
     process = subprocess.Popen(command(("--pp", "2", "--steps", "100000"), out),
@@ -123,6 +153,7 @@ def test_sigusr1_prints_who_waits_on_whom_without_stopping(tmp_path):
     assert "who waits on whom" in stderr and "  rank 1: " in stderr, stderr
 
 
+@pytest.mark.slow
 def test_under_torchrun_every_rank_names_the_rank_that_failed(tmp_path):
     """torchrun's own failure handling stops the job; each rank prints the same culprit."""
     env = {**os.environ, "MESHPIPE_FAULT": "kind=raise,at=forward,rank=1,step=2"}

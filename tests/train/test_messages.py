@@ -56,3 +56,15 @@ def test_a_tokenizer_path_that_is_not_there_says_so(tmp_path):
     tmp_path.joinpath("empty").mkdir()
     with pytest.raises(ValueError, match="holds no tokenizer"):
         resolve_tokenizer("", str(tmp_path / "empty"))
+
+
+def test_a_long_cause_is_cut_after_a_clause_and_says_so():
+    from meshpipe.train.supervisor.launch import shortened_cause
+
+    clauses = "; ".join(f"clause {i} says something about the layout" for i in range(30))
+    short = shortened_cause(clauses, limit=200)
+    assert short.endswith(" [...]") and len(short) <= 206
+    assert short[:-len(" [...]")] == "; ".join(clauses.split("; ")[:len(short.split("; "))])
+    assert shortened_cause("one line that fits") == "one line that fits"
+    words = "word " * 100
+    assert shortened_cause(words, limit=42) == "word " * 7 + "word [...]"

@@ -118,6 +118,7 @@ def test_bad_model_and_data_input_fails_in_one_line_before_any_process(tmp_path)
         assert not (out / "logs").exists()  # no process started
 
 
+@pytest.mark.slow
 def test_the_issue_command_line_trains_checks_and_exports(tmp_path):
     """The acceptance command: Llama, byte-level data, pp 2 x ring 2, packed, --check and
     --export, from the command line."""

@@ -81,9 +81,9 @@ def test_fused_tensor_parallel_shards_resume_without_tensor_parallelism(tmp_path
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
 
 
-@pytest.mark.parametrize("arch,layout", [("llama", dict(pp=2)),
-                                         ("mixtral", dict(pp=1, dp=2, ep=2))],
-                         ids=["llama-pp2", "mixtral-dp2-ep2"])
+@pytest.mark.parametrize("arch,layout", [
+    pytest.param("llama", dict(pp=2), id="llama-pp2"),
+    pytest.param("mixtral", dict(pp=1, dp=2, ep=2), id="mixtral-dp2-ep2", marks=pytest.mark.slow)])
 def test_the_export_loads_in_transformers_with_the_trained_logits(tmp_path, arch, layout):
     """Mixtral's experts are written one tensor per expert, as save_pretrained does."""
     import transformers

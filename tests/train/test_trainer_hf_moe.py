@@ -36,6 +36,7 @@ def test_metrics_report_the_experts_load(tmp_path):
         assert step["dropped_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_resume_continues_under_another_expert_layout(tmp_path):
     """Each expert is saved under its own name, so ep 2 resumes with ep 1."""
     directory = save_tiny_model(tmp_path / "model", "qwen3_moe")

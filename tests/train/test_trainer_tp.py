@@ -86,6 +86,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
         assert not next_skipped and changed and count == 1
 
 
+@pytest.mark.slow
 def test_resume_a_tensor_parallel_run_without_tensor_parallelism(tmp_path):
     """Shards are saved whole: a tp 2 checkpoint resumes with tp 1 (and the loss follows)."""
     base = dict(SMALL, out_dir=str(tmp_path), checkpoint_every=2)

@@ -262,6 +262,7 @@ def test_cpu_ranks_share_the_machine_also_under_torchrun(monkeypatch) -> None:
     assert tuner._shared_cores() is None
 
 
+@pytest.mark.slow
 def test_one_process_is_measured_without_messages() -> None:
     """With one rank the measuring run sends nothing (a ping-pong to a rank that does not
     exist crashed the process): the message link is free, the rest is measured."""
@@ -275,6 +276,7 @@ def test_one_process_is_measured_without_messages() -> None:
     assert result.predictions and all(p.layout.pp == 1 for p in result.predictions)
 
 
+@pytest.mark.slow
 def test_under_torchrun_every_rank_measures_and_rank_0_reports(tmp_path) -> None:
     """torchrun runs the command on every rank: each gets the measurement (each its own
     result file), and only rank 0 prints the table and writes the config."""
@@ -293,6 +295,7 @@ def test_under_torchrun_every_rank_measures_and_rank_0_reports(tmp_path) -> None
     assert config.world_size == 2
 
 
+@pytest.mark.slow
 def test_a_failed_measuring_run_is_one_line_naming_the_rank_and_its_kept_log(
         monkeypatch, capsys) -> None:
     monkeypatch.setenv("MESHPIPE_FAULT", "kind=raise,at=forward,rank=1,step=1")

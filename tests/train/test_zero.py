@@ -79,11 +79,19 @@ def _assert_same_training(layout: dict, levels: tuple[int, ...] = (1, 2)) -> Non
             assert results[0][1] == [True, False, False]
 
 
-@pytest.mark.parametrize("layout,levels", LAYOUTS.values(), ids=LAYOUTS.keys())
+# make test runs these layouts (a pipeline, context parallelism, a tied embedding); the
+# others are marked slow (make test-slow, CI).
+DEFAULT_LAYOUTS = ("pp2-dp2", "dp2-ring2", "pp2-dp2-tied")
+
+
+@pytest.mark.parametrize("layout,levels", [
+    pytest.param(*value, id=name, marks=() if name in DEFAULT_LAYOUTS else pytest.mark.slow)
+    for name, value in LAYOUTS.items()])
 def test_sharded_optimizer_trains_the_weights_of_the_unsharded_one(layout, levels):
     _assert_same_training(layout, levels)
 
 
+@pytest.mark.slow
 def test_a_hugging_face_model_trains_the_same_sharded(tmp_path):
     pytest.importorskip("transformers")
     from hf_models import save_tiny_model
@@ -142,6 +150,7 @@ def test_a_checkpoint_moves_between_zero_levels_and_dp_sizes_bit_for_bit(tmp_pat
             assert torch.equal(copied[key], tensor), (zero, dp, key)
 
 
+@pytest.mark.slow
 def test_resume_at_another_zero_level_continues_exactly(tmp_path):
     base = dict(SMALL, pp=2, dp=2, checkpoint_every=2)
     straight = run_distributed(4, train, TrainConfig(**base, out_dir=str(tmp_path / "zero0")))[0]

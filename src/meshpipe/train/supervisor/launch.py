@@ -57,6 +57,8 @@ DEFAULT_HANG_TIMEOUT_S = 30.0
 # How long terminated workers get before they are killed.
 TERMINATE_GRACE_S = 3.0
 POLL_S = 0.1
+# A rank's error in the one line of a failure is cut (at a clause) past this length.
+CAUSE_CHARS = 600
 # How long a recorded consequence (a stop notice) waits for the record of its cause.
 CAUSE_GRACE_S = 3.0
 # What gloo says on the ranks left behind when a peer's process exits.
@@ -294,6 +296,17 @@ def _is_consequence(error: BaseException) -> bool:
         sign in str(error) for sign in _PEER_GONE_SIGNS)
 
 
+def shortened_cause(cause: str, limit: int = CAUSE_CHARS) -> str:
+    """``cause`` whole, or past ``limit`` characters cut after its last clause that fits (a
+    word where no clause ends early enough) and marked ``[...]``: the rank's log has it all."""
+    if len(cause) <= limit:
+        return cause
+    end = max(cause.rfind("; ", 0, limit), cause.rfind(". ", 0, limit))
+    if end < limit // 2:
+        end = cause.rfind(" ", 0, limit)
+    return cause[:end if end > 0 else limit].rstrip(" ;,.") + " [...]"
+
+
 def _root_cause(error: BaseException) -> BaseException:
     """The innermost explicitly chained cause: the error a wrapper was raised for."""
     while error.__cause__ is not None:
@@ -312,7 +325,7 @@ def _failure_record(rank: int, error: BaseException, log_dir: Path | None) -> di
     log = _rank_log(log_dir, rank)
     return {"rank": blamed, "reported_by": rank, "time": time.time(),
             "traceback": traceback.format_exc(), "consequence": _is_consequence(error),
-            "cause": cause[:400], "where": where, "log": str(log) if log else None}
+            "cause": shortened_cause(cause), "where": where, "log": str(log) if log else None}
 
 
 def _append_to_log(log: Path | None, text: str) -> None:
