@@ -62,8 +62,8 @@ from meshpipe.models import Transformer, causal_lm_loss
 from meshpipe.runtime import autocast
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data.corpus import load_corpus
-from meshpipe.train.run.sources import model_config
 from meshpipe.train.loop.trainer import Trainer
+from meshpipe.train.run.sources import model_config
 
 RESULTS = Path(__file__).parent / "results"
 # Dense bf16 tensor-core peaks (TFLOP/s, SXM parts) by a name in torch's device name.

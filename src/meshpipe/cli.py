@@ -38,9 +38,9 @@ from meshpipe.schedules.costs import (RECOMPUTE_MODES, BackwardCostMismatch, Cos
 from meshpipe.schedules.simulator import simulate
 from meshpipe.schedules.validation import validate
 from meshpipe.train.config import HF_FAMILIES, TrainConfig
-from meshpipe.train.run.devices import plan_devices
 from meshpipe.train.run.arguments import add_arguments as add_train_arguments
 from meshpipe.train.run.arguments import from_arguments as train_config_from_arguments
+from meshpipe.train.run.devices import plan_devices
 
 USAGE_ERROR = 2
 

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from meshpipe.comm import collectives as cc
-from meshpipe.comm.checks import CHECK_ENV
 from meshpipe.comm import ops
+from meshpipe.comm.checks import CHECK_ENV
 from meshpipe.context import shards
 from meshpipe.context import split_gather as sg
 from meshpipe.testing import keep_across_calls, run_distributed

@@ -21,8 +21,8 @@ from meshpipe.comm.p2p import P2PTransport
 from meshpipe.runtime import Executor, ExecutorError, Stage
 from meshpipe.schedules import build
 from meshpipe.schedules.actions import Action
-from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.lowering import lower
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.testing import run_distributed
 from meshpipe.train.supervisor.launch import LaunchError, launch
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshpipe.schedules.actions import Action, B, F, I, Kind, W
-from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.builders import build
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules import (
     BackwardCostMismatch,
     CostModel,

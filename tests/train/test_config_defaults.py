@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from meshpipe.train.run.arguments import add_arguments, from_arguments
 from meshpipe.train.config import DERIVED_DEFAULTS, TrainConfig, field_kind
+from meshpipe.train.run.arguments import add_arguments, from_arguments
 from meshpipe.train.run.plan import plan_run
 from meshpipe.train.run.toml_config import read_toml, to_toml
 

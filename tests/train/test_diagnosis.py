@@ -9,8 +9,8 @@ import time
 import pytest
 
 from meshpipe.runtime import activity
-from meshpipe.train.supervisor.diagnosis import failure_report, hang_report, read_statuses
 from meshpipe.train.outputs.metrics import MetricsLog, dumps, read
+from meshpipe.train.supervisor.diagnosis import failure_report, hang_report, read_statuses
 
 
 def _record(rank, time, cause, consequence=False, where="step 1, stage 0"):

@@ -10,9 +10,9 @@ import pytest
 
 from dispatched_ops import DispatchedOps
 from meshpipe.testing import run_distributed
-from meshpipe.train.run import sources
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.loop.trainer import NonFiniteError, Trainer
+from meshpipe.train.run import sources
 from trainer_cases import SMALL
 
 pytestmark = pytest.mark.distributed

@@ -7,11 +7,11 @@ import math
 import pytest
 
 from meshpipe.testing import run_distributed
-from meshpipe.train.outputs import tensorboard
 from meshpipe.train.config import TrainConfig
+from meshpipe.train.loop.trainer import Trainer
+from meshpipe.train.outputs import tensorboard
 from meshpipe.train.outputs.metrics import MetricsLog
 from meshpipe.train.run.plan import plan_run
-from meshpipe.train.loop.trainer import Trainer
 from trainer_cases import SMALL, resume_plan
 
 event_accumulator = pytest.importorskip(

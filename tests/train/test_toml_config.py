@@ -7,8 +7,8 @@ import re
 import pytest
 
 import meshpipe.cli
-from meshpipe.train.run.arguments import add_arguments, from_arguments
 from meshpipe.train.config import TrainConfig
+from meshpipe.train.run.arguments import add_arguments, from_arguments
 from meshpipe.train.run.toml_config import TomlConfigError, load_toml, read_toml, to_toml
 
 pytestmark = pytest.mark.distributed

@@ -15,9 +15,9 @@ import torch
 
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.run.sources import reference_step as reference_gradients
 from meshpipe.train.loop.parity import compare_with_single_process
 from meshpipe.train.loop.trainer import Trainer
+from meshpipe.train.run.sources import reference_step as reference_gradients
 from trainer_cases import SMALL, check_first_step, resume_plan, train
 
 pytestmark = pytest.mark.distributed

@@ -11,9 +11,9 @@ import torch
 
 from hf_models import save_tiny_model, save_tiny_tokenizer, write_documents
 from meshpipe.testing import run_distributed
-from meshpipe.train.run import sources
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.loop.trainer import run
+from meshpipe.train.run import sources
 from trainer_cases import SMALL, check_first_step, for_a_model
 
 pytestmark = pytest.mark.distributed

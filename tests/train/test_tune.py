@@ -21,11 +21,11 @@ from meshpipe.schedules.ranking import (Layout, Link, MemoryBudgetError, NoLayou
                                      parse_bytes, predict, rank_layouts, stage_costs,
                                      state_bytes)
 from meshpipe.testing import run_distributed
-from meshpipe.train.tune import profile as tune_profile
-from meshpipe.train.tune import measure as tune_runs
-from meshpipe.train.tune import calibrate as calibration
-from meshpipe.train.tune import tuner
 from meshpipe.train.config import TrainConfig
+from meshpipe.train.tune import calibrate as calibration
+from meshpipe.train.tune import measure as tune_runs
+from meshpipe.train.tune import profile as tune_profile
+from meshpipe.train.tune import tuner
 
 pytestmark = pytest.mark.distributed
 

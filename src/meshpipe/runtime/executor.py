@@ -50,8 +50,8 @@ from meshpipe.runtime.hooks import OverlapHooks, StageHooks, stage_moments
 from meshpipe.runtime.stage import Stage, Task
 from meshpipe.runtime.substeps import co_schedule, drain
 from meshpipe.schedules.actions import Action, Kind
-from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.lowering import lower
+from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.timeline import TimedAction
 from meshpipe.schedules.validation import validate
 

@@ -1,12 +1,12 @@
 """Pipeline schedules as plain data: Python and numpy, nothing here imports torch."""
 
 from meshpipe.schedules.actions import Action, Kind
-from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.builders import SCHEDULES, build, gpipe, no_pipelining, one_f_one_b
-from meshpipe.schedules.interleaved import combined_1f1b, interleaved_1f1b
-from meshpipe.schedules.zero_bubble import dualpipe_v, zb_h1, zb_v
 from meshpipe.schedules.compare import Comparison, compare
+from meshpipe.schedules.interleaved import combined_1f1b, interleaved_1f1b
 from meshpipe.schedules.lowering import lower
+from meshpipe.schedules.schedule import Schedule
+from meshpipe.schedules.zero_bubble import dualpipe_v, zb_h1, zb_v
 from meshpipe.schedules.placement import (PLACEMENTS, loop_placement, resolve_placement,
                                           v_placement, wraparound_placement)
 from meshpipe.schedules.costs import (RECOMPUTE_MODES, BackwardCostMismatch, CostModel,

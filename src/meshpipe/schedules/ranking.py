@@ -62,8 +62,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from meshpipe.schedules.schedule import Schedule
 from meshpipe.schedules.builders import SCHEDULES, build, schedule_spec
+from meshpipe.schedules.schedule import Schedule
 
 # --zero: 0 every replica holds the whole optimizer state, 1 the AdamW moments are sharded
 # over the replicas of each weight, 2 the reduced gradients too (``parallel.zero``).

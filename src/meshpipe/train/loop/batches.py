@@ -18,8 +18,8 @@ import torch
 
 from meshpipe.context.derived import to_device
 from meshpipe.context.shards import hybrid_positions, packed_hybrid_positions
-from meshpipe.train.run import sources
 from meshpipe.train.config import TrainConfig
+from meshpipe.train.run import sources
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from meshpipe.parallel import shard_dim, shard_parts, unshard
 from meshpipe.runtime import low_precision_tolerance
-from meshpipe.train.run import sources
 from meshpipe.train.config import TrainConfig
+from meshpipe.train.run import sources
 
 def check_step(config: TrainConfig, loss: float,
                parameters: Sequence[tuple[str, torch.nn.Parameter]],

@@ -49,20 +49,20 @@ from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, Master
                               weights_dtype)
 from meshpipe.topology import Topology
 from meshpipe.train.checkpoints import store as checkpoint
-from meshpipe.train.supervisor import faults
-from meshpipe.train.loop import parity
-from meshpipe.train.outputs import reporting
-from meshpipe.train.run import sources
-from meshpipe.train.loop.batches import RankBatches
-from meshpipe.train.config import TrainConfig
-from meshpipe.train.run.devices import DevicePlan, local_rank
-from meshpipe.train.loop.gradients import Gradients, tied_groups
-from meshpipe.train.supervisor.launch import Supervision, launch, reports_for_the_job
-from meshpipe.train.loop.learning_rate import LearningRate
-from meshpipe.train.outputs.metrics import MetricsLog
-from meshpipe.train.run.plan import CHECK_TIMEOUT_S, RunPlan, plan_for_rank, plan_run
 from meshpipe.train.checkpoints.resume import ResumePlan
+from meshpipe.train.config import TrainConfig
+from meshpipe.train.loop import parity
+from meshpipe.train.loop.batches import RankBatches
+from meshpipe.train.loop.gradients import Gradients, tied_groups
+from meshpipe.train.loop.learning_rate import LearningRate
 from meshpipe.train.loop.transports import pipeline_transport
+from meshpipe.train.outputs import reporting
+from meshpipe.train.outputs.metrics import MetricsLog
+from meshpipe.train.run import sources
+from meshpipe.train.run.devices import DevicePlan, local_rank
+from meshpipe.train.run.plan import CHECK_TIMEOUT_S, RunPlan, plan_for_rank, plan_run
+from meshpipe.train.supervisor import faults
+from meshpipe.train.supervisor.launch import Supervision, launch, reports_for_the_job
 
 # Setting up, saving or loading a checkpoint may take this many hang timeouts before it
 # counts as a hang.

@@ -30,10 +30,10 @@ from meshpipe.parallel import TensorParallelRegion
 from meshpipe.runtime import DynamicLossScaler, MasterWeights, autocast, weights_dtype
 from meshpipe.schedules.builders import SCHEDULE_SPECS
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.data.corpus import VOCAB_SIZE, CorpusSampler, encode, load_corpus
-from meshpipe.train.data import text as text_data
 from meshpipe.train.data import sampling as text_sampling
+from meshpipe.train.data import text as text_data
 from meshpipe.train.data import tokenizers
+from meshpipe.train.data.corpus import VOCAB_SIZE, CorpusSampler, encode, load_corpus
 VAL_FRACTION = 0.05
 
 

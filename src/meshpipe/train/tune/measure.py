@@ -35,10 +35,10 @@ from meshpipe.schedules import Timeline, fit_costs
 from meshpipe.schedules.costs import fit_message_seconds
 from meshpipe.schedules.ranking import (Layout, Link, Prediction, Profile, TuneError, buildable,
                                         layouts, predict)
+from meshpipe.process_exit import under_torchrun
 from meshpipe.schedules.simulator import mean_speeds
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.run.devices import local_ranks, plan_devices
-from meshpipe.process_exit import under_torchrun
 from meshpipe.train.supervisor import faults
 from meshpipe.train.supervisor.launch import Supervision, device_for_this_rank, launch
 from meshpipe.train.tune.profile import (UNMEASURED_LINK, clocked, hidden_states, layer_step,

@@ -26,10 +26,10 @@ from torch.autograd.graph import get_gradient_edge
 
 from meshpipe.models import causal_lm_loss
 from meshpipe.models.transformer import Transformer
-from meshpipe.schedules.ranking import Link, Piece, Profile, layouts
 from meshpipe.runtime import MasterWeights, SplitBackward, autocast, weights_dtype
-from meshpipe.train.run import sources
+from meshpipe.schedules.ranking import Link, Piece, Profile, layouts
 from meshpipe.train.config import TrainConfig
+from meshpipe.train.run import sources
 from meshpipe.train.supervisor.launch import device_for_this_rank
 
 # In-process timings (``_seconds_in_turn``): turns over the timed functions, calls per turn.

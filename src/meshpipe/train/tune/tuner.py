@@ -40,8 +40,8 @@ from meshpipe.schedules.ranking import Prediction, Profile, TuneError, rank_layo
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.supervisor.launch import device_for_this_rank
 from meshpipe.train.tune.calibrate import calibrate
-from meshpipe.train.tune.profile import layer_curve, model_profile, token_counts, ulysses_sizes
 from meshpipe.train.tune.measure import Measurement, base_layout, measure, measured_sizes
+from meshpipe.train.tune.profile import layer_curve, model_profile, token_counts, ulysses_sizes
 
 
 @dataclass(frozen=True)
