@@ -5,7 +5,7 @@
     python benchmarks/gpu_check.py --only pp2-1f1b cp-ring2 --jobs 1
     python benchmarks/gpu_check.py --cpu-rehearsal  # the same harness on CPU processes
 
-Each layout runs ``meshpipe train <layout> --check --steps 3``. ``--check`` compares step 0
+Each layout runs ``meshpipe train <layout> --check --steps 3``. ``--check`` compares step 1
 (loss and every gradient) with a one-process run of the same model on the CPU; the table
 shows that verdict, the loss and largest gradient differences and the median step time read
 from the run's ``metrics.json``. How a layout runs depends on the GPUs:

@@ -162,19 +162,27 @@ def test_the_second_path_finder_finds_a_name_imported_through_another_module(tmp
         f"{script}:2: P2PError from meshpipe.comm.p2p, defined in meshpipe.comm.errors"]
 
 
+def _only_hands_out_names(tree: ast.Module) -> bool:
+    """Whether a module's body is imports (and ``__all__``) and nothing it defines."""
+    statements = [node for node in tree.body if not (
+        isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+    defines = [node for node in statements if not isinstance(node, (ast.Import, ast.ImportFrom))
+               and not (isinstance(node, ast.Assign)
+                        and [getattr(t, "id", None) for t in node.targets] == ["__all__"])]
+    return bool(statements) and not defines
+
+
 def test_no_module_only_hands_out_names_defined_elsewhere():
-    """A module whose body is imports (and ``__all__``) is a second path to every name."""
-    only_imports = []
-    for module, path in _modules().items():
-        body = ast.parse(path.read_text()).body
-        statements = [node for node in body if not (
-            isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
-        defines = [node for node in statements if not isinstance(node, (ast.Import, ast.ImportFrom))
-                   and not (isinstance(node, ast.Assign)
-                            and [getattr(t, "id", None) for t in node.targets] == ["__all__"])]
-        if path.name != "__init__.py" and statements and not defines:
-            only_imports.append(module)
-    assert only_imports == []
+    """Such a module is a second path to every name it holds (a package's ``__init__`` is
+    its public names)."""
+    assert [module for module, path in _modules().items() if path.name != "__init__.py"
+            and _only_hands_out_names(ast.parse(path.read_text()))] == []
+
+
+def test_a_module_of_imports_only_is_found():
+    assert _only_hands_out_names(ast.parse(
+        '"""Moved."""\nfrom a.b import c, d\n__all__ = ["c", "d"]\n'))
+    assert not _only_hands_out_names(ast.parse("from a.b import c\n\ndef e():\n    return c\n"))
 
 
 def test_schedules_import_no_torch():
