@@ -221,7 +221,8 @@ DEFERRED = {"torch._dynamo": "imported by --compile only: 1.5 s",
 def test_a_ranks_start_leaves_out_compile_and_checkpoints():
     """The graph-break marks cost nothing until --compile, and checkpoints nothing until a
     save or a load: each import would add its seconds (``DEFERRED``) to every rank's start."""
-    probe = ("import sys, meshpipe.cli, meshpipe.train.loop.trainer, meshpipe.train.supervisor.launch, "
+    probe = ("import sys, meshpipe.cli, meshpipe.train.loop.trainer, "
+             "meshpipe.train.supervisor.launch, "
              f"meshpipe.models.hf; print([m for m in {sorted(DEFERRED)!r} if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True)

@@ -4,8 +4,9 @@
 fail in one line (``MESHPIPE_FAULT``, the layout against the model's sizes and heads, the
 output directory, a ``--resume``, the model and data sources, whose text it tokenizes into
 the cache), builds the schedule and its forward-only twin, splits the layers over the
-stages, places the ranks on devices and names the run. The ranks receive the ``RunPlan`` and build from it; none rebuilds or
-re-decides. Under torchrun every rank is its own launcher and plans identically.
+stages, places the ranks on devices and names the run. The ranks receive the ``RunPlan``
+and build from it; none rebuilds or re-decides. Under torchrun every rank is its own
+launcher and plans identically.
 
 ``plan_for_rank`` makes the same decisions for a rank that no launcher planned for (a
 ``Trainer`` built directly, as tests and notebooks do): no output checks, no tokenizing.
