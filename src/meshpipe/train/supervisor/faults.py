@@ -58,6 +58,8 @@ class Fault:
             raise ValueError(f"{ENVIRONMENT_VARIABLE}: kind=nan needs at=loss")
         if self.kind == "mismatch" and self.at != "forward":
             raise ValueError(f"{ENVIRONMENT_VARIABLE}: kind=mismatch needs at=forward")
+        if self.step < 1:
+            raise ValueError(f"{ENVIRONMENT_VARIABLE}: step={self.step}: steps count from 1")
 
     def due(self, step: int) -> bool:
         """Whether the fault fires now (this rank, ``step``, the microbatch being run)."""
@@ -115,28 +117,26 @@ def parse(text: str) -> Fault:
     return Fault(**fields)
 
 
+def _requested() -> Fault | None:
+    """The fault ``MESHPIPE_FAULT`` describes, None where it is unset."""
+    text = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
+    return parse(text) if text else None
+
+
 def check_environment(world_size: int) -> None:
     """Before any process starts: ``MESHPIPE_FAULT``, if set, names a fault a rank of this
     run can fire (a one-line ValueError otherwise)."""
-    text = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
-    if not text:
-        return
-    fault = parse(text)
-    if fault.rank >= world_size:
+    fault = _requested()
+    if fault is not None and fault.rank >= world_size:
         raise ValueError(f"{ENVIRONMENT_VARIABLE}: rank={fault.rank} is not a rank of this run "
                          f"of {world_size} processes; give a rank below {world_size}")
-    if fault.step < 1:
-        raise ValueError(f"{ENVIRONMENT_VARIABLE}: step={fault.step}: steps count from 1")
 
 
 def from_environment(rank: int) -> Fault | None:
     """The fault ``MESHPIPE_FAULT`` asks of global rank ``rank`` (None: none, or another
     rank's)."""
-    text = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
-    if not text:
-        return None
-    fault = parse(text)
-    return fault if fault.rank == rank else None
+    fault = _requested()
+    return fault if fault is not None and fault.rank == rank else None
 
 
 def install(fault: Fault, stages: dict, current_step: Callable[[], int]) -> None:

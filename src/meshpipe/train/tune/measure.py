@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from meshpipe.context import LocalAttention, UlyssesAttention
+from meshpipe.process_exit import under_torchrun
 from meshpipe.runtime import activity
 from meshpipe.schedules import Timeline, fit_costs
 from meshpipe.schedules.costs import fit_message_seconds
 from meshpipe.schedules.ranking import (Layout, Link, Prediction, Profile, TuneError, buildable,
                                         layouts, predict)
-from meshpipe.process_exit import under_torchrun
 from meshpipe.schedules.simulator import mean_speeds
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.run.devices import local_ranks, plan_devices
