@@ -10,7 +10,7 @@ STAMP := $(VENV)/.meshpipe-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,hf,tb]'
+	$(PY) -m pip install --quiet -e '.[test,hf,tb,data]'
 	touch $(STAMP)
 
 demo: $(STAMP)

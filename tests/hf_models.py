@@ -55,21 +55,31 @@ def save_tiny_model(directory: Path, arch: str = "llama", seed: int = 0, **overr
     return Path(directory)
 
 
-def save_tiny_tokenizer(directory: Path, vocab_size: int = 300) -> Path:
+# A ChatML chat template (system turns allowed), as Qwen's tokenizers carry.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tiny_tokenizer(directory: Path, vocab_size: int = 300, chat_template: str = "") -> Path:
     """A byte-level BPE tokenizer of about ``vocab_size`` tokens (any text encodes), with
-    BOS/EOS, trained offline on a few sentences and saved with save_pretrained."""
+    BOS/EOS and ChatML's turn markers as special tokens, trained offline on a few sentences
+    and saved with save_pretrained (with ``chat_template`` as its chat template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20,
                                   trainer=trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
-                            eos_token="</s>").save_pretrained(str(directory))
+    saved = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                    additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    if chat_template:
+        saved.chat_template = chat_template
+    saved.save_pretrained(str(directory))
     return Path(directory)
 
 

@@ -11,7 +11,8 @@ import pytest
 from dispatched_ops import DispatchedOps
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.loop.trainer import NonFiniteError, Trainer
+from meshpipe.train.loop.nonfinite import NonFiniteError
+from meshpipe.train.loop.trainer import Trainer
 from meshpipe.train.run import sources
 from trainer_cases import SMALL
 

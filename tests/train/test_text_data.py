@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from meshpipe.train.data import text as text_data
+from meshpipe.train.data import cache as text_data
+from meshpipe.train.data import records
+from meshpipe.train.data.cache import TokenizedData, tokenize_dataset
 from meshpipe.train.data.corpus import encode
-from meshpipe.train.data.text import (IGNORE_INDEX, TokenizedData, data_files, read_documents,
-                                      tokenize_dataset)
-from meshpipe.train.data.sampling import TextSampler
+from meshpipe.train.data.records import data_files, read_documents
+from meshpipe.train.data.sampling import IGNORE_INDEX, TextSampler
 from meshpipe.train.data.tokenizers import ByteTokenizer, HFTokenizer, has_tokenizer, resolve_tokenizer
 
 SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "the end"]
@@ -94,9 +95,9 @@ def test_non_utf8_bytes_are_located(tmp_path):
 
 def test_invalid_utf8_offset_counts_characters_cut_by_a_chunk_edge(tmp_path):
     file = write(tmp_path / "a.txt", "ééé".encode() + b"\xc3(")
-    assert text_data._invalid_utf8(file, chunk_size=3)[0] == 6
+    assert records._invalid_utf8(file, chunk_size=3)[0] == 6
     truncated = write(tmp_path / "b.txt", "éé".encode() + b"\xe2\x82")
-    assert text_data._invalid_utf8(truncated, chunk_size=3)[0] == 4
+    assert records._invalid_utf8(truncated, chunk_size=3)[0] == 4
 
 
 def test_bad_json_and_missing_text_name_the_line(tmp_path):
@@ -116,9 +117,9 @@ def test_data_path_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         data_files(str(tmp_path / "nowhere"))
     write(tmp_path / "empty" / "readme.md", "no text here")
-    with pytest.raises(ValueError, match="no .txt or .jsonl file"):
+    with pytest.raises(ValueError, match="folder with no .txt, .jsonl, .parquet or .arrow"):
         data_files(str(tmp_path / "empty"))
-    with pytest.raises(ValueError, match="neither .txt nor .jsonl"):
+    with pytest.raises(ValueError, match="is not a .txt, .jsonl, .parquet or .arrow"):
         data_files(str(tmp_path / "empty" / "readme.md"))
 
 
@@ -178,7 +179,7 @@ def test_second_tokenization_reads_the_cache(tmp_path, monkeypatch, hf):
     assert first.num_documents == 3 and first.vocab_size == hf.vocab_size
     assert first.max_token == max(max(ids) for ids in hf.encode_batch(SENTENCES))
 
-    def refuse(self, texts):
+    def refuse(self, texts, **options):
         raise AssertionError("tokenized again")
 
     monkeypatch.setattr(HFTokenizer, "encode_batch", refuse)
@@ -206,7 +207,7 @@ def test_an_interrupted_tokenization_leaves_no_entry(tmp_path, monkeypatch):
     data_file = write(tmp_path / "a.txt", "\n\n".join(f"document {i}" for i in range(3000)))
     calls = []
 
-    def interrupted(self, texts):
+    def interrupted(self, texts, **options):
         calls.append(len(texts))
         if len(calls) == 2:
             raise KeyboardInterrupt
@@ -239,7 +240,8 @@ def test_a_concurrent_writer_that_loses_the_rename_discards_its_copy(tmp_path):
     cache = tmp_path / "cache"
     tokenize_dataset(str(data_file), ByteTokenizer(), cache)
     key = text_data.cache_key([data_file], ByteTokenizer())
-    text_data._build_entry(str(data_file), [data_file], ByteTokenizer(), cache, key, False)
+    text_data._build_entry(str(data_file), [data_file], ByteTokenizer(), cache, key, False,
+                           text_data.ReadOptions())
     assert [p.name for p in cache.iterdir()] == [key]
 
 
@@ -407,10 +409,10 @@ def test_concurrent_tokenizations_of_one_dataset_tokenize_once(tmp_path):
     calls = []
 
     class Slow(ByteTokenizer):
-        def encode_batch(self, texts):
+        def encode_batch(self, texts, **options):
             calls.append(len(texts))
             time.sleep(0.3)
-            return super().encode_batch(texts)
+            return super().encode_batch(texts, **options)
 
     results = []
     threads = [threading.Thread(target=lambda: results.append(

@@ -51,7 +51,7 @@ def test_a_model_with_its_own_tokenizer_trains_on_padded_documents(tmp_path):
     data = write_documents(tmp_path / "docs.txt")
     config = TrainConfig(**HF, pp=2, cp_ring=2, model=str(directory), data=str(data),
                          out_dir=str(tmp_path))
-    assert sources.tokenizer(config).vocab_size == 290
+    assert sources.tokenizer(config).vocab_size == 292
     targets = sources.samplers(config, 0)[0].batch(0).targets
     assert 0 < sources.counted_targets(targets) < targets.numel()  # padding is left out
     report = run_distributed(config.world_size, check_first_step, config)[0]
@@ -100,7 +100,7 @@ def _bad_inputs(tmp_path):
         (dict(data=str(empty)), "holds no text"),
         (dict(data=str(latin)), "latin.txt is not UTF-8 at byte offset 3"),
         (dict(model=m, data=str(data), tokenizer=str(big_tokenizer)),
-         "the tokenizer has 290 tokens but the model's embedding has 256 rows"),
+         "the tokenizer has 292 tokens but the model's embedding has 256 rows"),
         (dict(model=m, dim=128), "--dim describes the reference transformer"),
         (dict(model=str(save_tiny_model(tmp_path / "small-vocab", vocab_size=100))),
          "byte-level \\(256 token ids\\) but the model's embedding has 100 rows"),

@@ -70,3 +70,32 @@ def _chunked_sum(logits: Tensor, targets: Tensor, ignore_index: int, chunk_token
 
 def _loss_sum(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
     return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+
+
+def grouped_loss_sums(logits: Tensor, targets: Tensor, groups: Tensor, num_groups: int,
+                      ignore_index: int = -100,
+                      chunk_tokens: int = CHUNK_TOKENS) -> Tensor:
+    """``causal_lm_loss``'s sum split by ``groups`` (an int tensor of ``targets``' shape,
+    values below ``num_groups``): a float32 tensor of ``num_groups`` sums, whose total is
+    the loss sum (a mixture's per-source losses at the cost of one loss)."""
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_targets, flat_groups = targets.reshape(-1), groups.reshape(-1)
+    recompute = torch.is_grad_enabled() and logits.requires_grad
+    total = None
+    for start in range(0, flat_logits.shape[0], chunk_tokens):
+        pieces = (flat_logits[start:start + chunk_tokens],
+                  flat_targets[start:start + chunk_tokens],
+                  flat_groups[start:start + chunk_tokens], num_groups, ignore_index)
+        part = (checkpoint(_grouped_sums, *pieces, use_reentrant=False) if recompute
+                else _grouped_sums(*pieces))
+        total = part if total is None else total + part
+    if total is None:
+        return logits.new_zeros(num_groups, dtype=torch.float32)
+    return total
+
+
+def _grouped_sums(logits: Tensor, targets: Tensor, groups: Tensor, num_groups: int,
+                  ignore_index: int) -> Tensor:
+    losses = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index,
+                             reduction="none")
+    return losses.new_zeros(num_groups).index_add(0, groups, losses)

@@ -36,6 +36,11 @@ _EXPERT_FLAGS = ("moe_top_k", "moe_every", "moe_aux_coef", "moe_capacity_factor"
 MIN_LR_DIVISOR = 10
 # The step whose timeline is drawn unless --timeline-step says (the first is warm-up).
 TIMELINE_STEP = 2
+# --loss-on: which tokens of chat and prompt/completion rows the loss counts (plain text
+# always counts every token).
+LOSS_ON = ("assistant", "all")
+# Fields given as a list: a flag repeated (--data a --data b), an array in a TOML file.
+LIST_FIELDS = ("data",)
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,12 @@ class TrainConfig:
     seq_len: int = 64
     # your model and data (empty: the reference transformer on the shipped corpus)
     model: str = ""
-    data: str = ""
+    data: tuple[str, ...] = ()
+    val_data: str = ""
+    text_field: str = "text"
+    loss_on: str = "assistant"
+    chat_template: str = ""
+    truncate: bool = True
     tokenizer: str = ""
     pack: bool = False
     data_cache: str = ""
@@ -111,6 +121,8 @@ class TrainConfig:
     checkpoint_on_signal: bool = False
 
     def __post_init__(self) -> None:
+        for name in LIST_FIELDS:
+            object.__setattr__(self, name, as_list_value(getattr(self, name)))
         for name, rule in DERIVED_DEFAULTS.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, rule.value(self))
@@ -122,7 +134,7 @@ class TrainConfig:
                              f"{', '.join(PLACEMENTS)}")
         for name, choices in (("dtype", DTYPES), ("p2p", P2P_MODES),
                               ("recompute", RECOMPUTE_MODES), ("device", DEVICES),
-                              ("backend", BACKENDS),
+                              ("backend", BACKENDS), ("loss_on", LOSS_ON),
                               ("joint_projections", JOINT_PROJECTION_MODES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"unknown --{flag_name(name)} {getattr(self, name)!r}; choose one "
@@ -199,6 +211,12 @@ class TrainConfig:
         if self.pack and not self.data:
             raise ValueError("--pack packs the documents of --data into sequences: give --data "
                              "PATH (a .txt, a .jsonl or a folder of them)")
+        data_flags = [f"--{flag_name(name)}" for name in ("val_data", "chat_template")
+                      if getattr(self, name)]
+        if data_flags and not self.data:
+            raise ValueError(f"{' and '.join(data_flags)} go with your own --data; the shipped "
+                             "corpus has its own validation split and no chat: give --data "
+                             "PATH or drop them")
         if self.pack and self.sequence_parallel:
             raise ValueError("--pack gives each rank uneven pieces of every document, which "
                              "--sequence-parallel cannot split evenly over the tp ranks: drop "
@@ -347,9 +365,18 @@ FIELDS = {field.name: field for field in dataclasses.fields(TrainConfig)}
 
 
 def field_kind(name: str) -> str:
-    """Field ``name``'s value type: 'int', 'float', 'str' or 'bool' (a derived default's
-    declared ``| None`` dropped)."""
-    return str(FIELDS[name].type).split(" | ")[0]
+    """Field ``name``'s value type: 'int', 'float', 'str', 'bool' or 'list' (of strings; a
+    derived default's declared ``| None`` dropped)."""
+    return "list" if name in LIST_FIELDS else str(FIELDS[name].type).split(" | ")[0]
+
+
+def as_list_value(value: Any) -> tuple[str, ...]:
+    """A list field's value as a tuple of strings: a list (read back from JSON or TOML)
+    becomes a tuple, and one string (an older checkpoint's ``data``, a caller's
+    ``data="a.txt"``) a tuple of it, or of nothing when empty."""
+    if isinstance(value, str):
+        return (value,) if value else ()
+    return tuple(value)
 
 
 def default_help(name: str) -> str:
@@ -388,8 +415,20 @@ FIELD_HELP = {
     "seq_len": "tokens per sequence",
     "model": f"a Hugging Face model directory (config.json + safetensors) of a {HF_FAMILIES} "
              "decoder to train (empty: the reference transformer)",
-    "data": "training text: a .txt file (documents separated by blank lines), a .jsonl file "
-            "with a text field, or a folder of them (empty: the shipped corpus)",
+    "data": "training data: a .txt file (documents separated by blank lines), a .jsonl or "
+            ".parquet file of rows (a text field, chat messages, or prompt and completion), "
+            "a folder written by datasets' save_to_disk, or a folder of them; repeat it with a "
+            "weight each for a mixture (--data a.jsonl:0.7 --data chat/:0.3) (empty: the "
+            "shipped corpus)",
+    "val_data": "validation data of your own, read as --data is (default: the last "
+                "documents of each --data source are held out)",
+    "text_field": "the column (or jsonl field) of a row that holds plain text",
+    "loss_on": "which tokens of chat and prompt/completion rows the loss counts: assistant "
+               "(the answers only) or all; plain text always counts every token",
+    "chat_template": "a Jinja chat template file that renders the messages rows, instead of "
+                     "the tokenizer's own",
+    "truncate": "cut a chat or prompt/completion row longer than --seq-len to it, counting "
+                "them in one notice line (--no-truncate refuses such a row instead)",
     "tokenizer": "tokenizer directory for --data (transformers AutoTokenizer, offline); "
                  "default: the --model directory's if it has one, else byte-level (vocab 256)",
     "pack": "pack several documents into each sequence (document ids, block-diagonal causal "

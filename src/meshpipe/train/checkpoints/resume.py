@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from meshpipe.train.checkpoints.store import CheckpointInfo, incomplete_checkpoints, newest
-from meshpipe.train.config import TrainConfig
+from meshpipe.train.config import LIST_FIELDS, TrainConfig, as_list_value
 from meshpipe.train.loop.learning_rate import LearningRate
 
 # Every TrainConfig field is in exactly one group (a test checks it, so a new field cannot be
@@ -39,7 +39,8 @@ MODEL_FIELDS = ("model", "dim", "layers", "heads", "kv_heads", "tie_embeddings",
                 "moe_top_k", "moe_every")
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed",
                    "microbatches", "microbatch_size", "dp", "seq_len", "dtype", "moe_aux_coef",
-                   "moe_capacity_factor", "data", "tokenizer", "pack")
+                   "moe_capacity_factor", "data", "val_data", "text_field", "loss_on",
+                   "chat_template", "truncate", "tokenizer", "pack")
 LAYOUT_FIELDS = ("pp", "vpp", "cp_ulysses", "cp_ring", "tp", "stage_tp", "stage_link",
                  "sequence_parallel", "schedule", "placement", "p2p", "recompute", "ep",
                  "device", "backend", "zero", "compile", "joint_projections")
@@ -136,7 +137,9 @@ def _nothing_to_resume(root: Path) -> str:
 
 def _saved_values(saved: dict[str, Any]) -> dict[str, Any]:
     """The saved config with every field it lacks (an older version's) at its default."""
-    return {f.name: saved.get(f.name, f.default) for f in dataclasses.fields(TrainConfig)}
+    values = {f.name: saved.get(f.name, f.default) for f in dataclasses.fields(TrainConfig)}
+    return {name: as_list_value(value) if name in LIST_FIELDS else value
+            for name, value in values.items()}
 
 
 def _show(value: Any) -> str:

@@ -3,8 +3,10 @@ a pure function of (seed, step), the same on every rank and after a resume, with
 checkpoint. The infinite order of the data is a sequence of epochs, each a permutation
 seeded by (seed, epoch), so batch ``step`` is found by arithmetic instead of by replaying the
 earlier steps. Targets never cross a document boundary: a document's last token, like
-padding, has ``IGNORE_INDEX`` as its target. With ``pack`` several documents share a
-sequence and each batch says where they start.
+padding and a token the data's mask leaves out (a prompt's, under ``--loss-on assistant``),
+has ``IGNORE_INDEX`` as its target. With ``pack`` several documents share a sequence and
+each batch says where they start. A chat or prompt/completion sample longer than
+``seq_len`` is cut to it (the launcher has said so, or refused it under ``--no-truncate``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from meshpipe.train.data.text import IGNORE_INDEX, TokenizedData
+from meshpipe.train.data.cache import TokenizedData
+
+IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -22,11 +26,13 @@ class TextBatch:
     """``tokens`` and ``targets`` [batch, seq_len] int64; ``targets`` holds the next token of
     the same document piece, ``IGNORE_INDEX`` where there is none. With packing,
     ``doc_lens`` gives each sequence's document-piece lengths in order (each sums to
-    seq_len); None without."""
+    seq_len); None without. ``sources``: each sequence's source of a mixture (None: one
+    source)."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
     doc_lens: tuple[tuple[int, ...], ...] | None
+    sources: tuple[int, ...] | None = None
 
 
 class TextSampler:
@@ -54,8 +60,12 @@ class TextSampler:
         self.seed = seed
         self.pack = pack
         self.pad_id = pad_id
-        self._offsets = np.asarray(data.offsets, dtype=np.int64)
-        self._doc_lengths = np.diff(self._offsets)
+        self._starts = np.asarray(data.offsets[:-1], dtype=np.int64)
+        self._doc_lengths = data.lengths.copy()
+        long = data.samples_longer_than(seq_len)
+        self._doc_lengths[long] = seq_len
+        self._stream_tokens = int(self._doc_lengths.sum())
+        self._mask = data.mask
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         if not pack:
             self._piece_starts, self._piece_lengths = self._pieces()
@@ -65,10 +75,19 @@ class TextSampler:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         first = step * self.batch_size
-        rows = range(first, first + self.batch_size)
+        return self.sequences(range(first, first + self.batch_size))
+
+    def sequences(self, numbers) -> TextBatch:
+        """Sequences number ``numbers`` of the endless order (batch ``k`` holds numbers
+        ``k * batch_size`` onwards)."""
         if self.pack:
-            return self._packed_batch(rows)
-        return self._unpacked_batch(rows)
+            return self._packed_batch(numbers)
+        return self._unpacked_batch(numbers)
+
+    def _leave_out_untrained(self, targets: np.ndarray, target_tokens: np.ndarray) -> None:
+        """``IGNORE_INDEX`` where the data's mask says a target token is not trained."""
+        if self._mask is not None:
+            targets[self._mask[target_tokens] == 0] = IGNORE_INDEX
 
     # -- epochs ------------------------------------------------------------------------------
 
@@ -76,7 +95,7 @@ class TextSampler:
         """Epoch ``epoch``'s permutation of the units (pieces, or documents with ``pack``)
         and, with ``pack``, the stream offset at which each of its documents starts.
 
-        The two most recent epochs are kept: a batch spans at most an epoch boundary
+        The two epochs computed last are kept: a batch spans at most an epoch boundary
         (unless the data is smaller than a batch)."""
         if epoch not in self._epochs:
             units = len(self._doc_lengths) if self.pack else len(self._piece_starts)
@@ -85,8 +104,8 @@ class TextSampler:
             starts = (np.concatenate([[0], np.cumsum(self._doc_lengths[order])])
                       if self.pack else np.zeros(0, dtype=np.int64))
             self._epochs[epoch] = (order, starts)
-            while len(self._epochs) > 2:
-                del self._epochs[min(self._epochs)]
+            for old in list(self._epochs)[:-2]:
+                del self._epochs[old]
         return self._epochs[epoch]
 
     # -- without packing ---------------------------------------------------------------------
@@ -98,11 +117,11 @@ class TextSampler:
         doc = np.repeat(np.arange(len(per_doc)), per_doc)
         first_piece = np.cumsum(per_doc) - per_doc
         index_in_doc = np.arange(len(doc)) - first_piece[doc]
-        starts = self._offsets[doc] + index_in_doc * self.seq_len
-        lengths = np.minimum(self.seq_len, self._offsets[doc + 1] - starts)
+        starts = self._starts[doc] + index_in_doc * self.seq_len
+        lengths = np.minimum(self.seq_len, self._starts[doc] + self._doc_lengths[doc] - starts)
         return starts, lengths
 
-    def _unpacked_batch(self, rows: range) -> TextBatch:
+    def _unpacked_batch(self, rows) -> TextBatch:
         tokens = np.full((len(rows), self.seq_len), self.pad_id, dtype=np.int64)
         targets = np.full((len(rows), self.seq_len), IGNORE_INDEX, dtype=np.int64)
         count = len(self._piece_starts)
@@ -112,11 +131,13 @@ class TextSampler:
             start, length = int(self._piece_starts[piece]), int(self._piece_lengths[piece])
             tokens[row, :length] = self.data.tokens[start:start + length]
             targets[row, :length - 1] = tokens[row, 1:length]
+            self._leave_out_untrained(targets[row, :length - 1],
+                                      np.arange(start + 1, start + length))
         return TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets), None)
 
     # -- with packing ------------------------------------------------------------------------
 
-    def _packed_batch(self, rows: range) -> TextBatch:
+    def _packed_batch(self, rows) -> TextBatch:
         tokens = np.empty((len(rows), self.seq_len), dtype=np.int64)
         targets = np.empty_like(tokens)
         doc_lens = []
@@ -126,6 +147,7 @@ class TextSampler:
                 sources - (np.cumsum(lengths) - lengths), lengths)
             tokens[row] = self.data.tokens[index]
             targets[row, :-1] = tokens[row, 1:]
+            self._leave_out_untrained(targets[row, :-1], index[1:])
             targets[row, np.cumsum(lengths) - 1] = IGNORE_INDEX
             doc_lens.append(tuple(int(n) for n in lengths))
         return TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets), tuple(doc_lens))
@@ -133,7 +155,7 @@ class TextSampler:
     def _window(self, begin: int) -> tuple[np.ndarray, np.ndarray]:
         """The document pieces of stream tokens ``[begin, begin + seq_len)``: where each
         starts in the token array, and its length."""
-        total = self.data.num_tokens
+        total = self._stream_tokens
         end = begin + self.seq_len
         sources, lengths = [], []
         for epoch in range(begin // total, (end - 1) // total + 1):
@@ -152,6 +174,6 @@ class TextSampler:
         last = int(np.searchsorted(starts, high, side="left"))
         piece_begin = np.maximum(starts[first:last], low)
         piece_end = np.minimum(starts[first + 1:last + 1], high)
-        sources = self._offsets[order[first:last]] + (piece_begin - starts[first:last])
+        sources = self._starts[order[first:last]] + (piece_begin - starts[first:last])
         nonempty = piece_end > piece_begin  # documents without tokens give no piece
         return sources[nonempty], (piece_end - piece_begin)[nonempty]

@@ -1,7 +1,11 @@
 """Tokenizers for ``--data``: byte-level (vocabulary 256, no files) or a Hugging Face
 tokenizer directory (``AutoTokenizer``, offline), behind the small ``Tokenizer`` protocol the
-token cache and the samplers use. A tokenizer's ``name`` fingerprints its files, so a cache
-entry is keyed by the exact tokenizer that wrote it.
+token cache and the samplers use. A tokenizer's ``name`` fingerprints its files (and a
+``--chat-template`` file), so a cache entry is keyed by the exact tokenizer that wrote it.
+
+Chat rows are rendered with the tokenizer's chat template (``render_chat``) and encoded with
+each token's character span (``encode_with_offsets``), which is how ``samples`` finds the
+assistant's tokens under any template. Byte-level has no chat template.
 """
 
 from __future__ import annotations
@@ -27,7 +31,13 @@ class Tokenizer(Protocol):
     eos_id: int | None
     pad_id: int
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def encode_batch(self, texts: list[str], *, special_tokens: bool = True,
+                     eos: bool = True) -> list[list[int]]: ...
+
+    def encode_with_offsets(self, texts: list[str]
+                            ) -> list[tuple[list[int], list[tuple[int, int]]]]: ...
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str: ...
 
 
 class ByteTokenizer:
@@ -38,8 +48,14 @@ class ByteTokenizer:
     eos_id = None
     pad_id = 0
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_batch(self, texts: list[str], *, special_tokens: bool = True,
+                     eos: bool = True) -> list[list[int]]:
         return [list(text.encode("utf-8")) for text in texts]
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        raise ValueError("chat rows (messages) are rendered with a tokenizer's chat template, "
+                         "and the byte-level tokenizer has none: give --tokenizer DIR (or a "
+                         "--model directory with a tokenizer)")
 
 
 class HFTokenizer:
@@ -50,7 +66,7 @@ class HFTokenizer:
     ends.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, chat_template: str | Path = ""):
         import transformers
 
         directory = Path(path).resolve()
@@ -61,18 +77,49 @@ class HFTokenizer:
             raise ValueError(f"cannot load the tokenizer in {directory}: "
                              f"{_first_line(err)}") from err
         self.name = f"hf:{directory}:{_fingerprint(directory)}"
+        if chat_template:
+            text = _read_template(chat_template)
+            self._tokenizer.chat_template = text
+            self.name += f":template:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
         self.vocab_size = len(self._tokenizer)
         self.eos_id = self._tokenizer.eos_token_id
         self.pad_id = next((i for i in (self._tokenizer.pad_token_id, self.eos_id)
                             if i is not None), 0)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        encoded = self._tokenizer(texts, add_special_tokens=True, return_attention_mask=False,
-                                  return_token_type_ids=False, verbose=False)["input_ids"]
-        if self.eos_id is None:
+    def encode_batch(self, texts: list[str], *, special_tokens: bool = True,
+                     eos: bool = True) -> list[list[int]]:
+        encoded = self._tokenizer(texts, add_special_tokens=special_tokens,
+                                  return_attention_mask=False, return_token_type_ids=False,
+                                  verbose=False)["input_ids"]
+        if self.eos_id is None or not eos:
             return encoded
         return [ids if ids and ids[-1] == self.eos_id else ids + [self.eos_id]
                 for ids in encoded]
+
+    def encode_with_offsets(self, texts: list[str]
+                            ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's ids (no special tokens added: a chat template writes its own) and,
+        per token, the characters it covers (start, end)."""
+        if not self._tokenizer.is_fast:
+            raise ValueError(f"the tokenizer {self.name} has no fast (Rust) version, which "
+                             "finding the assistant's tokens needs: save it with a "
+                             "tokenizer.json")
+        encoded = self._tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
+                                  return_attention_mask=False, return_token_type_ids=False,
+                                  verbose=False)
+        return list(zip(encoded["input_ids"], encoded["offset_mapping"]))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._tokenizer.chat_template)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        if not self.has_chat_template:
+            raise ValueError(f"the tokenizer in {self.name.split(':')[1]} has no chat template "
+                             "to render messages rows with: give one with --chat-template "
+                             "FILE (a Jinja template)")
+        return self._tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt)
 
 
 def _first_line(err: BaseException) -> str:
@@ -90,13 +137,24 @@ def _fingerprint(directory: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _read_template(path: str | Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"--chat-template {path} does not exist: give a Jinja chat template "
+                         "file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read --chat-template {path}: {err}") from None
+
+
 def has_tokenizer(directory: str | Path) -> bool:
     """Whether ``directory`` holds a saved tokenizer."""
     return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
 
 
-def resolve_tokenizer(model_dir: str, tokenizer_dir: str) -> Tokenizer:
-    """``--tokenizer`` when given, else the ``--model``'s own tokenizer, else byte-level."""
+def resolve_tokenizer(model_dir: str, tokenizer_dir: str, chat_template: str = "") -> Tokenizer:
+    """``--tokenizer`` when given, else the ``--model``'s own tokenizer, else byte-level
+    (with ``--chat-template`` as the chat template of a Hugging Face one)."""
     if tokenizer_dir:
         if not Path(tokenizer_dir).exists():
             raise ValueError(f"--tokenizer {tokenizer_dir} does not exist: give a directory "
@@ -105,9 +163,12 @@ def resolve_tokenizer(model_dir: str, tokenizer_dir: str) -> Tokenizer:
             raise ValueError(f"--tokenizer {tokenizer_dir} holds no tokenizer (none of "
                              f"{', '.join(TOKENIZER_FILES)}): give a directory written by a "
                              "transformers tokenizer's save_pretrained")
-        return HFTokenizer(tokenizer_dir)
+        return HFTokenizer(tokenizer_dir, chat_template)
     if model_dir and has_tokenizer(model_dir):
-        return HFTokenizer(model_dir)
+        return HFTokenizer(model_dir, chat_template)
+    if chat_template:
+        raise ValueError("--chat-template renders chat rows for a tokenizer, and the byte-level "
+                         "one cannot encode a template's special tokens: give --tokenizer DIR")
     return ByteTokenizer()
 
 

@@ -19,7 +19,8 @@ import torch
 from meshpipe.context.derived import to_device
 from meshpipe.context.shards import hybrid_positions, packed_hybrid_positions
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.run import sources
+from meshpipe.train.loop.source_losses import SourcedTargets
+from meshpipe.train.run import data_sources, sources
 
 
 @dataclass(frozen=True)
@@ -50,15 +51,34 @@ class RankBatches:
 
     def __call__(self, sampler: Any, step: int) -> Microbatches:
         batch = sampler.batch(step)
-        counted = max(sources.counted_targets(batch.targets), 1)
+        counted = max(data_sources.counted_targets(batch.targets), 1)
         denominator = counted / self.config.microbatches
-        if getattr(batch, "doc_lens", None) is not None:
-            return Microbatches(*self._packed(batch), denominator)
-        tokens = to_device(self._held(batch.tokens, self.positions), self.device)
-        targets = to_device(self._held(batch.targets, self.positions), self.device)
         size = self.config.microbatch_size
-        inputs = [(t, self._device_positions, None) for t in tokens.split(size)]
-        return Microbatches(inputs, list(targets.split(size)), denominator)
+        if getattr(batch, "doc_lens", None) is not None:
+            inputs, targets, held = self._packed(batch)
+        else:
+            tokens = to_device(self._held(batch.tokens, self.positions), self.device)
+            targets = list(to_device(self._held(batch.targets, self.positions),
+                                     self.device).split(size))
+            inputs = [(t, self._device_positions, None) for t in tokens.split(size)]
+            held = [self.positions] * len(targets)
+        if getattr(batch, "sources", None) is not None:
+            targets = self._sourced(targets, batch, held)
+        return Microbatches(inputs, targets, denominator)
+
+    def _sourced(self, targets: list[torch.Tensor], batch,
+                 held: list[torch.Tensor]) -> list[SourcedTargets]:
+        """A mixture's microbatch targets with each target's source (its sequence's), laid
+        out as the targets are (``held``: the columns this rank keeps of each microbatch's
+        rows, which a packed microbatch has as one)."""
+        size = self.config.microbatch_size
+        rows = torch.tensor(batch.sources).reshape(-1, 1).expand_as(batch.targets)
+        sourced = []
+        for index, (mine, columns) in enumerate(zip(targets, held)):
+            of_rows = rows[index * size:(index + 1) * size].reshape(mine.shape[0], -1)
+            sources = self._held(of_rows, columns).contiguous()
+            sourced.append(SourcedTargets(mine, to_device(sources, self.device)))
+        return sourced
 
     def _held(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The columns of ``rows`` at this rank's ``positions``; without context parallelism
@@ -66,9 +86,11 @@ class RankBatches:
         when it wakes the thread pool."""
         return rows[:, positions] if self._slices else rows
 
-    def _packed(self, batch) -> tuple[list[Any], list[torch.Tensor]]:
+    def _packed(self, batch) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
+        """Each microbatch's inputs and targets, as one row, and the columns of it this rank
+        holds."""
         config, device = self.config, self.device
-        inputs, targets = [], []
+        inputs, targets, helds = [], [], []
         for row_tokens, row_targets, lengths in sources.packed_rows(batch,
                                                                     config.microbatch_size):
             held = packed_hybrid_positions(lengths, config.cp_ring, self.cp_ranks[0],
@@ -77,4 +99,5 @@ class RankBatches:
             inputs.append((to_device(self._held(row_tokens, held), device),
                            to_device(positions, device), to_device(doc_ids, device)))
             targets.append(to_device(self._held(row_targets, held), device))
-        return inputs, targets
+            helds.append(held)
+        return inputs, targets, helds

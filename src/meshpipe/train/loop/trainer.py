@@ -32,7 +32,7 @@ import json
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +55,12 @@ from meshpipe.train.loop import parity
 from meshpipe.train.loop.batches import RankBatches
 from meshpipe.train.loop.gradients import Gradients, tied_groups
 from meshpipe.train.loop.learning_rate import LearningRate
+from meshpipe.train.loop.nonfinite import NonFiniteSteps
+from meshpipe.train.loop.source_losses import SourceLosses, SourcedTargets
 from meshpipe.train.loop.transports import pipeline_transport
 from meshpipe.train.outputs import reporting
 from meshpipe.train.outputs.metrics import MetricsLog
-from meshpipe.train.run import sources
+from meshpipe.train.run import data_sources, sources
 from meshpipe.train.run.devices import DevicePlan, local_rank
 from meshpipe.train.run.plan import CHECK_TIMEOUT_S, RunPlan, plan_for_rank, plan_run
 from meshpipe.train.supervisor import faults
@@ -67,16 +69,6 @@ from meshpipe.train.supervisor.launch import Supervision, launch, reports_for_th
 # Setting up, saving or loading a checkpoint may take this many hang timeouts before it
 # counts as a hang.
 SAVE_PATIENCE = 10
-
-
-class NonFiniteError(RuntimeError):
-    """A step's loss or gradients were not finite more often in a row than allowed.
-    ``blamed_rank`` is the first rank where it showed; ``where`` the step and stage."""
-
-    def __init__(self, message: str, blamed_rank: int, where: str):
-        super().__init__(message)
-        self.blamed_rank = blamed_rank
-        self.where = where
 
 
 def run(config: TrainConfig) -> dict[str, Any] | None:
@@ -128,6 +120,7 @@ class StepStats:
     skipped: bool = False
     moe: dict[str, float] | None = None
     nonfinite: bool = False  # the loss or a gradient was inf/NaN: the step was skipped
+    sources: dict[str, Any] | None = None  # a mixture's share and loss per source
 
 
 @dataclass
@@ -138,6 +131,11 @@ class StepState:
     step: int
     loss_denominator: float
     result: StepResult | None = None
+    by_source: list[float] = field(default_factory=list)
+
+    def source_metrics(self, losses: SourceLosses | None, prefix: str) -> dict[str, Any]:
+        """A mixture's share and loss of each source (``SourceLosses.metrics``)."""
+        return {} if losses is None else losses.metrics(self.by_source, prefix)
 
 
 class Trainer:
@@ -211,7 +209,9 @@ class Trainer:
                                      before_first_forward=self._weights_of,
                                      after_last_backward=self._gradients_final))
         self.eval_executor = Executor(plan.eval_schedule, self.stages, **executor_args)
-        self.train_data, self.val_data = sources.samplers(config, coords["dp"])
+        self.train_data, self.val_data = data_sources.samplers(config, coords["dp"])
+        self.source_losses = (SourceLosses(data_sources.names(config), self.device)
+                              if len(config.data) > 1 else None)
         self.batches = RankBatches(config, coords["cp_ring"], coords["cp_ulysses"],
                                    self.device)
         self.checkpointer = checkpoint.Checkpointer(
@@ -224,7 +224,7 @@ class Trainer:
         self.fault = faults.from_environment(self.rank)
         if self.fault is not None:
             faults.install(self.fault, self.stages, lambda: self.step + 1)
-        self._nonfinite_in_a_row = 0
+        self.nonfinite = NonFiniteSteps(config, self.schedule.stages_of, self.device, self.is_main)
 
     def _stages(self, chunks: dict[int, torch.nn.Module], my_stages) -> dict[int, Stage]:
         """This rank's stages, in the run's precision; the last one computes the loss."""
@@ -284,7 +284,9 @@ class Trainer:
             logits, aux = output
             return self._loss(logits, targets) + self.aux_coef * aux
         logits = output
-        if self.tp_group is not None:
+        if isinstance(targets, SourcedTargets):
+            loss_sum = self.source_losses.loss_sum(logits, targets, self.tp_group)
+        elif self.tp_group is not None:
             loss_sum = vocab_parallel_cross_entropy(logits, targets, self.tp_group).sum()
         else:
             loss_sum, _ = causal_lm_loss(logits, targets, reduction="sum")
@@ -295,6 +297,8 @@ class Trainer:
         step's state (its loss denominator)."""
         batch = self.batches(sampler, step)
         self._now = StepState(step, batch.loss_denominator)
+        if self.source_losses is not None:
+            self.source_losses.reset()
         return batch.inputs, batch.targets
 
     def _run(self, executor: Executor, sampler: Any, step: int) -> StepResult:
@@ -313,9 +317,11 @@ class Trainer:
         counted = local_mean if self.counts_loss else None
         value = torch.tensor([counted or 0.0, float(flag)], dtype=torch.float64,
                              device=self.device)
+        if self.source_losses is not None:  # a mixture's sums and counts per source
+            value = torch.cat([value, self.source_losses.values() * float(self.counts_loss)])
         with self._collective("the loss all-reduce"):
             ops.all_reduce(value)
-        total, flagged = value.tolist()  # one read of the device, not two
+        total, flagged, *self._now.by_source = value.tolist()  # one read of the device
         return total / self.config.dp, flagged > 0
 
     def _gradients_final(self, stage: int) -> None:
@@ -363,9 +369,9 @@ class Trainer:
         loss, bad_norm = self._global_loss(result.loss, bad_norm)
         nonfinite = bad_norm or not math.isfinite(loss)
         if nonfinite:
-            self._skip_or_stop(step, locally_finite, loss, grad_norm)
+            self.nonfinite.skip_or_stop(step, locally_finite, loss, grad_norm, self._collective)
         else:
-            self._nonfinite_in_a_row = 0
+            self.nonfinite.finite()
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate.at(step)
         if not (overflow or nonfinite):
@@ -375,36 +381,7 @@ class Trainer:
             self.gradients.start_gathers()
         self.gradients.zero()
         return StepStats(loss, grad_norm, time.perf_counter() - start, overflow or nonfinite,
-                         moe, nonfinite)
-
-    def _skip_or_stop(self, step: int, locally_finite: tuple[bool, bool | torch.Tensor],
-                      loss: float, grad_norm: float | None) -> None:
-        """A non-finite step: every rank learns where it showed first; skip the step, or
-        stop the run once more than ``--skip-nonfinite`` happened in a row."""
-        loss_finite, grads_finite = locally_finite
-        flags = torch.stack([torch.tensor(not loss_finite, device=self.device),
-                             ~torch.as_tensor(grads_finite, device=self.device)]).int()
-        gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
-        with self._collective("the non-finite report"):
-            ops.all_gather(gathered, flags)
-        bad_loss = [r for r, f in enumerate(gathered) if f[0]]
-        bad_grads = [r for r, f in enumerate(gathered) if f[1]]
-        what, value = ("loss", loss) if bad_loss or not math.isfinite(loss) else (
-            "gradient norm", grad_norm)
-        blamed = (bad_loss or bad_grads or [0])[0]
-        stages = list(self.schedule.stages_of(self.config.layout.coords(blamed)["pp"]))
-        where = f"step {step + 1}, stage {stages[0] if len(stages) == 1 else stages}"
-        message = f"step {step + 1}: the {what} is {value} (first seen on rank {blamed}, {where})"
-        self._nonfinite_in_a_row += 1
-        allowed = self.config.skip_nonfinite
-        if self._nonfinite_in_a_row > allowed:
-            raise NonFiniteError(
-                f"{message}; stopped before it reached the weights or a checkpoint (the last "
-                f"checkpoint is intact): find the cause, or let --skip-nonfinite N skip up to N "
-                f"such steps in a row", blamed, where)
-        if self.is_main:
-            tqdm.write(f"meshpipe: {message}; step skipped ({self._nonfinite_in_a_row} in a "
-                       f"row, --skip-nonfinite {allowed})")
+                         moe, nonfinite, self._now.source_metrics(self.source_losses, "data_"))
 
     def evaluate(self, step: int) -> float:
         """The validation loss after the step of index ``step`` (step ``step + 1``)."""
@@ -490,7 +467,8 @@ class Trainer:
                 log.append({"step": step + 1, "bubble_measured": metrics["bubble"]["measured"],
                             "bubble_simulated": metrics["bubble"]["simulated"]})
         if config.eval_every and (step + 1) % config.eval_every == 0:
-            metrics["eval"].append({"step": step + 1, "val_loss": self.evaluate(step)})
+            metrics["eval"].append({"step": step + 1, "val_loss": self.evaluate(step),
+                                    **self._now.source_metrics(self.source_losses, "val_")})
             if log is not None:
                 log.append(metrics["eval"][-1])
         if step == config.steps - 1 or (config.checkpoint_every

@@ -37,6 +37,8 @@ def step_record(config: TrainConfig, step: int, stats: Any, lr: float,
         record.update(skipped=stats.skipped, loss_scale=loss_scale)
     if stats.nonfinite:
         record.update(skipped=True, nonfinite=True)
+    if stats.sources:
+        record.update(stats.sources)
     postfix = f"loss {stats.loss:.3f} | {tokens_per_s:,.0f} tok/s"
     if stats.moe is not None:
         record.update(stats.moe)

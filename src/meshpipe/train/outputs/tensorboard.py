@@ -4,7 +4,9 @@
 Each record's numeric values become scalars at the record's step, tagged by what they are:
 ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/step_seconds``,
 ``train/tokens_per_s``, ``train/loss_scale``, ``train/skipped`` (0 or 1), ``val/loss``,
-``moe/<count>`` and ``bubble/measured``, ``bubble/simulated``. A value that was not finite
+``moe/<count>``, ``bubble/measured``, ``bubble/simulated`` and, for a mixture of sources,
+``data/share_<source>``, ``data/loss_<source>``, ``val/share_<source>``,
+``val/loss_<source>``. A value that was not finite
 (null in the JSON) is left out. A resumed run writes a new event file in the same directory
 and purges what the interrupted run logged from its first step on, so the curves continue
 as one.
@@ -32,7 +34,7 @@ def check_available() -> None:
 
 def tag(key: str) -> str:
     """The TensorBoard tag of a metrics.jsonl key."""
-    for prefix, group in (("val_", "val"), ("bubble_", "bubble")):
+    for prefix, group in (("val_", "val"), ("bubble_", "bubble"), ("data_", "data")):
         if key.startswith(prefix):
             return f"{group}/{key[len(prefix):]}"
     if key.startswith("moe_") or "expert" in key or key in _MOE_KEYS:

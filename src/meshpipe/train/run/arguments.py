@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
+        elif kind == "list":
+            parser.add_argument(flag, action="append", default=argparse.SUPPRESS,
+                                metavar=field.name.upper(), help=help_text)
         else:
             parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind], default=argparse.SUPPRESS,
                                 metavar=field.name.upper(), help=help_text)

@@ -70,10 +70,11 @@ def plan_run(config: TrainConfig) -> RunPlan:
     devices = plan_devices(config.device, config.backend, local_ranks(config.world_size))
     out = check_out_dir(config.out_dir)
     resume = plan_resume(config) if config.resume else None
-    sources.check_sources(config)
+    data_notes = sources.check_sources(config)
     if config.tensorboard:
         tensorboard.check_available()
     notes = list(resume.notes if resume is not None else _earlier_checkpoints_note(out))
+    notes.extend(data_notes)
     for notice in (devices.notice(), _zero_notice(config)):
         if notice:
             notes.append(notice)

@@ -1,11 +1,12 @@
 """What a run trains, and on what: the reference transformer or a Hugging Face decoder
-(``--model``), on the shipped corpus or on the user's text (``--data``, ``--pack``).
+(``--model``), on the shipped corpus or on the user's data (``data_sources``).
 
 The launcher calls ``check_sources`` before any process starts: the model directory, the
-sequence length against the model's positions, the data path, the tokenizer against the
-model's vocabulary, and the tokenization itself (cached, so the ranks then only map the
-token file). Every rank then builds its stages with ``build_chunks`` and its batches with
-``samplers``; ``--check`` and ``--export`` use ``reference_step`` and ``export``.
+sequence length against the model's positions, the tokenizer against the model's
+vocabulary, and the data (``data_sources.check_data``: tokenized into the cache, so the
+ranks then only map the token files). Every rank then builds its stages with
+``build_chunks`` and its batches with ``data_sources.samplers``; ``--check`` and
+``--export`` use ``reference_step`` and ``export``.
 """
 
 from __future__ import annotations
@@ -30,11 +31,8 @@ from meshpipe.parallel import TensorParallelRegion
 from meshpipe.runtime import DynamicLossScaler, MasterWeights, autocast, weights_dtype
 from meshpipe.schedules.builders import SCHEDULE_SPECS
 from meshpipe.train.config import TrainConfig
-from meshpipe.train.data import sampling as text_sampling
-from meshpipe.train.data import text as text_data
-from meshpipe.train.data import tokenizers
-from meshpipe.train.data.corpus import VOCAB_SIZE, CorpusSampler, encode, load_corpus
-VAL_FRACTION = 0.05
+from meshpipe.train.data.corpus import VOCAB_SIZE
+from meshpipe.train.run.data_sources import check_data, counted_targets, samplers, tokenizer
 
 
 @lru_cache(maxsize=None)
@@ -49,33 +47,6 @@ def num_layers(config: TrainConfig) -> int:
     return model_info(config.model).num_layers if config.model else config.layers
 
 
-@lru_cache(maxsize=None)
-def _tokenizer(model_dir: str, tokenizer_dir: str):
-    return tokenizers.resolve_tokenizer(model_dir, tokenizer_dir)
-
-
-def tokenizer(config: TrainConfig):
-    """The tokenizer of ``--data``: ``--tokenizer``, the model's own, or byte-level."""
-    return _tokenizer(config.model, config.tokenizer)
-
-
-def data_cache(config: TrainConfig) -> Path:
-    return Path(config.data_cache or Path(config.out_dir) / "tokens")
-
-
-@lru_cache(maxsize=None)
-def _dataset(data: str, model_dir: str, tokenizer_dir: str, cache: str, progress: bool):
-    tokenized = text_data.tokenize_dataset(data, _tokenizer(model_dir, tokenizer_dir), cache,
-                                           progress=progress)
-    return tokenized.split(VAL_FRACTION)
-
-
-def dataset(config: TrainConfig, progress: bool = False):
-    """``--data`` tokenized (from the cache when it is there): (train, validation) splits."""
-    return _dataset(config.data, config.model, config.tokenizer, str(data_cache(config)),
-                    progress)
-
-
 def vocab_size(config: TrainConfig) -> int:
     """Rows of the model's embedding: the model's, the tokenizer's for the reference model
     on ``--data``, else the byte-level 256."""
@@ -86,9 +57,10 @@ def vocab_size(config: TrainConfig) -> int:
     return VOCAB_SIZE
 
 
-def check_sources(config: TrainConfig) -> None:
+def check_sources(config: TrainConfig) -> list[str]:
     """One-line ValueErrors, before any process starts, for a model or data the run cannot
-    use; tokenizes ``--data`` into the cache (with a progress bar on large inputs)."""
+    use; tokenizes ``--data`` into the cache (with a progress bar on large inputs); the
+    notes to show (samples cut to ``--seq-len``)."""
     if config.model:
         from meshpipe.models import hf
 
@@ -101,13 +73,13 @@ def check_sources(config: TrainConfig) -> None:
             raise ValueError(f"the shipped corpus is byte-level (256 token ids) but the model's "
                              f"embedding has {vocab_size(config)} rows: give --data with the "
                              "model's tokenizer")
-        return
+        return []
     words = tokenizer(config)
     if config.model and words.vocab_size > vocab_size(config):
         raise ValueError(f"the tokenizer has {words.vocab_size} tokens but the model's embedding "
                          f"has {vocab_size(config)} rows: use the model's own tokenizer "
                          "(--tokenizer) or a model with a larger vocabulary")
-    dataset(config, progress=config.progress)
+    return check_data(config)
 
 
 def check_tensor_parallel(config: TrainConfig, tp: int) -> None:
@@ -157,21 +129,6 @@ def model_config(config: TrainConfig) -> TransformerConfig:
                              moe_experts=config.moe_experts, moe_top_k=config.moe_top_k,
                              moe_every=config.moe_every,
                              moe_capacity_factor=config.moe_capacity_factor)
-
-
-def samplers(config: TrainConfig, dp_rank: int) -> tuple[Any, Any]:
-    """Data-parallel replica ``dp_rank``'s (train, validation) samplers: each batch holds
-    microbatches x microbatch_size sequences and is a pure function of the step."""
-    batch = config.microbatches * config.microbatch_size
-    seed = config.seed * 7919 + dp_rank
-    if not config.data:
-        tokens = encode(load_corpus())
-        return tuple(CorpusSampler(tokens, config.seq_len, batch, seed=seed, split=name)
-                     for name in ("train", "val"))
-    pad = tokenizer(config).pad_id
-    return tuple(text_sampling.TextSampler(split, config.seq_len, batch, seed=split_seed,
-                                       pack=config.pack, pad_id=pad)
-                 for split, split_seed in zip(dataset(config), (seed, seed + 1_000_003)))
 
 
 def packed_rows(batch, size: int) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
@@ -325,11 +282,6 @@ def _reference_model(config: TrainConfig) -> nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(
         config.model, dtype=torch.float32, attn_implementation="eager" if capped else "sdpa",
         local_files_only=True)
-
-
-def counted_targets(targets: torch.Tensor) -> int:
-    """Targets that count in the loss (not padding, not a document's last token)."""
-    return int((targets != text_data.IGNORE_INDEX).sum())
 
 
 def _replica_loss(config: TrainConfig, model: nn.Module, batch) -> torch.Tensor:

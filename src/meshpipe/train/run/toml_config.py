@@ -14,11 +14,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from meshpipe.train.config import TrainConfig, field_kind
+from meshpipe.train.config import TrainConfig, as_list_value, field_kind
 
 TABLE = "train"
 _EXPECTED = {"bool": "a boolean (true or false)", "int": "an integer", "float": "a number",
-             "str": "a string"}
+             "str": "a string", "list": "an array of strings (or one string)"}
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
                list: "an array", dict: "a table"}
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
@@ -118,7 +118,10 @@ def _checked(key: str, value: Any, kind: str, path: str | Path) -> Any:
     bool is a subclass of int in Python, so ``steps = true`` is refused explicitly."""
     if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if type(value) is {"bool": bool, "int": int, "float": float, "str": str}[kind]:
+    if kind == "list" and (isinstance(value, str) or (
+            isinstance(value, list) and all(isinstance(item, str) for item in value))):
+        return as_list_value(value)
+    if type(value) is {"bool": bool, "int": int, "float": float, "str": str}.get(kind):
         return value
     raise TomlConfigError(f"{path}: key '{key}' must be {_EXPECTED[kind]}, got "
                           f"{_shown(value)} ({_type_name(value)})")
@@ -132,8 +135,10 @@ def _type_name(value: Any) -> str:
     return _TYPE_NAMES.get(type(value), f"a {type(value).__name__}")
 
 
-def _toml_value(value: bool | int | float | str) -> str:
+def _toml_value(value: bool | int | float | str | tuple[str, ...]) -> str:
     """A TOML literal. Python's repr of a float (0.0003, 1e-10, inf, nan) is valid TOML."""
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_string(item) for item in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

@@ -1,0 +1,202 @@
+"""What a row of ``--data`` means, and its tokens.
+
+- A ``.txt`` document, or a row with the text field (``--text-field``, default ``text``): a
+  document, every token a target. A long document is cut into several sequences.
+- A row with ``messages`` (``role`` and ``content``; an optional system turn, then user and
+  assistant turns alternating, ending with the assistant's): rendered with the tokenizer's
+  chat template. With ``--loss-on assistant`` only the assistant's tokens are targets.
+- A row with ``prompt`` and ``completion``: the prompt (with the tokenizer's special
+  tokens) then the completion and EOS; with ``--loss-on assistant`` only the completion's.
+
+Chat and prompt/completion rows are samples (``KIND_SAMPLE``): one that is longer than
+``--seq-len`` is cut to it (or refused), never spread over sequences.
+
+Finding the assistant's tokens works for any template, also those that do not mark the
+generated spans (``{% generation %}``): the conversation is rendered whole and, for each
+assistant turn, up to the turn with the generation prompt and through the turn. Both are
+prefixes of the whole for every common template, and the text between them is the turn as
+the model writes it (its end-of-turn marker included). A template that rewrites earlier
+turns (and so breaks the prefixes) is served by finding the turn's content in the text.
+A token is an answer's when it covers a character of the answer (so the first, which
+often carries the space or newline before it, counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshpipe.train.data.records import RowBatch, where
+from meshpipe.train.data.tokenizers import Tokenizer
+
+KIND_TEXT = 0
+KIND_SAMPLE = 1
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class EncodedRows:
+    """The non-empty rows of a batch: their numbers, token ids, kinds and target masks
+    (None: every token is a target)."""
+
+    numbers: list[int] = field(default_factory=list)
+    ids: list[list[int]] = field(default_factory=list)
+    kinds: list[int] = field(default_factory=list)
+    masks: list[np.ndarray | None] = field(default_factory=list)
+
+
+def encode_rows(batch: RowBatch, file: Path, tokenizer: Tokenizer, *, text_field: str = "text",
+                loss_on: str = "assistant") -> EncodedRows:
+    """Every row of ``batch`` tokenized (whitespace-only texts are skipped)."""
+    texts, chats, instructions = [], [], []
+    for index, (number, value) in enumerate(zip(batch.numbers, batch.values)):
+        kind, content = _meaning(file, number, value, text_field)
+        {"text": texts, "chat": chats, "instruction": instructions}[kind].append(
+            (index, number, content))
+    encoded: dict[int, tuple[int, list[int], int, np.ndarray | None]] = {}
+    kept_texts = [(index, number, text) for index, number, text in texts if text.strip()]
+    if kept_texts:
+        for (index, number, _), ids in zip(kept_texts, tokenizer.encode_batch(
+                [text for _, _, text in kept_texts])):
+            encoded[index] = (number, ids, KIND_TEXT, None)
+    for index, number, ids, mask in _instructions(instructions, tokenizer, loss_on):
+        encoded[index] = (number, ids, KIND_SAMPLE, mask)
+    for index, number, ids, mask in _chats(chats, file, tokenizer, loss_on):
+        encoded[index] = (number, ids, KIND_SAMPLE, mask)
+    rows = EncodedRows()
+    for index in sorted(encoded):
+        number, ids, kind, mask = encoded[index]
+        rows.numbers.append(number)
+        rows.ids.append(ids)
+        rows.kinds.append(kind)
+        rows.masks.append(mask)
+    return rows
+
+
+def _meaning(file: Path, number: int, value: Any, text_field: str) -> tuple[str, Any]:
+    """("text" | "chat" | "instruction", the row's content), or a one-line error."""
+    if isinstance(value, str):
+        return "text", value
+    if value.get("messages") is not None:
+        return "chat", check_messages(value["messages"], where(file, number))
+    if value.get("prompt") is not None or value.get("completion") is not None:
+        pair = value.get("prompt"), value.get("completion")
+        if not all(isinstance(part, str) for part in pair):
+            raise ValueError(f"{where(file, number)} needs both \"prompt\" and \"completion\" "
+                             "as strings")
+        return "instruction", pair
+    text = value.get(text_field)
+    if not isinstance(text, str):
+        raise ValueError(f"{where(file, number)} has neither a string \"{text_field}\" field "
+                         "nor \"messages\" (nor \"prompt\" and \"completion\"): write "
+                         f"{{\"{text_field}\": \"...\"}} or {{\"messages\": [{{\"role\": "
+                         "\"user\", \"content\": \"...\"}, ...]}, or name the text field "
+                         "with --text-field")
+    return "text", text
+
+
+def check_messages(messages: Any, place: str) -> list[dict[str, str]]:
+    """``messages`` as a list of {role, content}, or a one-line error naming ``place``: an
+    optional system turn, then user and assistant turns alternating, the assistant's last."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{place}: \"messages\" must be a non-empty list of {{\"role\", "
+                         "\"content\"}")
+    turns = []
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if role not in ROLES or not isinstance(content, str):
+            raise ValueError(f"{place}: message {index} must have a \"role\" of "
+                             f"{', '.join(ROLES)} and a string \"content\"; got "
+                             f"{_short(message)}")
+        turns.append({"role": role, "content": content})
+    first = 1 if turns[0]["role"] == "system" else 0
+    for index, turn in enumerate(turns):
+        expected = "system" if index < first else ("user", "assistant")[(index - first) % 2]
+        if turn["role"] != expected:
+            raise ValueError(f"{place}: message {index} is a {turn['role']} turn where a "
+                             f"{expected} turn belongs: {_ORDER}")
+    if turns[-1]["role"] != "assistant":
+        raise ValueError(f"{place}: the last message is a {turns[-1]['role']} turn with no "
+                         f"answer: {_ORDER}")
+    return turns
+
+
+_ORDER = ("a conversation is an optional system turn, then user and assistant turns "
+          "alternating, ending with the assistant's")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _instructions(rows, tokenizer: Tokenizer, loss_on: str):
+    """(index, number, ids, mask) of each prompt/completion row."""
+    if not rows:
+        return []
+    prompts = tokenizer.encode_batch([prompt for _, _, (prompt, _) in rows], eos=False)
+    completions = tokenizer.encode_batch([completion for _, _, (_, completion) in rows],
+                                         special_tokens=False)
+    encoded = []
+    for (index, number, _), prompt, completion in zip(rows, prompts, completions):
+        ids = prompt + completion
+        mask = None if loss_on == "all" else np.repeat(
+            np.array([0, 1], dtype=np.uint8), [len(prompt), len(completion)])
+        encoded.append((index, number, ids, mask))
+    return encoded
+
+
+def _chats(rows, file: Path, tokenizer: Tokenizer, loss_on: str):
+    """(index, number, ids, mask) of each chat row."""
+    if not rows:
+        return []
+    rendered = [assistant_spans(tokenizer, turns, where(file, number))
+                for _, number, turns in rows]
+    encoded = []
+    for (index, number, _), (ids, offsets), (_, spans) in zip(
+            rows, tokenizer.encode_with_offsets([text for text, _ in rendered]), rendered):
+        mask = None if loss_on == "all" else spans_mask(np.asarray(offsets).reshape(-1, 2),
+                                                        spans)
+        encoded.append((index, number, ids, mask))
+    return encoded
+
+
+def assistant_spans(tokenizer: Tokenizer, turns: list[dict[str, str]],
+                    place: str) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation rendered, and the character span of each assistant turn in it."""
+    text = tokenizer.render_chat(turns)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for index, turn in enumerate(turns):
+        if turn["role"] != "assistant":
+            continue
+        before = tokenizer.render_chat(turns[:index], add_generation_prompt=True)
+        through = tokenizer.render_chat(turns[:index + 1])
+        if (text.startswith(before) and text.startswith(through)
+                and cursor <= len(before) < len(through)):
+            span = (len(before), len(through))
+        else:
+            found = text.find(turn["content"], cursor) if turn["content"] else -1
+            if found < 0:
+                raise ValueError(f"{place}: the chat template does not write assistant "
+                                 f"message {index} as given, so its tokens cannot be told "
+                                 "from the prompt's: use --loss-on all, or a template that "
+                                 "writes each message's content (--chat-template FILE)")
+            span = (found, found + len(turn["content"]))
+        spans.append(span)
+        cursor = span[1]
+    return text, spans
+
+
+def spans_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for each token whose characters (``offsets``: [tokens, 2] start and end) overlap
+    a span."""
+    mask = np.zeros(len(offsets), dtype=np.uint8)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    for begin, end in spans:
+        mask |= ((starts < end) & (ends > begin)).astype(np.uint8)
+    return mask
