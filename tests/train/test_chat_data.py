@@ -136,10 +136,14 @@ def test_prompt_and_completion_rows_train_on_the_completion(tokenizer_dir):
                                           "assistant"),
     ([], "must be a non-empty list"),
 ])
-def test_conversations_out_of_order_are_refused_in_one_line(turns, message):
+def test_conversations_out_of_order_are_refused_in_one_line(tokenizer_dir, turns, message):
     with pytest.raises(ValueError, match=message) as raised:
-        check_messages(turns, "chat.jsonl line 7")
+        encode_rows(RowBatch([7], [{"messages": turns}], 0), Path("chat.jsonl"),
+                    HFTokenizer(tokenizer_dir))
     assert str(raised.value).startswith("chat.jsonl line 7: ") and "\n" not in str(raised.value)
+    if turns:
+        with pytest.raises(ValueError, match=message):
+            check_messages(turns)
 
 
 def write_rows(path, rows):
@@ -291,3 +295,23 @@ def test_a_parquet_file_without_the_column_is_refused_in_one_line(tmp_path, toke
                                          "with --text-field NAME"):
         tokenize_dataset(str(tmp_path / "x.parquet"), HFTokenizer(tokenizer_dir),
                          tmp_path / "cache")
+
+
+def test_chats_render_directly_only_after_transformers_agreed(tokenizer_dir):
+    """The first CHECKED_RENDERS renders go through apply_chat_template and are compared
+    with the compiled template's; one disagreement keeps every render on transformers'."""
+    from meshpipe.train.data.tokenizers import CHECKED_RENDERS
+
+    agreeing = HFTokenizer(tokenizer_dir)
+    exact = agreeing._tokenizer.apply_chat_template(TWO_TURNS, tokenize=False)
+    for _ in range(CHECKED_RENDERS):
+        assert agreeing.render_chat(TWO_TURNS) == exact
+    direct_calls = []
+    direct = agreeing._direct
+    agreeing._direct = lambda *args: direct_calls.append(args) or direct(*args)
+    assert agreeing.render_chat(TWO_TURNS) == exact and len(direct_calls) == 1
+    disagreeing = HFTokenizer(tokenizer_dir)
+    disagreeing._direct = lambda messages, add_generation_prompt: "something else"
+    for _ in range(CHECKED_RENDERS + 2):
+        assert disagreeing.render_chat(TWO_TURNS) == exact
+    assert disagreeing._direct is None

@@ -81,3 +81,24 @@ def test_sources_and_their_weights(tmp_path):
             parse_source(text)
     assert source_names(["a/train.jsonl", "b/train.jsonl", "chat/"]) == [
         "train.jsonl#0", "train.jsonl#1", "chat"]
+
+
+def test_sources_in_a_toml_config_and_from_an_older_checkpoint(tmp_path):
+    """``data`` is a list in TOML (or one string), written back as one; a checkpoint of an
+    older version that saved one string compares equal to the same single source."""
+    from meshpipe.train.checkpoints.resume import _saved_values
+    from meshpipe.train.config import TrainConfig
+    from meshpipe.train.run.toml_config import read_toml, to_toml
+
+    file = tmp_path / "run.toml"
+    file.write_text('data = ["a.jsonl:0.7", "chat/:0.3"]\nval-data = "v.jsonl"\n')
+    config = TrainConfig(**read_toml(file))
+    assert config.data == ("a.jsonl:0.7", "chat/:0.3") and config.val_data == "v.jsonl"
+    file.write_text(to_toml(config))
+    assert TrainConfig(**read_toml(file)) == config
+    file.write_text('data = "a.txt"\n')
+    assert TrainConfig(**read_toml(file)).data == ("a.txt",)
+    file.write_text("data = [1, 2]\n")
+    with pytest.raises(ValueError, match="key 'data' must be an array of strings"):
+        read_toml(file)
+    assert _saved_values({"data": "a.txt"})["data"] == TrainConfig(data="a.txt").data

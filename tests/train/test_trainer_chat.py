@@ -160,6 +160,30 @@ def test_a_mixture_reports_each_source_and_resumes_its_order(tmp_path, chat_toke
     assert again[2:] == whole[2:]  # rank 0 reads steps 1-2 back from metrics.jsonl
 
 
+MIXED_LAYOUTS = {
+    "tp2": dict(pp=1, schedule="none", tp=2),
+    "ring2-packed": dict(pp=1, schedule="none", cp_ring=2, pack=True),
+    "pp2-ulysses2": dict(pp=2, cp_ulysses=2),
+}
+
+
+@pytest.mark.parametrize("layout", MIXED_LAYOUTS.values(), ids=MIXED_LAYOUTS.keys())
+def test_a_mixture_matches_one_process_in_every_layout(tmp_path, chat_tokenizer, layout):
+    """The per-source split of the loss under tensor parallelism (the vocabulary-parallel
+    loss) and context parallelism (each rank's slice of every sequence's sources)."""
+    chat, text = chat_file(tmp_path / "chat.jsonl"), text_file(tmp_path / "text.txt")
+    config = TrainConfig(**{**CHAT, "seq_len": 64, "steps": 1, **layout},
+                         tokenizer=str(chat_tokenizer), data=(f"{chat}:0.5", f"{text}:0.5"),
+                         check=True, out_dir=str(tmp_path))
+    metrics = run(config)
+    assert metrics["check"]["passed"], metrics["check"]
+    record = metrics["history"][0]
+    shares = [record[f"data_share_{name}"] for name in ("chat.jsonl", "text.txt")]
+    mixed = sum(share * record[f"data_loss_{name}"]
+                for share, name in zip(shares, ("chat.jsonl", "text.txt")) if share)
+    assert mixed == pytest.approx(record["loss"], rel=1e-5) and min(shares) > 0
+
+
 def test_val_data_and_bad_data_flags(tmp_path, chat_tokenizer):
     chat = chat_file(tmp_path / "chat.jsonl")
     val = chat_file(tmp_path / "val.jsonl", count=6, seed=1)

@@ -420,7 +420,7 @@ FIELD_HELP = {
             "a folder written by datasets' save_to_disk, or a folder of them; repeat it with a "
             "weight each for a mixture (--data a.jsonl:0.7 --data chat/:0.3) (empty: the "
             "shipped corpus)",
-    "val_data": "validation data of your own, read as --data is (default: the last "
+    "val_data": "validation data of your own, read as --data is (empty: the last "
                 "documents of each --data source are held out)",
     "text_field": "the column (or jsonl field) of a row that holds plain text",
     "loss_on": "which tokens of chat and prompt/completion rows the loss counts: assistant "

@@ -21,18 +21,21 @@ import json
 import os
 import shutil
 import socket
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
 from pathlib import Path
+from queue import Full, Queue
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from meshpipe.train.data.records import data_files, read_rows, where
-from meshpipe.train.data.samples import KIND_SAMPLE, encode_rows
+from meshpipe.train.data.samples import KIND_SAMPLE, encode_prepared, prepare_rows
 from meshpipe.train.data.tokenizers import Tokenizer
 
 # Bumped when the reading rules or the cache layout change, so old entries are not reused.
@@ -273,9 +276,10 @@ def _write_tokens(path: str, files: list[Path], tokenizer: Tokenizer, directory:
             disable=not progress or total_bytes <= PROGRESS_MIN_BYTES) as bar:
         for file in files:
             done = 0
-            for batch in read_rows(file, options.text_field):
-                rows = encode_rows(batch, file, tokenizer, text_field=options.text_field,
-                                   loss_on=options.loss_on)
+            prepared = ((batch, prepare_rows(batch, file, tokenizer, options.text_field))
+                        for batch in read_rows(file, options.text_field))
+            for batch, meaning in _in_background(prepared):
+                rows = encode_prepared(meaning, tokenizer, options.loss_on)
                 ids, lengths = _flatten(rows.ids, tokenizer, file)
                 tokens.write(ids)
                 targets = _flat_mask(rows.masks, lengths)
@@ -296,6 +300,50 @@ def _write_tokens(path: str, files: list[Path], tokenizer: Tokenizer, directory:
     np.save(directory / "offsets.npy", offsets)
     return {"num_documents": columns.count, "num_tokens": int(offsets[-1]),
             "documents_of_files": documents_of_files}
+
+
+def _in_background(items: Iterable, depth: int = 2) -> Iterator:
+    """``items`` produced by a thread of their own, up to ``depth`` ahead: reading the rows
+    and rendering the chats of the next batches (Python) runs while this thread tokenizes
+    (Rust, which releases the GIL), so both cores stay busy on chat data too. An error of
+    the producer is raised here; leaving early stops it after its current item."""
+    queue: Queue = Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(entry: tuple[bool, Any]) -> None:
+        while not stop.is_set():
+            try:
+                queue.put(entry, timeout=0.1)
+                return
+            except Full:
+                continue
+
+    def produce() -> None:
+        try:
+            for item in items:
+                put((True, item))
+                if stop.is_set():
+                    return
+            put((True, _END))
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer, which raises it
+            put((False, err))
+
+    thread = threading.Thread(target=produce, name="meshpipe-read-rows", daemon=True)
+    thread.start()
+    try:
+        while True:
+            produced, item = queue.get()
+            if not produced:
+                raise item
+            if item is _END:
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+_END = object()
 
 
 class _DocumentColumns:

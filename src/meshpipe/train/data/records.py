@@ -7,7 +7,7 @@ string (a .txt document) or a dict of the columns a row may use (``ROW_COLUMNS``
 ``--text-field``): what the row means is ``samples``' business.
 
 Nothing reads a whole file into memory: .txt and .jsonl are read line by line, Parquet in
-row batches of the needed columns, Arrow record batches from a memory map. Every batch says
+row batches of the needed columns, Arrow record batches one at a time. Every batch says
 how far into its file it reached (bytes), for the progress bar. Every mistake is a one-line
 ``ValueError`` naming the file and the line (text files, from 1) or row (Parquet and Arrow,
 from 0, as ``dataset[i]`` counts).
@@ -212,7 +212,9 @@ def _parquet_batches(file: Path, text_field: str):
     import pyarrow.parquet as parquet
 
     try:
-        handle = parquet.ParquetFile(file)
+        # Without pre_buffer=False pyarrow keeps every column chunk it read: a 418 MB file
+        # held 400 MB at its end, against 130 MB without.
+        handle = parquet.ParquetFile(file, pre_buffer=False)
     except Exception as err:  # pyarrow's ArrowInvalid and friends
         raise ValueError(f"{file} is not a readable Parquet file: {_first_line(err)}") from None
     columns = _columns(file, handle.schema_arrow.names, text_field)
@@ -229,10 +231,12 @@ def _parquet_batches(file: Path, text_field: str):
 
 
 def _arrow_batches(file: Path, text_field: str):
-    """An Arrow IPC stream (what ``save_to_disk`` writes) or file, memory-mapped."""
+    """An Arrow IPC stream (what ``save_to_disk`` writes) or file, read batch by batch (not
+    memory-mapped: the pages of a map count as resident, 1.1 GB at the end of a 1 GB file,
+    against the size of a batch read)."""
     import pyarrow as pa
 
-    source = pa.memory_map(str(file))
+    source = pa.OSFile(str(file))
     try:
         reader = pa.ipc.open_stream(source)
     except pa.ArrowInvalid:

@@ -24,6 +24,7 @@ often carries the space or newline before it, counts).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -48,23 +49,52 @@ class EncodedRows:
     masks: list[np.ndarray | None] = field(default_factory=list)
 
 
+@dataclass
+class PreparedRows:
+    """A batch's rows read for their meaning, chats rendered: what is left is tokenizing.
+    Each list holds (index in the batch, row number, content): a text, a (prompt,
+    completion) pair, or a rendered conversation and its assistant spans."""
+
+    texts: list[tuple[int, int, str]] = field(default_factory=list)
+    instructions: list[tuple[int, int, tuple[str, str]]] = field(default_factory=list)
+    chats: list[tuple[int, int, tuple[str, list[tuple[int, int]]]]] = field(
+        default_factory=list)
+
+
 def encode_rows(batch: RowBatch, file: Path, tokenizer: Tokenizer, *, text_field: str = "text",
                 loss_on: str = "assistant") -> EncodedRows:
     """Every row of ``batch`` tokenized (whitespace-only texts are skipped)."""
-    texts, chats, instructions = [], [], []
+    return encode_prepared(prepare_rows(batch, file, tokenizer, text_field), tokenizer, loss_on)
+
+
+def prepare_rows(batch: RowBatch, file: Path, tokenizer: Tokenizer,
+                 text_field: str = "text") -> PreparedRows:
+    """Each row's meaning, a one-line error for a bad row, chats rendered (Python work, which
+    ``cache`` runs beside the tokenizing of the batch before)."""
+    prepared = PreparedRows()
     for index, (number, value) in enumerate(zip(batch.numbers, batch.values)):
-        kind, content = _meaning(file, number, value, text_field)
-        {"text": texts, "chat": chats, "instruction": instructions}[kind].append(
-            (index, number, content))
+        try:
+            kind, content = _meaning(value, text_field)
+            if kind == "chats":
+                content = assistant_spans(tokenizer, content)
+        except ValueError as err:
+            raise ValueError(f"{where(file, number)}{err}") from None
+        if kind != "texts" or content.strip():
+            getattr(prepared, kind).append((index, number, content))
+    return prepared
+
+
+def encode_prepared(prepared: PreparedRows, tokenizer: Tokenizer,
+                    loss_on: str = "assistant") -> EncodedRows:
+    """The prepared rows tokenized, in their order, with their target masks."""
     encoded: dict[int, tuple[int, list[int], int, np.ndarray | None]] = {}
-    kept_texts = [(index, number, text) for index, number, text in texts if text.strip()]
-    if kept_texts:
-        for (index, number, _), ids in zip(kept_texts, tokenizer.encode_batch(
-                [text for _, _, text in kept_texts])):
+    if prepared.texts:
+        for (index, number, _), ids in zip(prepared.texts, tokenizer.encode_batch(
+                [text for _, _, text in prepared.texts])):
             encoded[index] = (number, ids, KIND_TEXT, None)
-    for index, number, ids, mask in _instructions(instructions, tokenizer, loss_on):
+    for index, number, ids, mask in _instructions(prepared.instructions, tokenizer, loss_on):
         encoded[index] = (number, ids, KIND_SAMPLE, mask)
-    for index, number, ids, mask in _chats(chats, file, tokenizer, loss_on):
+    for index, number, ids, mask in _chats(prepared.chats, tokenizer, loss_on):
         encoded[index] = (number, ids, KIND_SAMPLE, mask)
     rows = EncodedRows()
     for index in sorted(encoded):
@@ -76,52 +106,51 @@ def encode_rows(batch: RowBatch, file: Path, tokenizer: Tokenizer, *, text_field
     return rows
 
 
-def _meaning(file: Path, number: int, value: Any, text_field: str) -> tuple[str, Any]:
-    """("text" | "chat" | "instruction", the row's content), or a one-line error."""
+def _meaning(value: Any, text_field: str) -> tuple[str, Any]:
+    """("texts" | "chats" | "instructions", the row's content), or a one-line error (to
+    follow the row's place)."""
     if isinstance(value, str):
-        return "text", value
+        return "texts", value
     if value.get("messages") is not None:
-        return "chat", check_messages(value["messages"], where(file, number))
+        return "chats", check_messages(value["messages"])
     if value.get("prompt") is not None or value.get("completion") is not None:
         pair = value.get("prompt"), value.get("completion")
         if not all(isinstance(part, str) for part in pair):
-            raise ValueError(f"{where(file, number)} needs both \"prompt\" and \"completion\" "
-                             "as strings")
-        return "instruction", pair
+            raise ValueError(" needs both \"prompt\" and \"completion\" as strings")
+        return "instructions", pair
     text = value.get(text_field)
     if not isinstance(text, str):
-        raise ValueError(f"{where(file, number)} has neither a string \"{text_field}\" field "
-                         "nor \"messages\" (nor \"prompt\" and \"completion\"): write "
+        raise ValueError(f" has neither a string \"{text_field}\" field nor \"messages\" (nor "
+                         "\"prompt\" and \"completion\"): write "
                          f"{{\"{text_field}\": \"...\"}} or {{\"messages\": [{{\"role\": "
                          "\"user\", \"content\": \"...\"}, ...]}, or name the text field "
                          "with --text-field")
-    return "text", text
+    return "texts", text
 
 
-def check_messages(messages: Any, place: str) -> list[dict[str, str]]:
-    """``messages`` as a list of {role, content}, or a one-line error naming ``place``: an
-    optional system turn, then user and assistant turns alternating, the assistant's last."""
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """``messages`` as a list of {role, content}, or a one-line error (to follow the row's
+    place): an optional system turn, then user and assistant turns alternating, the
+    assistant's last."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{place}: \"messages\" must be a non-empty list of {{\"role\", "
-                         "\"content\"}")
+        raise ValueError(": \"messages\" must be a non-empty list of {\"role\", \"content\"}")
     turns = []
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         content = message.get("content") if isinstance(message, dict) else None
         if role not in ROLES or not isinstance(content, str):
-            raise ValueError(f"{place}: message {index} must have a \"role\" of "
-                             f"{', '.join(ROLES)} and a string \"content\"; got "
-                             f"{_short(message)}")
+            raise ValueError(f": message {index} must have a \"role\" of {', '.join(ROLES)} "
+                             f"and a string \"content\"; got {_short(message)}")
         turns.append({"role": role, "content": content})
     first = 1 if turns[0]["role"] == "system" else 0
     for index, turn in enumerate(turns):
         expected = "system" if index < first else ("user", "assistant")[(index - first) % 2]
         if turn["role"] != expected:
-            raise ValueError(f"{place}: message {index} is a {turn['role']} turn where a "
-                             f"{expected} turn belongs: {_ORDER}")
+            raise ValueError(f": message {index} is a {turn['role']} turn where a {expected} "
+                             f"turn belongs: {_ORDER}")
     if turns[-1]["role"] != "assistant":
-        raise ValueError(f"{place}: the last message is a {turns[-1]['role']} turn with no "
-                         f"answer: {_ORDER}")
+        raise ValueError(f": the last message is a {turns[-1]['role']} turn with no answer: "
+                         f"{_ORDER}")
     return turns
 
 
@@ -150,53 +179,65 @@ def _instructions(rows, tokenizer: Tokenizer, loss_on: str):
     return encoded
 
 
-def _chats(rows, file: Path, tokenizer: Tokenizer, loss_on: str):
-    """(index, number, ids, mask) of each chat row."""
+def _chats(rows, tokenizer: Tokenizer, loss_on: str):
+    """(index, number, ids, mask) of each rendered chat row."""
     if not rows:
         return []
-    rendered = [assistant_spans(tokenizer, turns, where(file, number))
-                for _, number, turns in rows]
     encoded = []
-    for (index, number, _), (ids, offsets), (_, spans) in zip(
-            rows, tokenizer.encode_with_offsets([text for text, _ in rendered]), rendered):
-        mask = None if loss_on == "all" else spans_mask(np.asarray(offsets).reshape(-1, 2),
-                                                        spans)
+    for (index, number, (_, spans)), (ids, offsets) in zip(
+            rows, tokenizer.encode_with_offsets([text for _, _, (text, _) in rows])):
+        mask = None if loss_on == "all" else spans_mask(offsets, spans)
         encoded.append((index, number, ids, mask))
     return encoded
 
 
-def assistant_spans(tokenizer: Tokenizer, turns: list[dict[str, str]],
-                    place: str) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(tokenizer: Tokenizer,
+                    turns: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
     """The conversation rendered, and the character span of each assistant turn in it."""
-    text = tokenizer.render_chat(turns)
+    text = _rendered(tokenizer, turns, False)
     spans: list[tuple[int, int]] = []
     cursor = 0
     for index, turn in enumerate(turns):
         if turn["role"] != "assistant":
             continue
-        before = tokenizer.render_chat(turns[:index], add_generation_prompt=True)
-        through = tokenizer.render_chat(turns[:index + 1])
+        before = _rendered(tokenizer, turns[:index], True)
+        through = (text if index == len(turns) - 1
+                   else _rendered(tokenizer, turns[:index + 1], False))
         if (text.startswith(before) and text.startswith(through)
                 and cursor <= len(before) < len(through)):
             span = (len(before), len(through))
         else:
             found = text.find(turn["content"], cursor) if turn["content"] else -1
             if found < 0:
-                raise ValueError(f"{place}: the chat template does not write assistant "
-                                 f"message {index} as given, so its tokens cannot be told "
-                                 "from the prompt's: use --loss-on all, or a template that "
-                                 "writes each message's content (--chat-template FILE)")
+                raise ValueError(f": the chat template does not write assistant message {index} "
+                                 "as given, so its tokens cannot be told from the prompt's: use "
+                                 "--loss-on all, or a template that writes each message's "
+                                 "content (--chat-template FILE)")
             span = (found, found + len(turn["content"]))
         spans.append(span)
         cursor = span[1]
     return text, spans
 
 
-def spans_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """1 for each token whose characters (``offsets``: [tokens, 2] start and end) overlap
-    a span."""
+def _rendered(tokenizer: Tokenizer, turns: list[dict[str, str]],
+              add_generation_prompt: bool) -> str:
+    """``render_chat``, a template's own refusal (``raise_exception``) as a one-line error."""
+    try:
+        return tokenizer.render_chat(turns, add_generation_prompt=add_generation_prompt)
+    except ValueError as err:
+        raise ValueError(f": {err}") from None
+    except Exception as err:  # noqa: BLE001 - jinja2's TemplateError and what templates raise
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f": the chat template refuses this conversation ({reason}): fix the "
+                         "row, or give a template that takes it with --chat-template FILE"
+                         ) from None
+
+
+def spans_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for each token whose characters (``offsets``: start and end) overlap a span."""
+    flat = np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
+    starts, ends = flat[0::2], flat[1::2]
     mask = np.zeros(len(offsets), dtype=np.uint8)
-    starts, ends = offsets[:, 0], offsets[:, 1]
     for begin, end in spans:
         mask |= ((starts < end) & (ends > begin)).astype(np.uint8)
     return mask

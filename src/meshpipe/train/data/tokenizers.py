@@ -19,6 +19,8 @@ from meshpipe.train.data.corpus import VOCAB_SIZE
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # Files of a model directory that never change what its tokenizer produces; hashing them
 # (gigabytes of weights) would make every start slow.
+# Chat renders checked against transformers' own before the template is rendered directly.
+CHECKED_RENDERS = 64
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack",
                    ".onnx")
 
@@ -85,6 +87,8 @@ class HFTokenizer:
         self.eos_id = self._tokenizer.eos_token_id
         self.pad_id = next((i for i in (self._tokenizer.pad_token_id, self.eos_id)
                             if i is not None), 0)
+        self._checked_renders = 0
+        self._direct = self._direct_renderer() if self.has_chat_template else None
 
     def encode_batch(self, texts: list[str], *, special_tokens: bool = True,
                      eos: bool = True) -> list[list[int]]:
@@ -99,27 +103,64 @@ class HFTokenizer:
     def encode_with_offsets(self, texts: list[str]
                             ) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """Each text's ids (no special tokens added: a chat template writes its own) and,
-        per token, the characters it covers (start, end)."""
+        per token, the characters it covers (start, end); from the Rust tokenizer itself,
+        whose ids transformers' call returns unchanged (its conversion of the offsets cost
+        a tenth of chat data's tokenizing time)."""
         if not self._tokenizer.is_fast:
             raise ValueError(f"the tokenizer {self.name} has no fast (Rust) version, which "
                              "finding the assistant's tokens needs: save it with a "
                              "tokenizer.json")
-        encoded = self._tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
-                                  return_attention_mask=False, return_token_type_ids=False,
-                                  verbose=False)
-        return list(zip(encoded["input_ids"], encoded["offset_mapping"]))
+        encodings = self._tokenizer.backend_tokenizer.encode_batch(texts,
+                                                                   add_special_tokens=False)
+        return [(encoding.ids, encoding.offsets) for encoding in encodings]
 
     @property
     def has_chat_template(self) -> bool:
         return bool(self._tokenizer.chat_template)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as the chat template writes it: through transformers'
+        ``apply_chat_template``, and once ``CHECKED_RENDERS`` renders agreed, through the
+        compiled template directly (3-4x faster: the rendering is most of the time chat
+        data takes to tokenize)."""
+        if self._checked_renders >= CHECKED_RENDERS:
+            return self._direct(messages, add_generation_prompt)
         if not self.has_chat_template:
             raise ValueError(f"the tokenizer in {self.name.split(':')[1]} has no chat template "
                              "to render messages rows with: give one with --chat-template "
                              "FILE (a Jinja template)")
-        return self._tokenizer.apply_chat_template(messages, tokenize=False,
-                                                   add_generation_prompt=add_generation_prompt)
+        exact = self._tokenizer.apply_chat_template(messages, tokenize=False,
+                                                    add_generation_prompt=add_generation_prompt)
+        self._check_direct(messages, add_generation_prompt, exact)
+        return exact
+
+    def _check_direct(self, messages: list[dict], add_generation_prompt: bool,
+                      exact: str) -> None:
+        """Count a direct render that equals ``exact``; one that differs (or fails) keeps
+        every later render on ``apply_chat_template``."""
+        if self._direct is None:
+            return
+        try:
+            agrees = self._direct(messages, add_generation_prompt) == exact
+        except Exception:  # noqa: BLE001 - any failure means: do not render directly
+            agrees = False
+        if agrees:
+            self._checked_renders += 1
+        else:
+            self._direct = None
+
+    def _direct_renderer(self):
+        """The chat template compiled by transformers, rendered with the tokenizer's special
+        tokens (None where this transformers has no such compiler)."""
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            compiled = _compile_jinja_template(self._tokenizer.chat_template)
+        except Exception:  # noqa: BLE001 - an older or newer transformers: stay exact
+            return None
+        variables = dict(self._tokenizer.special_tokens_map)
+        return lambda messages, add_generation_prompt: compiled.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
 
 def _first_line(err: BaseException) -> str:
