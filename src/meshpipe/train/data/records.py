@@ -124,27 +124,33 @@ class _Batcher:
         return batch
 
 
+def _lines(file: Path) -> Iterator[tuple[int, str, int]]:
+    """Each line of a UTF-8 file (a byte-order mark dropped): its number, its text and the
+    bytes read up to its end."""
+    done = 0
+    with open(file, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            done += len(raw)
+            line = raw.decode("utf-8")
+            yield number, line.removeprefix("\ufeff") if number == 1 else line, done
+
+
 def _txt_rows(file: Path) -> Iterator[RowBatch]:
     """Runs of non-blank lines (a line of only whitespace counts as blank), numbered by
     their first line."""
     batcher = _Batcher()
     lines: list[str] = []
     first = done = 0
-    with open(file, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            done += len(raw)
-            line = raw.decode("utf-8")
-            if number == 1:
-                line = line.removeprefix("\ufeff")
-            if line.strip():
-                first = first if lines else number
-                lines.append(line)
-                continue
-            if lines:
-                text = "".join(lines).strip()
-                lines = []
-                if batcher.add(first, text, len(text)):
-                    yield batcher.take(done)
+    for number, line, done in _lines(file):
+        if line.strip():
+            first = first if lines else number
+            lines.append(line)
+            continue
+        if lines:
+            text = "".join(lines).strip()
+            lines = []
+            if batcher.add(first, text, len(text)):
+                yield batcher.take(done)
     if lines:
         text = "".join(lines).strip()
         batcher.add(first, text, len(text))
@@ -155,16 +161,9 @@ def _jsonl_rows(file: Path) -> Iterator[RowBatch]:
     """Each non-empty line as an object."""
     batcher = _Batcher()
     done = 0
-    with open(file, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            done += len(raw)
-            line = raw.decode("utf-8")
-            if number == 1:
-                line = line.removeprefix("\ufeff")
-            if not line.strip():
-                continue
-            if batcher.add(number, _json_row(file, number, line), len(raw)):
-                yield batcher.take(done)
+    for number, line, done in _lines(file):
+        if line.strip() and batcher.add(number, _json_row(file, number, line), len(line)):
+            yield batcher.take(done)
     yield batcher.take(done)
 
 
