@@ -13,7 +13,7 @@ from hf_models import save_tiny_model, save_tiny_tokenizer, write_documents
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.loop.trainer import run
-from meshpipe.train.run import sources
+from meshpipe.train.run import data_sources
 from trainer_cases import SMALL, check_first_step, for_a_model
 
 pytestmark = pytest.mark.distributed
@@ -37,7 +37,7 @@ def test_packed_documents_train_as_in_one_process(tmp_path, layout):
     data = write_documents(tmp_path / "docs.txt", max_words=4)
     config = TrainConfig(**{**DATA, **layout}, data=str(data), pack=True,
                          out_dir=str(tmp_path))
-    batch = sources.samplers(config, 0)[0].batch(0)
+    batch = data_sources.samplers(config, 0)[0].batch(0)
     assert all(len(lens) > 1 for lens in batch.doc_lens)  # several documents per sequence
     report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == [] and report["passed"], report
@@ -51,9 +51,9 @@ def test_a_model_with_its_own_tokenizer_trains_on_padded_documents(tmp_path):
     data = write_documents(tmp_path / "docs.txt")
     config = TrainConfig(**HF, pp=2, cp_ring=2, model=str(directory), data=str(data),
                          out_dir=str(tmp_path))
-    assert sources.tokenizer(config).vocab_size == 292
-    targets = sources.samplers(config, 0)[0].batch(0).targets
-    assert 0 < sources.counted_targets(targets) < targets.numel()  # padding is left out
+    assert data_sources.tokenizer(config).vocab_size == 292
+    targets = data_sources.samplers(config, 0)[0].batch(0).targets
+    assert 0 < data_sources.counted_targets(targets) < targets.numel()  # padding is left out
     report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == [] and report["passed"], report
     assert report["loss_difference"] < 1e-5
