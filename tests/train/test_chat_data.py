@@ -203,6 +203,11 @@ def test_a_chat_cache_keeps_the_mask_kinds_and_rows(tmp_path, tokenizer_dir):
 def source_positions(sampler, sequence):
     """Where each token of sequence ``sequence`` comes from in the token array, and where
     each of its document pieces ends (a piece's last token has no target)."""
+    if sampler._whole:
+        pieces = sampler._sequence_pieces(sequence)
+        starts, lengths = sampler._piece_starts[pieces], sampler._piece_lengths[pieces]
+        return (np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)]),
+                np.cumsum(lengths))
     if sampler.pack:
         sources, lengths = sampler._window(sequence * sampler.seq_len)
         ends = np.cumsum(lengths)
@@ -232,6 +237,42 @@ def test_samplers_train_exactly_the_masked_tokens(tmp_path, tokenizer_dir, pack)
                     expected[k] = tokens[positions[k + 1]]
             assert batch.targets[row].tolist() == expected.tolist()
             assert batch.tokens[row, :len(positions)].tolist() == tokens[positions].tolist()
+
+
+def test_samples_are_packed_whole(tmp_path, tokenizer_dir):
+    """Packed chat data: every sequence holds whole samples (a long one cut to seq_len, a
+    long text document in pieces) and padding; an epoch places every piece once; a sampler
+    made afresh for a late step gives the same batch."""
+    rows = chat_rows(60) + [{"text": "the quick brown fox " * 30}]
+    file = write_rows(tmp_path / "mixed.jsonl", rows)
+    data = tokenize_dataset(str(file), HFTokenizer(tokenizer_dir), tmp_path / "cache")
+    seq_len, batch_size = 64, 4
+    sampler = TextSampler(data, seq_len, batch_size, seed=1, pack=True)
+    tokens, offsets = np.asarray(data.tokens), np.asarray(data.offsets)
+    whole = {(int(offsets[d]), min(int(offsets[d + 1] - offsets[d]), seq_len))
+             for d in range(data.num_documents - 1)}
+    placed = []
+    sampler._sequence_pieces(0)
+    epoch_length = sampler._epoch_firsts[1]  # sequences in the first epoch
+    for sequence in range(epoch_length):
+        batch = sampler.sequences([sequence])
+        assert sum(batch.doc_lens[0]) == seq_len
+        pieces = sampler._sequence_pieces(sequence)
+        at = 0
+        for piece in pieces:
+            start, length = int(sampler._piece_starts[piece]), int(sampler._piece_lengths[piece])
+            assert start < offsets[-2] or length <= seq_len  # the text document's pieces
+            if start < offsets[-2]:
+                assert (start, length) in whole  # a sample, whole from its start
+            assert batch.tokens[0, at:at + length].tolist() == tokens[start:start + length].tolist()
+            at += length
+        assert (batch.targets[0, at:] == IGNORE_INDEX).all()  # padding trains nothing
+        placed.append(pieces)
+    in_first_epoch = np.concatenate(placed)
+    assert sorted(in_first_epoch.tolist()) == list(range(len(sampler._piece_starts)))
+    late = TextSampler(data, seq_len, batch_size, seed=1, pack=True).batch(37)
+    assert late.tokens.equal(sampler.batch(37).tokens)
+    assert late.doc_lens == sampler.batch(37).doc_lens
 
 
 def test_long_samples_are_cut_to_the_sequence(tmp_path, tokenizer_dir):

@@ -9,7 +9,7 @@
   tokens) then the completion and EOS; with ``--loss-on assistant`` only the completion's.
 
 Chat and prompt/completion rows are samples (``KIND_SAMPLE``): one that is longer than
-``--seq-len`` is cut to it (or refused), never spread over sequences.
+``--seq-len`` is cut to it (or refused), never spread over sequences, packed or not.
 
 Finding the assistant's tokens works for any template, also those that do not mark the
 generated spans (``{% generation %}``): the conversation is rendered whole and, for each

@@ -11,6 +11,7 @@ each batch says where they start. A chat or prompt/completion sample longer than
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,10 @@ class TextSampler:
     permutation seeded by (seed, e). With ``pack`` the epochs' permutations of whole
     documents are concatenated into one endless stream and cut into consecutive windows of
     ``seq_len`` tokens; ``doc_lens`` tells attention where each document piece starts.
+    Data with chat or prompt/completion samples is packed whole instead: a sample's answer
+    means nothing without its prompt, so the pieces (each sample whole, cut to ``seq_len``)
+    fill the sequences in the epoch's order, a piece that does not fit starting the next,
+    and the rest of a sequence is padding (a document of its own, with no targets).
     """
 
     def __init__(self, data: TokenizedData, seq_len: int, batch_size: int, *, seed: int = 0,
@@ -67,8 +72,13 @@ class TextSampler:
         self._stream_tokens = int(self._doc_lengths.sum())
         self._mask = data.mask
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        if not pack:
+        self._whole = pack and data.kinds is not None
+        if self._whole or not pack:
             self._piece_starts, self._piece_lengths = self._pieces()
+        # With whole samples: the first sequence number of each epoch computed so far, and
+        # the two latest epochs' sequences (where each starts in the epoch's order).
+        self._epoch_firsts = [0]
+        self._fills: dict[int, np.ndarray] = {}
 
     def batch(self, step: int) -> TextBatch:
         """Batch number ``step``: identical on every rank and across restarts."""
@@ -80,6 +90,8 @@ class TextSampler:
     def sequences(self, numbers) -> TextBatch:
         """Sequences number ``numbers`` of the endless order (batch ``k`` holds numbers
         ``k * batch_size`` onwards)."""
+        if self._whole:
+            return self._whole_batch(numbers)
         if self.pack:
             return self._packed_batch(numbers)
         return self._unpacked_batch(numbers)
@@ -98,11 +110,12 @@ class TextSampler:
         The two epochs computed last are kept: a batch spans at most an epoch boundary
         (unless the data is smaller than a batch)."""
         if epoch not in self._epochs:
-            units = len(self._doc_lengths) if self.pack else len(self._piece_starts)
+            units = len(self._piece_starts) if self._whole or not self.pack else len(
+                self._doc_lengths)
             generator = np.random.default_rng([self.seed % 2**64, epoch])
             order = generator.permutation(units)
             starts = (np.concatenate([[0], np.cumsum(self._doc_lengths[order])])
-                      if self.pack else np.zeros(0, dtype=np.int64))
+                      if self.pack and not self._whole else np.zeros(0, dtype=np.int64))
             self._epochs[epoch] = (order, starts)
             for old in list(self._epochs)[:-2]:
                 del self._epochs[old]
@@ -134,6 +147,56 @@ class TextSampler:
             self._leave_out_untrained(targets[row, :length - 1],
                                       np.arange(start + 1, start + length))
         return TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets), None)
+
+    # -- with packing, whole samples --------------------------------------------------------
+
+    def _whole_batch(self, rows) -> TextBatch:
+        tokens = np.full((len(rows), self.seq_len), self.pad_id, dtype=np.int64)
+        targets = np.full((len(rows), self.seq_len), IGNORE_INDEX, dtype=np.int64)
+        doc_lens = []
+        for row, sequence in enumerate(rows):
+            at, lengths = 0, []
+            for piece in self._sequence_pieces(sequence):
+                start, length = int(self._piece_starts[piece]), int(self._piece_lengths[piece])
+                tokens[row, at:at + length] = self.data.tokens[start:start + length]
+                targets[row, at:at + length - 1] = tokens[row, at + 1:at + length]
+                self._leave_out_untrained(targets[row, at:at + length - 1],
+                                          np.arange(start + 1, start + length))
+                lengths.append(length)
+                at += length
+            if at < self.seq_len:
+                lengths.append(self.seq_len - at)  # the padding
+            doc_lens.append(tuple(lengths))
+        return TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets), tuple(doc_lens))
+
+    def _sequence_pieces(self, sequence: int) -> np.ndarray:
+        """The pieces of sequence number ``sequence``. Epochs hold different numbers of
+        sequences, so the epochs before it are filled once, in order (a resume at a late
+        step fills them at its first batch; each costs a pass over the pieces)."""
+        while self._epoch_firsts[-1] <= sequence:
+            epoch = len(self._epoch_firsts) - 1
+            self._epoch_firsts.append(self._epoch_firsts[-1] + len(self._fill(epoch)) - 1)
+        epoch = bisect_right(self._epoch_firsts, sequence) - 1
+        index = sequence - self._epoch_firsts[epoch]
+        bounds = self._fill(epoch)
+        return self._epoch(epoch)[0][bounds[index]:bounds[index + 1]]
+
+    def _fill(self, epoch: int) -> np.ndarray:
+        """Where each sequence of epoch ``epoch`` starts in the epoch's order of pieces, and
+        the order's end: pieces go into a sequence while they fit."""
+        if epoch not in self._fills:
+            lengths = self._piece_lengths[self._epoch(epoch)[0]].tolist()
+            bounds, fill = [0], 0
+            for index, length in enumerate(lengths):
+                if fill + length > self.seq_len:
+                    bounds.append(index)
+                    fill = 0
+                fill += length
+            bounds.append(len(lengths))
+            self._fills[epoch] = np.asarray(bounds, dtype=np.int64)
+            for old in list(self._fills)[:-2]:
+                del self._fills[old]
+        return self._fills[epoch]
 
     # -- with packing ------------------------------------------------------------------------
 
