@@ -410,15 +410,20 @@ def _train(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _train_and_report(config: TrainConfig) -> int:
-    """Train; exit status 1 if a rank failed or the --check parity comparison failed, 128 +
-    the signal's number if a signal stopped it. A failure is one line (the tracebacks are in
+    """Train; exit status 1 if a rank failed or the --check parity comparison failed, 3 if
+    --max-restarts stopped a crash loop, 128 + the signal's number if a signal stopped it. A failure is one line (the tracebacks are in
     the out-dir's logs)."""
     # Imported here: torch loads in seconds, and the schedule commands do not need it.
     from meshpipe.train.supervisor.launch import Interrupted, LaunchError
+    from meshpipe.train.supervisor.restarts import CrashLoop
     from meshpipe.train.loop.trainer import run as run_training
 
     try:
         metrics = run_training(config)
+    except CrashLoop as loop:
+        print(f"{_below_the_bar(config)}meshpipe: training stopped: {loop}"
+              f"{_loss_so_far(config)}", file=sys.stderr)
+        return loop.exit_code
     except LaunchError as error:
         print(f"{_below_the_bar(config)}meshpipe: training failed: {error}"
               f"{_loss_so_far(config)}", file=sys.stderr)

@@ -22,7 +22,7 @@ TYPICAL = {
     "warmup_steps": [0, 1, 10, 2000], "weight_decay": [0.0, 0.1], "grad_clip": [0.0, 5.0],
     "seed": [1, 1234], "eval_every": [0, 1, 100], "checkpoint_every": [0, 1, 100],
     "keep_checkpoints": [1, 5], "timeline_step": [0, 1, 5], "hang_timeout": [5.0, 600.0],
-    "skip_nonfinite": [1, 3], "zero": [1, 2],
+    "skip_nonfinite": [1, 3], "zero": [1, 2], "max_restarts": [1, 3],
     "moe_top_k": [1, 2], "moe_every": [1, 2], "moe_aux_coef": [0.0, 0.1],
     "moe_capacity_factor": [1.0, 1.25], "ep": [2, 4],
 }

@@ -119,6 +119,7 @@ class TrainConfig:
     hang_timeout: float = 30.0
     skip_nonfinite: int = 0
     checkpoint_on_signal: bool = False
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         for name in LIST_FIELDS:
@@ -164,7 +165,8 @@ class TrainConfig:
             raise ValueError(f"need 0 < --lr and --min-lr <= --lr, got --lr {self.lr} "
                              f"--min-lr {self.min_lr}")
         non_negative = ("warmup_steps", "weight_decay", "grad_clip", "eval_every",
-                        "checkpoint_every", "timeline_step", "min_lr", "skip_nonfinite")
+                        "checkpoint_every", "timeline_step", "min_lr", "skip_nonfinite",
+                        "max_restarts")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{flag_name(name)} must be >= 0 (0 disables where it "
@@ -492,4 +494,7 @@ FIELD_HELP = {
                       "stop at the first)",
     "checkpoint_on_signal": "on Ctrl-C or SIGTERM, save a checkpoint at the end of the current "
                             "step before stopping",
+    "max_restarts": "after a fault, stop every rank and start the job again from its newest "
+                    "checkpoint, up to N times (restarts that gain no step stop as a crash "
+                    "loop, exit status 3); under torchrun use its own --max-restarts",
 }

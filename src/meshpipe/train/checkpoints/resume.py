@@ -45,8 +45,8 @@ LAYOUT_FIELDS = ("pp", "vpp", "cp_ulysses", "cp_ring", "tp", "stage_tp", "stage_
                  "sequence_parallel", "schedule", "placement", "p2p", "recompute", "ep",
                  "device", "backend", "zero", "compile", "joint_projections")
 RUN_FIELDS = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "timeline_step",
-              "progress", "tensorboard", "hang_timeout", "skip_nonfinite", "checkpoint_on_signal", "export",
-              "data_cache")
+              "progress", "tensorboard", "hang_timeout", "skip_nonfinite", "checkpoint_on_signal",
+              "max_restarts", "export", "data_cache")
 IGNORED_FIELDS = ("out_dir", "resume", "check", "allow_config_change")
 
 

@@ -14,7 +14,9 @@ only then renames the directory to ``step-NNNNNN``. A directory of that name hol
 checkpoint root (a save killed half-way, junk) is ignored, and partial directories are removed
 by the next save. There is no pointer file: the checkpoint to resume from is the complete one
 saved last (``newest``), which is what a new, shorter run into a reused directory needs.
-Each run rotates only its own checkpoints (``keep`` newest); other runs' are left alone.
+Each run rotates only its own checkpoints (``keep`` newest); other runs' are left alone. A
+resumed run keeps the run id of the checkpoint it resumes (``plan.plan_run``), so its saves
+and the earlier ones count together.
 """
 
 from __future__ import annotations

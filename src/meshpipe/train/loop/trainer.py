@@ -64,7 +64,9 @@ from meshpipe.train.run import data_sources, sources
 from meshpipe.train.run.devices import DevicePlan, local_rank
 from meshpipe.train.run.plan import CHECK_TIMEOUT_S, RunPlan, plan_for_rank, plan_run
 from meshpipe.train.supervisor import faults
-from meshpipe.train.supervisor.launch import Supervision, launch, reports_for_the_job
+from meshpipe.train.supervisor.launch import (LaunchError, Supervision, launch,
+                                              reports_for_the_job)
+from meshpipe.train.supervisor.restarts import Restarts, resumed_under_torchrun
 
 # Setting up, saving or loading a checkpoint may take this many hang timeouts before it
 # counts as a hang.
@@ -77,22 +79,34 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
     The run is decided before any process starts (``plan_run``; one-line ValueErrors).
     Returns rank 0's metrics (None on the other ranks of a torchrun job).
     """
-    plan = plan_run(config)
-    is_main = reports_for_the_job()
-    if is_main:
-        for note in plan.notes:
-            print(f"meshpipe: {note}", flush=True)
-    out = Path(config.out_dir)
-    launch(_fit_on_this_rank, config.world_size, plan, timeout_s=plan.process_group_timeout,
-           supervision=Supervision(hang_timeout=config.hang_timeout, log_dir=out / "logs",
-                                   checkpoint_on_signal=config.checkpoint_on_signal),
-           devices=plan.devices)
-    if not is_main:
+    restarts = Restarts(config)
+    attempt = resumed_under_torchrun(config)
+    faults.forget_fired(config.out_dir)
+    while True:
+        try:
+            _launch(attempt)
+            break
+        except LaunchError as error:
+            attempt = restarts.after(error)
+    if not reports_for_the_job():
         return None
     if config.export:
         export_newest(config)
-    metrics_file = out / "metrics.json"
+    metrics_file = Path(config.out_dir) / "metrics.json"
     return json.loads(metrics_file.read_text()) if metrics_file.exists() else None
+
+
+def _launch(config: TrainConfig) -> None:
+    """One attempt: plan, then start the processes (or join torchrun's)."""
+    plan = plan_run(config)
+    if reports_for_the_job():
+        for note in plan.notes:
+            print(f"meshpipe: {note}", flush=True)
+    launch(_fit_on_this_rank, config.world_size, plan, timeout_s=plan.process_group_timeout,
+           supervision=Supervision(hang_timeout=config.hang_timeout,
+                                   log_dir=Path(config.out_dir) / "logs",
+                                   checkpoint_on_signal=config.checkpoint_on_signal),
+           devices=plan.devices)
 
 
 def export_newest(config: TrainConfig) -> Path:
@@ -221,7 +235,7 @@ class Trainer:
             after_write=lambda: self._fire_fault("save"),
             learning_rate=self.learning_rate.anchor, buckets=self.gradients.buckets)
         self._now = StepState(-1, float(config.microbatch_size * config.seq_len))
-        self.fault = faults.from_environment(self.rank)
+        self.fault = faults.from_environment(self.rank, config.out_dir)
         if self.fault is not None:
             faults.install(self.fault, self.stages, lambda: self.step + 1)
         self.nonfinite = NonFiniteSteps(config, self.schedule.stages_of, self.device, self.is_main)

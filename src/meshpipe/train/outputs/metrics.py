@@ -77,3 +77,9 @@ def read(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return records
+
+
+def steps_done(out_dir: str | Path) -> int:
+    """The number of the last training step ``out_dir/metrics.jsonl`` records (0: none)."""
+    return max((record["step"] for record in read(Path(out_dir) / FILE_NAME)
+                if "loss" in record), default=0)

@@ -78,7 +78,9 @@ def plan_run(config: TrainConfig) -> RunPlan:
     for notice in (devices.notice(), _zero_notice(config)):
         if notice:
             notes.append(notice)
-    return _decided(config, schedule, devices, resume, uuid.uuid4().hex[:12], tuple(notes))
+    # A resumed run continues its checkpoint's run: --keep-checkpoints counts them together.
+    run_id = resume.checkpoint.run_id if resume is not None else uuid.uuid4().hex[:12]
+    return _decided(config, schedule, devices, resume, run_id, tuple(notes))
 
 
 def _zero_notice(config: TrainConfig) -> str | None:

@@ -7,6 +7,11 @@ The fault-injection tests and ``benchmarks/faults.py`` use it to show that every
 stops the job with one line naming the rank; users can use it to check their own setup
 (a cluster's launcher, a job script) the same way.
 
+``once=1`` fires the fault once per job: a job restarted by ``--max-restarts`` (or torchrun's)
+runs on without it, which rehearses a recovery; without it the fault fires again after every
+restart, which rehearses a crash loop. (The first firing leaves ``FIRED_FILE`` in the
+out-dir; a new job removes it.)
+
 kinds: ``raise`` (an exception), ``exit`` (os._exit without a word), ``kill`` (SIGKILL to
 itself, as the out-of-memory killer does), ``hang`` (sleeps for an hour), ``nan`` (the
 loss becomes NaN; ``at=loss`` only), ``mismatch`` (the stage sends a tensor one feature narrower
@@ -18,10 +23,12 @@ checkpoint save, after this rank wrote its part and before the save completes).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -33,6 +40,7 @@ KINDS = ("raise", "exit", "kill", "hang", "nan", "mismatch")
 PLACES = ("forward", "backward", "loss", "step", "save")
 HANG_S = 3600.0
 EXIT_STATUS = 7
+FIRED_FILE = ".meshpipe-fault-fired"
 
 
 class InjectedFault(RuntimeError):
@@ -46,6 +54,8 @@ class Fault:
     rank: int
     step: int
     microbatch: int | None = None
+    once: bool = False
+    fired_file: str = ""  # with ``once``: written when the fault fires
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -83,12 +93,15 @@ class Fault:
 
 
 def announce(fault: Fault) -> None:
+    """Say when the fault fired (to this rank's log); with ``once``, mark it fired."""
+    if fault.once and fault.fired_file:
+        Path(fault.fired_file).write_text(f"{fault.kind} at {fault.at} of step {fault.step}\n")
     os.write(2, f"meshpipe: injected fault fired at {time.time():.3f} ({fault.kind} at "
                 f"{fault.at} of step {fault.step})\n".encode())
 
 
 REQUIRED_KEYS = ("kind", "at", "rank", "step")
-NUMBER_KEYS = ("rank", "step", "microbatch")
+NUMBER_KEYS = ("rank", "step", "microbatch", "once")
 EXAMPLE = "kind=hang,at=forward,rank=1,step=2"
 
 
@@ -103,7 +116,7 @@ def parse(text: str) -> Fault:
                              f"key=value; write it as {EXAMPLE!r}")
         if key not in REQUIRED_KEYS + NUMBER_KEYS:
             raise ValueError(f"{ENVIRONMENT_VARIABLE}: unknown key {key!r} in {text!r}; use "
-                             "kind, at, rank, step and microbatch")
+                             "kind, at, rank, step, microbatch and once")
         if key in NUMBER_KEYS:
             if not value.isdigit():
                 raise ValueError(f"{ENVIRONMENT_VARIABLE}: {key}={value} in {text!r} is not a "
@@ -114,6 +127,10 @@ def parse(text: str) -> Fault:
     if missing:
         raise ValueError(f"{ENVIRONMENT_VARIABLE}: {text!r} lacks {', '.join(missing)}; give "
                          f"all of kind, at, rank and step, as in {EXAMPLE!r}")
+    if fields.get("once", 0) not in (0, 1):
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}: once={fields['once']} in {text!r}: give "
+                         "once=1 (fire once per job) or leave it out (fire at every restart)")
+    fields["once"] = bool(fields.get("once", 0))
     return Fault(**fields)
 
 
@@ -132,11 +149,24 @@ def check_environment(world_size: int) -> None:
                          f"of {world_size} processes; give a rank below {world_size}")
 
 
-def from_environment(rank: int) -> Fault | None:
-    """The fault ``MESHPIPE_FAULT`` asks of global rank ``rank`` (None: none, or another
-    rank's)."""
+def from_environment(rank: int, out_dir: str | Path) -> Fault | None:
+    """The fault ``MESHPIPE_FAULT`` asks of global rank ``rank`` in the job writing to
+    ``out_dir`` (None: none, another rank's, or a ``once`` fault that fired already)."""
     fault = _requested()
-    return fault if fault is not None and fault.rank == rank else None
+    if fault is None or fault.rank != rank:
+        return None
+    fired = Path(out_dir) / FIRED_FILE
+    if fault.once and fired.exists():
+        return None
+    return dataclasses.replace(fault, fired_file=str(fired))
+
+
+def forget_fired(out_dir: str | Path) -> None:
+    """At the start of a job (not at a torchrun restart of it): a ``once`` fault may fire
+    again."""
+    fired = Path(out_dir) / FIRED_FILE
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 and fired.is_file():
+        fired.unlink()
 
 
 def install(fault: Fault, stages: dict, current_step: Callable[[], int]) -> None:
