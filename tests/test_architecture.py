@@ -227,3 +227,13 @@ def test_a_ranks_start_leaves_out_compile_and_checkpoints():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_no_script_or_test_module_shadows_the_standard_library():
+    """benchmarks/ and tests/ are first on the path of what runs there: a tokenize.py beside
+    a benchmark broke every other benchmark (torch imports inspect, which imports tokenize)."""
+    root = SOURCE.parent
+    shadowing = sorted(str(path.relative_to(root)) for folder in ("benchmarks", "tests")
+                       for path in (root / folder).rglob("*.py")
+                       if path.stem in sys.stdlib_module_names)
+    assert shadowing == []

@@ -1,7 +1,7 @@
 """Tokenizing --data into the token cache: throughput and peak resident memory per input kind.
 
-    .venv/bin/python benchmarks/tokenize.py                  # 1 GiB per kind, ~15 min on 2 cores
-    .venv/bin/python benchmarks/tokenize.py --size-mb 64     # a quick look
+    .venv/bin/python benchmarks/tokenizing.py                  # 1 GiB per kind, ~15 min on 2 cores
+    .venv/bin/python benchmarks/tokenizing.py --size-mb 64     # a quick look
 
 Generates, under --work (default: a temporary directory), the same kind of English-like text
 in three inputs of --size-mb each: ``text.jsonl`` (one {"text"} per row, the text reader's
@@ -12,28 +12,22 @@ Arrow stream, the shard format of ``save_to_disk`` folders). A byte-level BPE to
 tokens is trained on the first 16 MB of the text. Each input is then tokenized by
 ``meshpipe.train.data.cache.tokenize_dataset`` in a child process of its own, which reports
 its wall time, its CPU time (both cores busy: CPU / wall near 2) and its peak resident
-memory (``ru_maxrss``). Results go to benchmarks/results/tokenize.json and tokenize.md.
+memory (``ru_maxrss``). Results go to benchmarks/results/tokenizing.json and tokenizing.md.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import platform
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
-# This file's name is the standard library's tokenize, which pandas (under pyarrow) imports:
-# its folder must not come first on the path.
-sys.path = [entry for entry in sys.path
-            if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -235,9 +229,9 @@ def main() -> None:
     print(table)
     if not args.no_save:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "tokenize.json").write_text(json.dumps(
+        (RESULTS / "tokenizing.json").write_text(json.dumps(
             {"machine": machine, "size_mb": args.size_mb, "rows": rows}, indent=1) + "\n")
-        (RESULTS / "tokenize.md").write_text(table)
+        (RESULTS / "tokenizing.md").write_text(table)
 
 
 if __name__ == "__main__":
