@@ -496,5 +496,5 @@ FIELD_HELP = {
                             "step before stopping",
     "max_restarts": "after a fault, stop every rank and start the job again from its newest "
                     "checkpoint, up to N times (restarts that gain no step stop as a crash "
-                    "loop, exit status 3); under torchrun use its own --max-restarts",
+                    "loop, exit status 3); the local launcher's (torchrun has its own)",
 }
