@@ -77,7 +77,9 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
     """Train with ``config`` on ``config.world_size`` local processes (or under torchrun).
 
     The run is decided before any process starts (``plan_run``; one-line ValueErrors).
-    Returns rank 0's metrics (None on the other ranks of a torchrun job).
+    With ``--max-restarts`` a failed attempt is followed by another from the newest
+    checkpoint (``Restarts``). Returns rank 0's metrics (None on the other ranks of a
+    torchrun job).
     """
     restarts = Restarts(config)
     attempt = resumed_under_torchrun(config)
