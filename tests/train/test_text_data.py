@@ -11,7 +11,8 @@ from meshpipe.train.data import cache as text_data
 from meshpipe.train.data import records
 from meshpipe.train.data.cache import TokenizedData, tokenize_dataset
 from meshpipe.train.data.corpus import encode
-from meshpipe.train.data.records import data_files, read_documents
+from meshpipe.train.data.records import data_files, read_rows
+from meshpipe.train.data.samples import encode_rows
 from meshpipe.train.data.sampling import IGNORE_INDEX, TextSampler
 from meshpipe.train.data.tokenizers import ByteTokenizer, HFTokenizer, has_tokenizer, resolve_tokenizer
 
@@ -39,6 +40,13 @@ def hf_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf(hf_dir):
     return HFTokenizer(hf_dir)
+
+
+def read_documents(file):
+    """The texts of a file's rows as the cache tokenizes them (byte-level: the bytes back)."""
+    for batch in read_rows(file):
+        for ids in encode_rows(batch, file, ByteTokenizer()).ids:
+            yield bytes(ids).decode("utf-8")
 
 
 def write(path, content):
@@ -106,10 +114,11 @@ def test_bad_json_and_missing_text_name_the_line(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.jsonl line 3 is not valid JSON"):
         list(read_documents(bad))
     missing = write(tmp_path / "missing.jsonl", f'{good}\n{{"body": "x"}}\n')
-    with pytest.raises(ValueError, match=r'missing\.jsonl line 2 has no string "text" field'):
+    with pytest.raises(ValueError, match=r'missing\.jsonl line 2 has neither a string "text" '
+                                         'field'):
         list(read_documents(missing))
     number = write(tmp_path / "number.jsonl", '{"text": 5}\n')
-    with pytest.raises(ValueError, match="line 1 has no string"):
+    with pytest.raises(ValueError, match="line 1 has neither a string"):
         list(read_documents(number))
 
 

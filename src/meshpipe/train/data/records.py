@@ -85,24 +85,6 @@ def read_rows(file: Path, text_field: str = "text") -> Iterator[RowBatch]:
         raise ValueError(_not_utf8(file)) from None
 
 
-def read_documents(file: Path) -> Iterator[str]:
-    """The documents of a .txt file, or the "text" of each row of a .jsonl file, in order
-    (whitespace-only texts skipped)."""
-    for batch in read_rows(file):
-        for number, value in zip(batch.numbers, batch.values):
-            text = value if isinstance(value, str) else _text_of(file, number, value)
-            if text.strip():
-                yield text
-
-
-def _text_of(file: Path, number: int, row: dict) -> str:
-    text = row.get("text")
-    if not isinstance(text, str):
-        raise ValueError(f"{where(file, number)} has no string \"text\" field: write each "
-                         "line as {\"text\": \"...\"}")
-    return text
-
-
 class _Batcher:
     """Rows collected into ``RowBatch``es bounded in count and bytes."""
 
