@@ -35,7 +35,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -145,17 +144,9 @@ def inject(watched: Watched, kind: str, rng: random.Random, after_step: int,
 
 
 def checkpoint_tensors(out: Path, step: int) -> dict:
-    import torch
-    import torch.distributed.checkpoint as dcp
+    from meshpipe.train.checkpoints.store import read_tensors
 
-    directory = out / "checkpoint" / f"step-{step:06d}"
-    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    state = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-             for key, entry in metadata.items() if hasattr(entry, "size")}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
-    return state
+    return read_tensors(out / "checkpoint" / f"step-{step:06d}")
 
 
 def same_ending(chaos: Path, whole: Path, steps: int) -> tuple[bool, bool, int]:

@@ -3,14 +3,13 @@ bit for bit where the uninterrupted job ends; restarts that gain no step stop as
 loop; a fault can fire once per job; --keep-checkpoints holds across resumes."""
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from meshpipe.cli import _train_and_report
-from meshpipe.train.checkpoints.store import META_FILE, complete_checkpoints
+from meshpipe.train.checkpoints.store import META_FILE, complete_checkpoints, read_tensors
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.loop.trainer import run
 from meshpipe.train.outputs.metrics import read, steps_done
@@ -63,24 +62,11 @@ def test_a_fault_once_per_job(tmp_path, monkeypatch):
         faults.from_environment(1, tmp_path)
 
 
-def checkpoint_state(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint (weights, optimizer moments and step, loss scale)."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    state = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-             for key, entry in metadata.items() if hasattr(entry, "size")}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
-    return state
-
-
 def assert_same_ending(restarted: Path, whole: Path) -> None:
     """The two runs' last checkpoints hold equal tensors and their step losses are equal."""
     last, = [info for info in complete_checkpoints(restarted / "checkpoint") if info.step == 6]
     reference, = [info for info in complete_checkpoints(whole / "checkpoint") if info.step == 6]
-    ours, theirs = checkpoint_state(last.directory), checkpoint_state(reference.directory)
+    ours, theirs = read_tensors(last.directory), read_tensors(reference.directory)
     assert ours.keys() == theirs.keys() and any(key.startswith("optim") for key in ours)
     assert all(torch.equal(ours[key], theirs[key]) for key in ours)
     losses = [(r["step"], r["loss"]) for r in read(restarted / "metrics.jsonl") if "loss" in r]

@@ -359,9 +359,10 @@ def find(path: Path) -> CheckpointInfo:
     return found
 
 
-def read_model_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every model weight of a complete checkpoint, whole, by full-model name, read in this
-    one process (no process group): what an export writes."""
+def read_tensors(directory: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a complete checkpoint whose key starts with ``prefix`` (weights are
+    ``model.<name>``; the optimizer's and the loss scale's have keys of their own), whole,
+    read in this one process (no process group)."""
     directory = Path(directory)
     if read_info(directory) is None:
         raise ValueError(f"{directory} is not a complete checkpoint (no {META_FILE} and "
@@ -371,11 +372,18 @@ def read_model_weights(directory: Path) -> dict[str, torch.Tensor]:
     state = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype,
                              device="cpu")
              for key, entry in saved.items()
-             if key.startswith("model.") and hasattr(entry, "size")}
+             if key.startswith(prefix) and hasattr(entry, "size")}
     with warnings.catch_warnings():  # dcp warns that it loads in one process: the intent
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         _dcp().load(state, checkpoint_id=str(directory), no_dist=True)
-    return {key.removeprefix("model."): tensor for key, tensor in state.items()}
+    return state
+
+
+def read_model_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every model weight of a complete checkpoint, whole, by full-model name: what an
+    export writes."""
+    return {key.removeprefix("model."): tensor
+            for key, tensor in read_tensors(directory, "model.").items()}
 
 
 class Checkpointer:
