@@ -494,3 +494,25 @@ def test_rotary_embedding_turns_each_pair_in_two_products(dtype):
 # Elementwise relative error of a few roundings at each dtype's precision.
 _ROUNDING = {torch.float32: dict(rtol=0, atol=0), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
              torch.float16: dict(rtol=3e-3, atol=3e-3)}
+
+
+def test_grouped_loss_sums_split_the_loss_sum_by_group():
+    """A mixture's per-source loss sums: they add up to causal_lm_loss's sum, chunk by chunk
+    with the same gradients, and each is the sum over its group's counted targets."""
+    from meshpipe.models.loss import grouped_loss_sums
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 9, 11, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 9))
+    targets[0, :3] = -100
+    groups = torch.randint(0, 3, (2, 9))
+    sums = grouped_loss_sums(logits, targets, groups, 3, chunk_tokens=4)
+    (grad_grouped,) = torch.autograd.grad(sums.sum(), logits)
+    whole, _ = causal_lm_loss(logits, targets, reduction="sum")
+    (grad_whole,) = torch.autograd.grad(whole, logits)
+    torch.testing.assert_close(sums.sum(), whole)
+    torch.testing.assert_close(grad_grouped, grad_whole)
+    for group in range(3):
+        kept = torch.where(groups == group, targets, torch.full_like(targets, -100))
+        torch.testing.assert_close(sums[group],
+                                   causal_lm_loss(logits, kept, reduction="sum")[0])

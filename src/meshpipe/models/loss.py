@@ -59,11 +59,18 @@ def causal_lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100,
 def _chunked_sum(logits: Tensor, targets: Tensor, ignore_index: int, chunk_tokens: int) -> Tensor:
     if logits.shape[0] <= chunk_tokens:
         return _loss_sum(logits, targets, ignore_index)
-    recompute = torch.is_grad_enabled() and logits.requires_grad
+    return _added_over_chunks(_loss_sum, chunk_tokens, (logits, targets), (ignore_index,))
+
+
+def _added_over_chunks(function, chunk_tokens: int, tensors: tuple[Tensor, ...],
+                       options: tuple) -> Tensor:
+    """``function(*chunks, *options)`` added over chunks of ``chunk_tokens`` rows of
+    ``tensors`` (the first is the logits), each recomputed in backward."""
+    recompute = torch.is_grad_enabled() and tensors[0].requires_grad
     total = None
-    for piece, piece_targets in zip(logits.split(chunk_tokens), targets.split(chunk_tokens)):
-        part = (checkpoint(_loss_sum, piece, piece_targets, ignore_index, use_reentrant=False)
-                if recompute else _loss_sum(piece, piece_targets, ignore_index))
+    for chunks in zip(*(tensor.split(chunk_tokens) for tensor in tensors)):
+        part = (checkpoint(function, *chunks, *options, use_reentrant=False) if recompute
+                else function(*chunks, *options))
         total = part if total is None else total + part
     return total
 
@@ -78,20 +85,9 @@ def grouped_loss_sums(logits: Tensor, targets: Tensor, groups: Tensor, num_group
     """``causal_lm_loss``'s sum split by ``groups`` (an int tensor of ``targets``' shape,
     values below ``num_groups``): a float32 tensor of ``num_groups`` sums, whose total is
     the loss sum (a mixture's per-source losses at the cost of one loss)."""
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_targets, flat_groups = targets.reshape(-1), groups.reshape(-1)
-    recompute = torch.is_grad_enabled() and logits.requires_grad
-    total = None
-    for start in range(0, flat_logits.shape[0], chunk_tokens):
-        pieces = (flat_logits[start:start + chunk_tokens],
-                  flat_targets[start:start + chunk_tokens],
-                  flat_groups[start:start + chunk_tokens], num_groups, ignore_index)
-        part = (checkpoint(_grouped_sums, *pieces, use_reentrant=False) if recompute
-                else _grouped_sums(*pieces))
-        total = part if total is None else total + part
-    if total is None:
-        return logits.new_zeros(num_groups, dtype=torch.float32)
-    return total
+    flat = (logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), groups.reshape(-1))
+    total = _added_over_chunks(_grouped_sums, chunk_tokens, flat, (num_groups, ignore_index))
+    return logits.new_zeros(num_groups, dtype=torch.float32) if total is None else total
 
 
 def _grouped_sums(logits: Tensor, targets: Tensor, groups: Tensor, num_groups: int,

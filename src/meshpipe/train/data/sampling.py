@@ -140,13 +140,19 @@ class TextSampler:
         count = len(self._piece_starts)
         for row, sequence in enumerate(rows):
             epoch, index = divmod(sequence, count)
-            piece = self._epoch(epoch)[0][index]
-            start, length = int(self._piece_starts[piece]), int(self._piece_lengths[piece])
-            tokens[row, :length] = self.data.tokens[start:start + length]
-            targets[row, :length - 1] = tokens[row, 1:length]
-            self._leave_out_untrained(targets[row, :length - 1],
-                                      np.arange(start + 1, start + length))
+            self._place_piece(self._epoch(epoch)[0][index], tokens[row], targets[row], 0)
         return TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets), None)
+
+    def _place_piece(self, piece: int, tokens: np.ndarray, targets: np.ndarray,
+                     at: int) -> int:
+        """Piece ``piece``'s tokens and targets into a row from column ``at`` (padded rows:
+        its last token has no target); its length."""
+        start, length = int(self._piece_starts[piece]), int(self._piece_lengths[piece])
+        tokens[at:at + length] = self.data.tokens[start:start + length]
+        targets[at:at + length - 1] = tokens[at + 1:at + length]
+        self._leave_out_untrained(targets[at:at + length - 1],
+                                  np.arange(start + 1, start + length))
+        return length
 
     # -- with packing, whole samples --------------------------------------------------------
 
@@ -157,13 +163,8 @@ class TextSampler:
         for row, sequence in enumerate(rows):
             at, lengths = 0, []
             for piece in self._sequence_pieces(sequence):
-                start, length = int(self._piece_starts[piece]), int(self._piece_lengths[piece])
-                tokens[row, at:at + length] = self.data.tokens[start:start + length]
-                targets[row, at:at + length - 1] = tokens[row, at + 1:at + length]
-                self._leave_out_untrained(targets[row, at:at + length - 1],
-                                          np.arange(start + 1, start + length))
-                lengths.append(length)
-                at += length
+                lengths.append(self._place_piece(piece, tokens[row], targets[row], at))
+                at += lengths[-1]
             if at < self.seq_len:
                 lengths.append(self.seq_len - at)  # the padding
             doc_lens.append(tuple(lengths))
