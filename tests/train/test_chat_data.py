@@ -356,3 +356,24 @@ def test_chats_render_directly_only_after_transformers_agreed(tokenizer_dir):
     for _ in range(CHECKED_RENDERS + 2):
         assert disagreeing.render_chat(TWO_TURNS) == exact
     assert disagreeing._direct is None
+
+
+def test_the_mask_file_starts_where_a_token_is_first_left_out(tmp_path, tokenizer_dir,
+                                                              monkeypatch):
+    """Text rows only: no mask file. Text rows, then (batches later) chat rows: the mask
+    holds ones for every text token written before it started."""
+    from meshpipe.train.data import records
+
+    monkeypatch.setattr(records, "BATCH_ROWS", 2)
+    tokenizer = HFTokenizer(tokenizer_dir)
+    texts = [{"text": f"the quick fox {i}"} for i in range(5)]
+    plain = tokenize_dataset(str(write_rows(tmp_path / "plain.jsonl", texts)), tokenizer,
+                             tmp_path / "cache")
+    assert plain.mask is None and not list((tmp_path / "cache").glob("*/mask.npy"))
+    mixed = tokenize_dataset(str(write_rows(tmp_path / "mixed.jsonl", texts + chat_rows(4))),
+                             tokenizer, tmp_path / "cache")
+    chats = tokenize_dataset(str(write_rows(tmp_path / "chats.jsonl", chat_rows(4))),
+                             tokenizer, tmp_path / "cache")
+    text_tokens = plain.num_tokens
+    assert np.asarray(mixed.mask[:text_tokens]).all()
+    assert np.array_equal(mixed.mask[text_tokens:], chats.mask)

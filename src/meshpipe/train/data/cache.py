@@ -42,6 +42,7 @@ from meshpipe.train.data.tokenizers import Tokenizer
 CACHE_FORMAT = 2
 PROGRESS_MIN_BYTES = 4 << 20
 TEMP_PREFIX = ".tmp-"
+ONES_PER_WRITE = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -264,14 +265,13 @@ def _alive(pid: int) -> bool:
 
 def _write_tokens(path: str, files: list[Path], tokenizer: Tokenizer, directory: Path,
                   progress: bool, options: ReadOptions) -> dict:
-    """tokens.npy, mask.npy (unless every token is a target), offsets.npy, kinds.npy and
+    """tokens.npy, mask.npy (only where some token is not a target), offsets.npy, kinds.npy and
     rows.npy of every non-empty document; the documents' counts."""
     total_bytes = sum(file.stat().st_size for file in files)
     columns = _DocumentColumns()
     documents_of_files = []
-    every_token_counts = True
-    with _NpyStream(directory / "tokens.npy", np.int32) as tokens, _NpyStream(
-            directory / "mask.npy", np.uint8) as mask, tqdm(
+    with _NpyStream(directory / "tokens.npy", np.int32) as tokens, _TargetMask(
+            directory / "mask.npy") as mask, tqdm(
             total=total_bytes, unit="B", unit_scale=True, desc=f"tokenizing {path}",
             disable=not progress or total_bytes <= PROGRESS_MIN_BYTES) as bar:
         for file in files:
@@ -282,16 +282,12 @@ def _write_tokens(path: str, files: list[Path], tokenizer: Tokenizer, directory:
                 rows = encode_prepared(meaning, tokenizer, options.loss_on)
                 ids, lengths = _flatten(rows.ids, tokenizer, file)
                 tokens.write(ids)
-                targets = _flat_mask(rows.masks, lengths)
-                every_token_counts = every_token_counts and bool(targets.all())
-                mask.write(targets)
+                mask.write(_flat_mask(rows.masks, lengths))
                 columns.add(lengths, rows.kinds, rows.numbers)
                 bar.update(batch.bytes_done - done)
                 done = batch.bytes_done
             bar.update(file.stat().st_size - done)
             documents_of_files.append([str(file), columns.count])
-    if every_token_counts:
-        (directory / "mask.npy").unlink()
     if not columns.count:
         raise ValueError(f"{path} holds no text: its {len(files)} file(s) have no non-blank "
                          "document or row")
@@ -386,6 +382,34 @@ def _flatten(encoded: list[list[int]], tokenizer: Tokenizer,
         raise ValueError(f"tokenizer {tokenizer.name} produced id {bad} for {file}, outside "
                          f"its vocabulary of {tokenizer.vocab_size}: the tokenizer is broken")
     return flat.astype(np.int32), doc_lengths
+
+
+class _TargetMask:
+    """mask.npy, started once some token is not a target: until then only the count of
+    tokens that all are (plain text never writes one)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.stream: _NpyStream | None = None
+        self.all_targets = 0
+
+    def write(self, targets: np.ndarray) -> None:
+        if self.stream is None:
+            if targets.all():
+                self.all_targets += len(targets)
+                return
+            self.stream = _NpyStream(self.path, np.uint8)
+            for start in range(0, self.all_targets, ONES_PER_WRITE):
+                self.stream.write(np.ones(min(ONES_PER_WRITE, self.all_targets - start),
+                                          dtype=np.uint8))
+        self.stream.write(targets)
+
+    def __enter__(self) -> _TargetMask:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.stream is not None:
+            self.stream.__exit__(*exc_info)
 
 
 class _NpyStream:
