@@ -60,23 +60,25 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def save_tiny_tokenizer(directory: Path, vocab_size: int = 300, chat_template: str = "") -> Path:
+def save_tiny_tokenizer(directory: Path, vocab_size: int = 300, chat_template: str = "",
+                        extra_special: tuple[str, ...] = ()) -> Path:
     """A byte-level BPE tokenizer of about ``vocab_size`` tokens (any text encodes), with
-    BOS/EOS and ChatML's turn markers as special tokens, trained offline on a few sentences
-    and saved with save_pretrained (with ``chat_template`` as its chat template)."""
+    BOS/EOS, ChatML's turn markers and ``extra_special`` as special tokens, trained offline
+    on a few sentences and saved with save_pretrained (with ``chat_template`` as its chat
+    template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
-                                  special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+    special = ["<|im_start|>", "<|im_end|>", *extra_special]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", *special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20,
                                   trainer=trainer)
     saved = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                    additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+                                    additional_special_tokens=special)
     if chat_template:
         saved.chat_template = chat_template
     saved.save_pretrained(str(directory))
@@ -93,3 +95,63 @@ def write_documents(path: Path, count: int = 60, seed: int = 0, max_words: int =
                  for _ in range(count)]
     path.write_text("\n\n".join(documents), encoding="utf-8")
     return path
+
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VISION_ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl")
+# A ChatML template whose user turns may hold images, as Qwen2-VL's does.
+VISION_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_vision_config(arch: str, token_ids: dict[str, int], **overrides):
+    """A Qwen2-VL-like config shrunk: a 2-block tower of 4-pixel patches merged 2 x 2, a
+    4-layer decoder with 3D rotary sections."""
+    import transformers
+
+    text = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                bos_token_id=0, eos_token_id=1,
+                rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2],
+                                     rope_theta=10000.0))
+    vision = dict(depth=2, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+    if arch == "qwen2_vl":
+        vision.update(embed_dim=16, mlp_ratio=2)
+        config_class = transformers.Qwen2VLConfig
+    else:
+        vision.update(intermediate_size=48, out_hidden_size=32, window_size=16,
+                      fullatt_block_indexes=[1])
+        config_class = transformers.Qwen2_5_VLConfig
+    ids = dict(image_token_id=token_ids["<|image_pad|>"],
+               video_token_id=token_ids["<|video_pad|>"],
+               vision_start_token_id=token_ids["<|vision_start|>"],
+               vision_end_token_id=token_ids["<|vision_end|>"])
+    return config_class(text_config={**text, **overrides}, vision_config=vision, **ids)
+
+
+def save_tiny_vision_model(directory: Path, arch: str = "qwen2_vl", seed: int = 0,
+                           **overrides) -> Path:
+    """A random vision-language model of tiny sizes as save_pretrained writes it, with its
+    tokenizer (the vision tokens special, a chat template taking images) and its image
+    processor (4-pixel patches; images resized to 8..32 pixels a side)."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+
+    transformers.utils.logging.disable_progress_bar()
+    directory = Path(directory)
+    save_tiny_tokenizer(directory, chat_template=VISION_CHATML, extra_special=VISION_TOKENS)
+    tokens = transformers.AutoTokenizer.from_pretrained(str(directory))
+    token_ids = {token: tokens.convert_tokens_to_ids(token) for token in VISION_TOKENS}
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(
+        tiny_vision_config(arch, token_ids, **overrides))
+    model.save_pretrained(str(directory))
+    Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                             min_pixels=8 * 8, max_pixels=32 * 32).save_pretrained(str(directory))
+    return directory

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
 from meshpipe.context.routing import GraphPack, attend, pack_for_graph
-from meshpipe.models import hf_moe
+from meshpipe.models import hf_moe, hf_vision
 from meshpipe.models.hf_tp import ROWS_ATTR
 from meshpipe.models.moe import is_expert_param, mark_expert_parallel
 from meshpipe.models.transformer import _maybe_checkpoint, default_positions
@@ -92,6 +92,7 @@ class HFModelInfo:
     attention_softcap: float | None = None  # Gemma 2 caps its attention scores
     experts: int = 0  # experts per mixture-of-experts layer (0: dense)
     aux_coef: float = 0.0  # the load-balancing loss's weight in the training loss
+    vision: hf_vision.VisionInfo | None = None  # a vision-language model's tower and tokens
 
 
 def inspect_model(directory: str | Path) -> HFModelInfo:
@@ -110,11 +111,15 @@ def inspect_model(directory: str | Path) -> HFModelInfo:
     except (ValueError, UnicodeDecodeError) as error:
         raise ValueError(f"{config_file} is not valid JSON ({error})") from None
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES + hf_vision.VISION_MODEL_TYPES:
         raise ValueError(f"--model {path} is a {model_type!r} model; meshpipe trains these "
-                         f"decoder architectures: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                         f"decoder architectures: {', '.join(SUPPORTED_MODEL_TYPES)}; and these "
+                         f"vision-language ones: {', '.join(hf_vision.VISION_MODEL_TYPES)}")
     _check_transformers_version(path, model_type)
-    config = load_config(path)
+    whole = load_config(path)
+    vision = (hf_vision.vision_info(path, whole, build_skeleton(path))
+              if hf_vision.is_vision_model(model_type) else None)
+    config = decoder_config(whole)
     for feature, present in UNSUPPORTED_FEATURES:
         if present(config):
             raise ValueError(f"--model {path} ({model_type}) uses {feature}, which meshpipe "
@@ -125,17 +130,22 @@ def inspect_model(directory: str | Path) -> HFModelInfo:
     return HFModelInfo(directory=path, model_type=model_type,
                        num_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
                        max_positions=config.max_position_embeddings,
-                       tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                       tie_embeddings=bool(getattr(whole, "tie_word_embeddings", False)),
                        weight_files=weight_files(path),
                        attention_softcap=getattr(config, "attn_logit_softcapping", None),
                        experts=hf_moe.num_experts(config),
-                       aux_coef=hf_moe.aux_coefficient(config))
+                       aux_coef=hf_moe.aux_coefficient(config), vision=vision)
 
 
 def load_config(directory: str | Path):
     """The model's transformers config (read offline)."""
     transformers = require_transformers()
     return transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+
+
+def decoder_config(config):
+    """The config of a model's decoder: a vision-language model's text config."""
+    return getattr(config, "text_config", None) or config
 
 
 def weight_files(directory: Path) -> tuple[Path, ...]:
@@ -237,6 +247,8 @@ def build_skeleton(directory: str | Path, capacity_factor: float = 0.0) -> nn.Mo
     transformers = require_transformers()
     register_attention()
     config = load_config(directory)
+    if hf_vision.is_vision_model(config.model_type):
+        return hf_vision.build_skeleton(config, ATTENTION_NAME)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config,
                                                               attn_implementation=ATTENTION_NAME)
@@ -256,7 +268,7 @@ class HFChunk(nn.Module):
                  attention: Attention, recompute: bool = False, sequence_shards: int = 1):
         super().__init__()
         self.sequence_shards = sequence_shards  # > 1: hidden states are sequence-parallel
-        base = model.model
+        base, text_config = decoder_of(model)
         self.is_first = first
         self.is_last = last
         self.layer_range = (start, stop)
@@ -270,10 +282,10 @@ class HFChunk(nn.Module):
             self.lm_head = model.lm_head
         self.rotary_emb = base.rotary_emb
         # Gemma 3's rotary tables differ by layer type (local, global); others share one.
-        self.layer_types = (getattr(model.config, "layer_types", None)
+        self.layer_types = (getattr(text_config, "layer_types", None)
                             if "layer_type" in inspect.signature(
                                 type(base.rotary_emb).forward).parameters else None)
-        self.logit_softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.logit_softcap = getattr(text_config, "final_logit_softcapping", None)
         # Each layer's expert block (None: dense), found once; with experts anywhere in the
         # model, every message carries the load-balancing loss.
         self._experts = {index: hf_moe.expert_layer(layer) for index, layer in self.layers.items()}
@@ -287,10 +299,18 @@ class HFChunk(nn.Module):
                       doc_ids: Tensor | None = None, aux: Tensor | None = None):
         """``forward`` cut at the experts' exchanges (``meshpipe.runtime.substeps``)."""
         hidden = self.embed_tokens(x) if self.is_first else x
+        return (yield from self.decoder_steps(hidden, x, positions, doc_ids, aux))
+
+    def decoder_steps(self, hidden: Tensor, x: Tensor, positions: Tensor | None,
+                      doc_ids: Tensor | None, aux: Tensor | None, rope: Tensor | None = None):
+        """The decoder layers (and the head if last) on the embedded ``hidden``; ``rope``:
+        the rotary positions where they are not the token positions (a vision-language
+        model's 3D ones, ``[3, batch, seq]``)."""
         layer_positions = default_positions(
             x, positions, check_values=self.is_first,
             sequence_shards=1 if self.is_first else self.sequence_shards)
         position_ids = layer_positions.unsqueeze(0).expand(hidden.shape[0], -1)
+        rotary_ids = position_ids if rope is None else rope
         if positions is None:  # the plain sequence, which attention needs no tensor for
             layer_positions = None
         if self.is_moe and aux is None:
@@ -300,8 +320,8 @@ class HFChunk(nn.Module):
         for index, layer in self.layers.items():
             kind = self.layer_types[int(index)] if self.layer_types else None
             if kind not in tables:
-                tables[kind] = (self.rotary_emb(hidden, position_ids, kind) if kind
-                                else self.rotary_emb(hidden, position_ids))
+                tables[kind] = (self.rotary_emb(hidden, rotary_ids, kind) if kind
+                                else self.rotary_emb(hidden, rotary_ids))
             inputs = (tables[kind], position_ids, layer_positions, doc_ids, pack)
             experts = self._experts[index]
             if experts is None:
@@ -349,12 +369,21 @@ class HFChunk(nn.Module):
         return f"layers=[{start}, {stop}), first={self.is_first}, last={self.is_last}"
 
 
+def decoder_of(model: nn.Module) -> tuple[nn.Module, object]:
+    """A causal LM's decoder (embedding, layers, norm, rotary embedding) and its config; a
+    vision-language model's is its language model."""
+    inner = model.model
+    if hasattr(inner, "language_model"):
+        return inner.language_model, model.config.text_config
+    return inner, model.config
+
+
 def split_model(model: nn.Module, layers_per_stage: list[int], attention: Attention | None = None,
                 *, recompute: bool = False, sequence_shards: int = 1) -> list[HFChunk]:
     """Chunks of consecutive decoder layers, ``layers_per_stage[s]`` on stage ``s`` (zeros
     allowed), the embedding on the first and the head on the last; ``sequence_shards``: the
     tensor-parallel ranks the hidden states are split over (sequence parallelism)."""
-    n_layers = len(model.model.layers)
+    n_layers = len(decoder_of(model)[0].layers)
     if sum(layers_per_stage) != n_layers or min(layers_per_stage) < 0:
         raise ValueError(f"layers_per_stage {layers_per_stage} must be non-negative and sum to "
                          f"the model's {n_layers} layers")
@@ -405,8 +434,10 @@ def materialize(model: nn.Module, modules: Iterable[nn.Module], directory: str |
     embedding). Only these modules' tensors are read from the files.
     """
     names_of: dict[int, list[str]] = {}
+    model_type = model.config.model_type
     for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(name)
+        names_of.setdefault(id(param), []).extend(
+            dict.fromkeys((hf_vision.file_name(model_type, name), name)))
     reader = _WeightReader(weight_files(Path(directory)))
     real: dict[int, nn.Parameter] = {}
     for module in modules:
@@ -460,5 +491,8 @@ def _read_parameter(reader: _WeightReader, names: list[str], param: nn.Parameter
 
 
 def full_names(model: nn.Module) -> dict[int, str]:
-    """Each parameter's name in the whole model (a tied head is the embedding)."""
-    return {id(param): name for name, param in model.named_parameters()}
+    """Each parameter's name in the whole model as the weight files write it (a tied head is
+    the embedding)."""
+    model_type = model.config.model_type
+    return {id(param): hf_vision.file_name(model_type, name)
+            for name, param in model.named_parameters()}

@@ -117,6 +117,18 @@ def balanced_layers(n_layers: int, num_stages: int) -> list[int]:
     return [base + 1 if stage < extra else base for stage in range(num_stages)]
 
 
+def layers_beside_first_cost(n_layers: int, num_stages: int, first_cost: float) -> list[int]:
+    """Layer counts that even out each stage's work when the first also carries
+    ``first_cost`` layers' worth of other work (a vision tower): the first gets that much
+    fewer layers, down to none; the others share the rest as ``balanced_layers`` does."""
+    even = balanced_layers(n_layers, num_stages)
+    if num_stages == 1:
+        return even
+    share = (n_layers + first_cost) / num_stages
+    first = min(even[0], max(0, round(share - first_cost)))
+    return [first] + balanced_layers(n_layers - first, num_stages - 1)
+
+
 def stage_layers(n_layers: int, placement: Sequence[int]) -> list[int] | None:
     """Each stage's layer count on ``placement``: balanced; a wrap-around end stage (the
     first rank again) may hold only the final norm and the head, as in layerwise

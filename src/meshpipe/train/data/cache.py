@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -34,12 +33,14 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from meshpipe.train.data.npy_stream import NpyStream
+from meshpipe.train.data.images import DocumentImages, ImageColumns, ImageInputs
 from meshpipe.train.data.records import data_files, read_rows, where
 from meshpipe.train.data.samples import KIND_SAMPLE, encode_prepared, prepare_rows
 from meshpipe.train.data.tokenizers import Tokenizer
 
 # Bumped when the reading rules or the cache layout change, so old entries are not reused.
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 PROGRESS_MIN_BYTES = 4 << 20
 TEMP_PREFIX = ".tmp-"
 ONES_PER_WRITE = 1 << 24
@@ -66,7 +67,8 @@ class TokenizedData:
     (uint8 per document, None: all ``KIND_TEXT``) which documents are chat or
     prompt/completion samples; ``rows`` each document's row number in its file, and
     ``files`` each file with the index one past its last document (of the whole data, of
-    which this holds documents from ``first_document`` on)."""
+    which this holds documents from ``first_document`` on); ``images`` the documents'
+    images (None: the data shows none)."""
 
     tokens: np.ndarray
     offsets: np.ndarray
@@ -76,6 +78,7 @@ class TokenizedData:
     rows: np.ndarray | None = None
     files: tuple[tuple[str, int], ...] = ()
     first_document: int = 0
+    images: DocumentImages | None = None
 
     @property
     def num_documents(self) -> int:
@@ -135,7 +138,8 @@ class TokenizedData:
             mask=None if self.mask is None else self.mask[start:end],
             kinds=None if self.kinds is None else self.kinds[documents],
             rows=None if self.rows is None else self.rows[documents], files=self.files,
-            first_document=self.first_document + first)
+            first_document=self.first_document + first,
+            images=None if self.images is None else self.images.part(documents))
 
     def _split_tokens(self, cut: int) -> tuple[TokenizedData, TokenizedData]:
         if not 0 < cut < self.num_tokens:
@@ -149,18 +153,19 @@ class TokenizedData:
 
 def tokenize_dataset(path: str, tokenizer: Tokenizer, cache_dir: str | Path, *,
                      progress: bool = True, options: ReadOptions = ReadOptions(),
-                     flag: str = "--data") -> TokenizedData:
-    """``path``'s rows tokenized, from the cache when the files, the tokenizer and the
+                     flag: str = "--data", images: ImageInputs | None = None) -> TokenizedData:
+    """``path``'s rows tokenized (their images processed by ``images``, a vision-language
+    model's), from the cache when the files, the tokenizer, the image processor and the
     options are unchanged (same resolved paths, sizes and modification times)."""
     files = data_files(path, flag)
     cache_dir = Path(cache_dir)
-    key = cache_key(files, tokenizer, options)
+    key = cache_key(files, tokenizer, options, images)
     entry = cache_dir / key
     if not _complete(entry):
         with _exclusive(cache_dir):
             if not _complete(entry):  # another process may have written it meanwhile
                 _remove_dead_temporaries(cache_dir)
-                _build_entry(path, files, tokenizer, cache_dir, key, progress, options)
+                _build_entry(path, files, tokenizer, cache_dir, key, progress, options, images)
     return _load_entry(entry, tokenizer)
 
 
@@ -179,11 +184,13 @@ def _exclusive(cache_dir: Path) -> Iterator[None]:
 
 
 def cache_key(files: list[Path], tokenizer: Tokenizer,
-              options: ReadOptions = ReadOptions()) -> str:
-    """sha256 over the tokenizer's identity, the reading options and each file's resolved
-    path, size and mtime."""
+              options: ReadOptions = ReadOptions(), images: ImageInputs | None = None) -> str:
+    """sha256 over the tokenizer's (and image processor's) identity, the reading options and
+    each file's resolved path, size and mtime (an image changed in place is not seen: give
+    it a new name)."""
     described = [_describe(file) for file in files]
     payload = json.dumps({"format": CACHE_FORMAT, "tokenizer": tokenizer.name,
+                          "images": images.name if images else None,
                           "files": described, "options": vars(options)}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
@@ -208,18 +215,29 @@ def _load_entry(entry: Path, tokenizer: Tokenizer) -> TokenizedData:
                          mask=np.load(mask, mmap_mode="r") if mask.is_file() else None,
                          kinds=kinds if kinds.any() else None,
                          rows=np.load(entry / "rows.npy", mmap_mode="r"),
-                         files=tuple((name, end) for name, end in meta["documents_of_files"]))
+                         files=tuple((name, end) for name, end in meta["documents_of_files"]),
+                         images=_load_images(entry, meta))
+
+
+def _load_images(entry: Path, meta: dict) -> DocumentImages | None:
+    if not meta.get("images"):
+        return None
+    pixels = np.load(entry / "pixels.npy", mmap_mode="r")
+    return DocumentImages(pixels=pixels.reshape(-1, meta["patch_dim"]),
+                          grids=np.load(entry / "grids.npy"),
+                          image_offsets=np.load(entry / "image_offsets.npy"))
 
 
 def _build_entry(path: str, files: list[Path], tokenizer: Tokenizer, cache_dir: Path,
-                 key: str, progress: bool, options: ReadOptions) -> None:
+                 key: str, progress: bool, options: ReadOptions,
+                 images: ImageInputs | None = None) -> None:
     """Tokenize into a temporary directory and rename it to ``cache_dir / key``."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     temporary = cache_dir / f"{TEMP_PREFIX}{key[:16]}-{socket.gethostname()}-{os.getpid()}-" \
                             f"{uuid.uuid4().hex[:8]}"
     temporary.mkdir()
     try:
-        counts = _write_tokens(path, files, tokenizer, temporary, progress, options)
+        counts = _write_tokens(path, files, tokenizer, temporary, progress, options, images)
         meta = {"files": [_describe(file) for file in files], "tokenizer": tokenizer.name,
                 "vocab_size": tokenizer.vocab_size, "options": vars(options), **counts}
         (temporary / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -264,25 +282,27 @@ def _alive(pid: int) -> bool:
 
 
 def _write_tokens(path: str, files: list[Path], tokenizer: Tokenizer, directory: Path,
-                  progress: bool, options: ReadOptions) -> dict:
-    """tokens.npy, mask.npy (only where some token is not a target), offsets.npy, kinds.npy and
-    rows.npy of every non-empty document; the documents' counts."""
+                  progress: bool, options: ReadOptions, images: ImageInputs | None) -> dict:
+    """tokens.npy, mask.npy (only where some token is not a target), offsets.npy, kinds.npy,
+    rows.npy of every non-empty document, and its images (``ImageColumns``); the documents'
+    counts."""
     total_bytes = sum(file.stat().st_size for file in files)
     columns = _DocumentColumns()
     documents_of_files = []
-    with _NpyStream(directory / "tokens.npy", np.int32) as tokens, _TargetMask(
-            directory / "mask.npy") as mask, tqdm(
+    with NpyStream(directory / "tokens.npy", np.int32) as tokens, _TargetMask(
+            directory / "mask.npy") as mask, ImageColumns(directory) as shown, tqdm(
             total=total_bytes, unit="B", unit_scale=True, desc=f"tokenizing {path}",
             disable=not progress or total_bytes <= PROGRESS_MIN_BYTES) as bar:
         for file in files:
             done = 0
-            prepared = ((batch, prepare_rows(batch, file, tokenizer, options.text_field))
+            prepared = ((batch, prepare_rows(batch, file, tokenizer, options.text_field, images))
                         for batch in read_rows(file, options.text_field))
             for batch, meaning in _in_background(prepared):
-                rows = encode_prepared(meaning, tokenizer, options.loss_on)
+                rows = encode_prepared(meaning, tokenizer, options.loss_on, images, file)
                 ids, lengths = _flatten(rows.ids, tokenizer, file)
                 tokens.write(ids)
                 mask.write(_flat_mask(rows.masks, lengths))
+                shown.add(rows.images, lengths)
                 columns.add(lengths, rows.kinds, rows.numbers)
                 bar.update(batch.bytes_done - done)
                 done = batch.bytes_done
@@ -295,7 +315,7 @@ def _write_tokens(path: str, files: list[Path], tokenizer: Tokenizer, directory:
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     np.save(directory / "offsets.npy", offsets)
     return {"num_documents": columns.count, "num_tokens": int(offsets[-1]),
-            "documents_of_files": documents_of_files}
+            "documents_of_files": documents_of_files, **shown.counts()}
 
 
 def _in_background(items: Iterable, depth: int = 2) -> Iterator:
@@ -390,7 +410,7 @@ class _TargetMask:
 
     def __init__(self, path: Path):
         self.path = path
-        self.stream: _NpyStream | None = None
+        self.stream: NpyStream | None = None
         self.all_targets = 0
 
     def write(self, targets: np.ndarray) -> None:
@@ -398,7 +418,7 @@ class _TargetMask:
             if targets.all():
                 self.all_targets += len(targets)
                 return
-            self.stream = _NpyStream(self.path, np.uint8)
+            self.stream = NpyStream(self.path, np.uint8)
             for start in range(0, self.all_targets, ONES_PER_WRITE):
                 self.stream.write(np.ones(min(ONES_PER_WRITE, self.all_targets - start),
                                           dtype=np.uint8))
@@ -410,42 +430,3 @@ class _TargetMask:
     def __exit__(self, *exc_info) -> None:
         if self.stream is not None:
             self.stream.__exit__(*exc_info)
-
-
-class _NpyStream:
-    """A 1-d array of ``dtype`` streamed into a .npy file without holding it in memory.
-
-    The header goes in last, when the count is known: numpy pads a .npy header so that its
-    length does not depend on the array's length, so a header for zero items reserves
-    exactly the space of the final one."""
-
-    def __init__(self, path: Path, dtype):
-        self._dtype = np.dtype(dtype).newbyteorder("<")
-        self._handle = open(path, "wb")
-        self._header_size = len(self._header(0))
-        self._handle.write(b"\0" * self._header_size)
-        self._count = 0
-
-    def _header(self, count: int) -> bytes:
-        buffer = io.BytesIO()
-        np.lib.format.write_array_header_1_0(
-            buffer, {"descr": np.lib.format.dtype_to_descr(self._dtype),
-                     "fortran_order": False, "shape": (count,)})
-        return buffer.getvalue()
-
-    def write(self, values: np.ndarray) -> None:
-        self._handle.write(np.ascontiguousarray(values, dtype=self._dtype).tobytes())
-        self._count += len(values)
-
-    def __enter__(self) -> _NpyStream:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        try:
-            header = self._header(self._count)
-            if len(header) != self._header_size:
-                raise RuntimeError("the .npy header changed size; cannot stream an array")
-            self._handle.seek(0)
-            self._handle.write(header)
-        finally:
-            self._handle.close()

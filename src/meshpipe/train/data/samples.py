@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from meshpipe.train.data.images import ImageInputs, image_paths
 from meshpipe.train.data.records import RowBatch, where
 from meshpipe.train.data.tokenizers import Tokenizer
 
@@ -47,36 +48,48 @@ class EncodedRows:
     ids: list[list[int]] = field(default_factory=list)
     kinds: list[int] = field(default_factory=list)
     masks: list[np.ndarray | None] = field(default_factory=list)
+    images: list[tuple[np.ndarray, np.ndarray] | None] = field(default_factory=list)
 
 
 @dataclass
 class PreparedRows:
     """A batch's rows read for their meaning, chats rendered: what is left is tokenizing.
     Each list holds (index in the batch, row number, content): a text, a (prompt,
-    completion) pair, or a rendered conversation and its assistant spans."""
+    completion) pair, a rendered conversation and its assistant spans, or a caption (its
+    images' placeholders, then its text); ``images``: the processed images (patches,
+    grids) of the rows that show some, by index."""
 
     texts: list[tuple[int, int, str]] = field(default_factory=list)
     instructions: list[tuple[int, int, tuple[str, str]]] = field(default_factory=list)
     chats: list[tuple[int, int, tuple[str, list[tuple[int, int]]]]] = field(
         default_factory=list)
+    captions: list[tuple[int, int, str]] = field(default_factory=list)
+    images: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 def encode_rows(batch: RowBatch, file: Path, tokenizer: Tokenizer, *, text_field: str = "text",
-                loss_on: str = "assistant") -> EncodedRows:
+                loss_on: str = "assistant", images: ImageInputs | None = None) -> EncodedRows:
     """Every row of ``batch`` tokenized (whitespace-only texts are skipped)."""
-    return encode_prepared(prepare_rows(batch, file, tokenizer, text_field), tokenizer, loss_on)
+    return encode_prepared(prepare_rows(batch, file, tokenizer, text_field, images), tokenizer,
+                           loss_on, images, file)
 
 
 def prepare_rows(batch: RowBatch, file: Path, tokenizer: Tokenizer,
-                 text_field: str = "text") -> PreparedRows:
-    """Each row's meaning, a one-line error for a bad row, chats rendered (Python work, which
-    ``cache`` runs beside the tokenizing of the batch before)."""
+                 text_field: str = "text", images: ImageInputs | None = None) -> PreparedRows:
+    """Each row's meaning, a one-line error for a bad row, chats rendered and images
+    processed (Python work, which ``cache`` runs beside the tokenizing of the batch
+    before)."""
     prepared = PreparedRows()
     for index, (number, value) in enumerate(zip(batch.numbers, batch.values)):
         try:
             kind, content = _meaning(value, text_field)
+            paths = _row_images(kind, content, value, file, images)
             if kind == "chats":
-                content = assistant_spans(tokenizer, content)
+                content = assistant_spans(tokenizer, _without_paths(content))
+            elif kind == "captions":
+                content = images.marker * len(paths) + content
+            if paths:
+                prepared.images[index] = images.process(paths)
         except ValueError as err:
             raise ValueError(f"{where(file, number)}{err}") from None
         if kind != "texts" or content.strip():
@@ -85,13 +98,19 @@ def prepare_rows(batch: RowBatch, file: Path, tokenizer: Tokenizer,
 
 
 def encode_prepared(prepared: PreparedRows, tokenizer: Tokenizer,
-                    loss_on: str = "assistant") -> EncodedRows:
-    """The prepared rows tokenized, in their order, with their target masks."""
+                    loss_on: str = "assistant", images: ImageInputs | None = None,
+                    file: Path | None = None) -> EncodedRows:
+    """The prepared rows tokenized, in their order, with their target masks (each image's
+    placeholder repeated for its tokens, which are never targets)."""
     encoded: dict[int, tuple[int, list[int], int, np.ndarray | None]] = {}
     if prepared.texts:
         for (index, number, _), ids in zip(prepared.texts, tokenizer.encode_batch(
                 [text for _, _, text in prepared.texts])):
             encoded[index] = (number, ids, KIND_TEXT, None)
+    if prepared.captions:
+        for (index, number, _), ids in zip(prepared.captions, tokenizer.encode_batch(
+                [text for _, _, text in prepared.captions])):
+            encoded[index] = (number, ids, KIND_SAMPLE, None)
     for index, number, ids, mask in _instructions(prepared.instructions, tokenizer, loss_on):
         encoded[index] = (number, ids, KIND_SAMPLE, mask)
     for index, number, ids, mask in _chats(prepared.chats, tokenizer, loss_on):
@@ -99,20 +118,57 @@ def encode_prepared(prepared: PreparedRows, tokenizer: Tokenizer,
     rows = EncodedRows()
     for index in sorted(encoded):
         number, ids, kind, mask = encoded[index]
+        shown = prepared.images.get(index)
+        if shown is not None:
+            try:
+                ids, mask = images.expand(ids, mask, shown[1])
+            except ValueError as err:
+                raise ValueError(f"{where(file, number)}{err}") from None
         rows.numbers.append(number)
         rows.ids.append(ids)
         rows.kinds.append(kind)
         rows.masks.append(mask)
+        rows.images.append(shown)
     return rows
 
 
+def _row_images(kind: str, content: Any, value: Any, file: Path,
+                images: ImageInputs | None) -> list[Path]:
+    """The paths of the images a row shows (none for a plain text); a one-line error when
+    the run's model takes no images."""
+    if kind == "captions":
+        paths = image_paths(value["images"], file)
+    elif kind == "chats":
+        paths = image_paths([part["image"] for turn in content if isinstance(turn["content"], list)
+                             for part in turn["content"] if part["type"] == "image"], file)
+    else:
+        return []
+    if paths and images is None:
+        raise ValueError(" shows images, which only a vision-language --model reads "
+                         "(qwen2_vl, qwen2_5_vl)")
+    return paths
+
+
+def _without_paths(turns: list[dict]) -> list[dict]:
+    """The turns as the chat template takes them: an image part without its path."""
+    return [turn if isinstance(turn["content"], str) else
+            {**turn, "content": [{"type": "image"} if part["type"] == "image" else part
+                                 for part in turn["content"]]} for turn in turns]
+
+
 def _meaning(value: Any, text_field: str) -> tuple[str, Any]:
-    """("texts" | "chats" | "instructions", the row's content), or a one-line error (to
-    follow the row's place)."""
+    """("texts" | "chats" | "instructions" | "captions", the row's content), or a one-line
+    error (to follow the row's place)."""
     if isinstance(value, str):
         return "texts", value
     if value.get("messages") is not None:
         return "chats", check_messages(value["messages"])
+    if value.get("images") is not None:
+        text = value.get(text_field)
+        if not isinstance(text, str):
+            raise ValueError(f" has \"images\" but no string \"{text_field}\" to caption "
+                             "them with")
+        return "captions", text
     if value.get("prompt") is not None or value.get("completion") is not None:
         pair = value.get("prompt"), value.get("completion")
         if not all(isinstance(part, str) for part in pair):
@@ -138,9 +194,12 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         content = message.get("content") if isinstance(message, dict) else None
-        if role not in ROLES or not isinstance(content, str):
+        if role not in ROLES or not (isinstance(content, str) or (
+                role == "user" and _content_parts(content))):
             raise ValueError(f": message {index} must have a \"role\" of {', '.join(ROLES)} "
-                             f"and a string \"content\"; got {_short(message)}")
+                             "and a string \"content\" (a user's may be a list of "
+                             "{\"type\": \"text\", \"text\"} and {\"type\": \"image\", "
+                             f"\"image\": path}} parts); got {_short(message)}")
         turns.append({"role": role, "content": content})
     first = 1 if turns[0]["role"] == "system" else 0
     for index, turn in enumerate(turns):
@@ -152,6 +211,15 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
         raise ValueError(f": the last message is a {turns[-1]['role']} turn with no answer: "
                          f"{_ORDER}")
     return turns
+
+
+def _content_parts(content: Any) -> bool:
+    """Whether ``content`` is a list of text and image parts."""
+    return isinstance(content, list) and all(
+        isinstance(part, dict) and (
+            (part.get("type") == "text" and isinstance(part.get("text"), str))
+            or (part.get("type") == "image" and isinstance(part.get("image"), str)))
+        for part in content)
 
 
 _ORDER = ("a conversation is an optional system turn, then user and assistant turns "

@@ -12,12 +12,13 @@ each batch says where they start. A chat or prompt/completion sample longer than
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from meshpipe.train.data.cache import TokenizedData
+from meshpipe.train.data.images import Pictures
 
 IGNORE_INDEX = -100
 
@@ -28,12 +29,16 @@ class TextBatch:
     the same document piece, ``IGNORE_INDEX`` where there is none. With packing,
     ``doc_lens`` gives each sequence's document-piece lengths in order (each sums to
     seq_len); None without. ``sources``: each sequence's source of a mixture (None: one
-    source)."""
+    source). With images: ``pictures``, each sequence's images, one ``Pictures`` per
+    document piece (one piece a sequence without packing, the padding one too), and
+    ``lengths``, each sequence's tokens before its padding."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
     doc_lens: tuple[tuple[int, ...], ...] | None
     sources: tuple[int, ...] | None = None
+    pictures: tuple[tuple[Pictures, ...], ...] | None = None
+    lengths: tuple[int, ...] | None = None
 
 
 class TextSampler:
@@ -71,10 +76,11 @@ class TextSampler:
         self._doc_lengths[long] = seq_len
         self._stream_tokens = int(self._doc_lengths.sum())
         self._mask = data.mask
+        self._images = data.images
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._whole = pack and data.kinds is not None
         if self._whole or not pack:
-            self._piece_starts, self._piece_lengths = self._pieces()
+            self._piece_starts, self._piece_lengths, self._piece_docs = self._pieces()
         # With whole samples: the first sequence number of each epoch computed so far, and
         # the two latest epochs' sequences (where each starts in the epoch's order).
         self._epoch_firsts = [0]
@@ -123,25 +129,44 @@ class TextSampler:
 
     # -- without packing ---------------------------------------------------------------------
 
-    def _pieces(self) -> tuple[np.ndarray, np.ndarray]:
-        """Start (into the token array) and length of every piece: document ``d`` gives
-        ``ceil(len_d / seq_len)`` pieces, all of ``seq_len`` tokens but its last."""
+    def _pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Start (into the token array), length and document of every piece: document
+        ``d`` gives ``ceil(len_d / seq_len)`` pieces, all of ``seq_len`` tokens but its
+        last."""
         per_doc = -(-self._doc_lengths // self.seq_len)
         doc = np.repeat(np.arange(len(per_doc)), per_doc)
         first_piece = np.cumsum(per_doc) - per_doc
         index_in_doc = np.arange(len(doc)) - first_piece[doc]
         starts = self._starts[doc] + index_in_doc * self.seq_len
         lengths = np.minimum(self.seq_len, self._starts[doc] + self._doc_lengths[doc] - starts)
-        return starts, lengths
+        return starts, lengths, doc
 
     def _unpacked_batch(self, rows) -> TextBatch:
         tokens = np.full((len(rows), self.seq_len), self.pad_id, dtype=np.int64)
         targets = np.full((len(rows), self.seq_len), IGNORE_INDEX, dtype=np.int64)
         count = len(self._piece_starts)
+        placed = []
         for row, sequence in enumerate(rows):
             epoch, index = divmod(sequence, count)
-            self._place_piece(self._epoch(epoch)[0][index], tokens[row], targets[row], 0)
-        return TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets), None)
+            piece = self._epoch(epoch)[0][index]
+            self._place_piece(piece, tokens[row], targets[row], 0)
+            placed.append([piece])
+        return self._with_pictures(TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets),
+                                             None), placed)
+
+    def _with_pictures(self, batch: TextBatch, placed: list[list[int]]) -> TextBatch:
+        """``batch`` with the images of the pieces ``placed`` in each sequence and the
+        sequences' lengths, where the data has images."""
+        if self._images is None:
+            return batch
+        empty = Pictures.joined([], self._images.patch_dim)
+        pictures = tuple(tuple(self._images.of(int(self._piece_docs[piece])) for piece in row)
+                         for row in placed)
+        lengths = tuple(int(self._piece_lengths[row].sum()) for row in placed)
+        if batch.doc_lens is not None:  # the padding piece has no images
+            pictures = tuple(row + (empty,) * (len(lens) - len(row))
+                             for row, lens in zip(pictures, batch.doc_lens))
+        return replace(batch, pictures=pictures, lengths=lengths)
 
     def _place_piece(self, piece: int, tokens: np.ndarray, targets: np.ndarray,
                      at: int) -> int:
@@ -159,16 +184,19 @@ class TextSampler:
     def _whole_batch(self, rows) -> TextBatch:
         tokens = np.full((len(rows), self.seq_len), self.pad_id, dtype=np.int64)
         targets = np.full((len(rows), self.seq_len), IGNORE_INDEX, dtype=np.int64)
-        doc_lens = []
+        doc_lens, placed = [], []
         for row, sequence in enumerate(rows):
             at, lengths = 0, []
-            for piece in self._sequence_pieces(sequence):
+            pieces = self._sequence_pieces(sequence)
+            for piece in pieces:
                 lengths.append(self._place_piece(piece, tokens[row], targets[row], at))
                 at += lengths[-1]
             if at < self.seq_len:
                 lengths.append(self.seq_len - at)  # the padding
             doc_lens.append(tuple(lengths))
-        return TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets), tuple(doc_lens))
+            placed.append(list(pieces))
+        return self._with_pictures(TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets),
+                                             tuple(doc_lens)), placed)
 
     def _sequence_pieces(self, sequence: int) -> np.ndarray:
         """The pieces of sequence number ``sequence``. Epochs hold different numbers of

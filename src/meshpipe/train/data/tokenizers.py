@@ -114,6 +114,10 @@ class HFTokenizer:
                                                                    add_special_tokens=False)
         return [(encoding.ids, encoding.offsets) for encoding in encodings]
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """The tokens ``ids`` as the tokenizer writes them (special tokens included)."""
+        return self._tokenizer.convert_ids_to_tokens(ids)
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self._tokenizer.chat_template)

@@ -48,13 +48,16 @@ class RankBatches:
         # takes as no positions (nothing to derive or send; compiled, one graph a block).
         self._slices = config.cp_ring * config.cp_ulysses > 1
         self._device_positions = to_device(self.positions, device) if self._slices else None
+        self._vision = sources.model_info(config.model).vision if config.model else None
 
     def __call__(self, sampler: Any, step: int) -> Microbatches:
         batch = sampler.batch(step)
         counted = max(data_sources.counted_targets(batch.targets), 1)
         denominator = counted / self.config.microbatches
         size = self.config.microbatch_size
-        if getattr(batch, "doc_lens", None) is not None:
+        if getattr(batch, "pictures", None) is not None:
+            inputs, targets, held = self._with_images(batch)
+        elif getattr(batch, "doc_lens", None) is not None:
             inputs, targets, held = self._packed(batch)
         else:
             tokens = to_device(self._held(batch.tokens, self.positions), self.device)
@@ -85,6 +88,37 @@ class RankBatches:
         (every column) ``rows`` itself: a host index over every column costs milliseconds
         when it wakes the thread pool."""
         return rows[:, positions] if self._slices else rows
+
+    def _with_images(self, batch) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
+        """A vision-language model's microbatches: ``(tokens, positions, doc_ids, rope,
+        pixels, grids)`` (``hf_vision.VisionChunk``), each microbatch as long as its longest
+        sequence without packing (no padding to ``--seq-len``), one row with packing."""
+        from meshpipe.models.hf_vision import mrope_positions
+        from meshpipe.train.data.images import Pictures
+
+        size, device, vision = self.config.microbatch_size, self.device, self._vision
+        inputs, targets, helds = [], [], []
+        for start in range(0, batch.tokens.shape[0], size):
+            rows = slice(start, start + size)
+            pieces = [piece for row in batch.pictures[rows] for piece in row]
+            pictures = Pictures.joined(pieces, batch.pictures[0][0].pixels.shape[1])
+            if batch.doc_lens is None:
+                length = max(batch.lengths[rows])
+                tokens, row_targets = batch.tokens[rows, :length], batch.targets[rows, :length]
+                positions = doc_ids = doc_lens = None
+            else:
+                tokens = batch.tokens[rows].reshape(1, -1)
+                row_targets = batch.targets[rows].reshape(1, -1)
+                doc_lens = [[n for lens in batch.doc_lens[rows] for n in lens]]
+                positions, doc_ids = (to_device(t, device) for t in sources.packed_layout(
+                    doc_lens[0], torch.arange(tokens.shape[1])))
+            rope = mrope_positions(tokens, pictures.grids, vision.image_token_id,
+                                   vision.merge_size, doc_lens)
+            inputs.append((to_device(tokens, device), positions, doc_ids, to_device(rope, device),
+                           to_device(pictures.pixels, device), to_device(pictures.grids, device)))
+            targets.append(to_device(row_targets, device))
+            helds.append(torch.arange(tokens.shape[1]))
+        return inputs, targets, helds
 
     def _packed(self, batch) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
         """Each microbatch's inputs and targets, as one row, and the columns of it this rank

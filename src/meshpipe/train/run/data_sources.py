@@ -13,9 +13,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data import tokenizers
 from meshpipe.train.data.cache import ReadOptions, TokenizedData, tokenize_dataset
+from meshpipe.train.data.images import ImageInputs
 from meshpipe.train.data.corpus import CorpusSampler, encode, load_corpus
 from meshpipe.train.data.mixture import MixtureSampler, parse_source, source_names
 from meshpipe.train.data.sampling import IGNORE_INDEX, TextSampler
@@ -51,10 +54,30 @@ def names(config: TrainConfig) -> list[str]:
 
 
 @lru_cache(maxsize=None)
+def _image_inputs(model_dir: str, tokenizer_dir: str, chat_template: str) -> ImageInputs | None:
+    """A vision-language model's image processor and placeholders (None for a decoder)."""
+    if not model_dir:
+        return None
+    from meshpipe.models import hf
+
+    vision = hf.inspect_model(model_dir).vision
+    if vision is None:
+        return None
+    return ImageInputs(model_dir, vision.image_token_id, vision.vision_start_token_id,
+                       vision.vision_end_token_id, vision.merge_size,
+                       _tokenizer(model_dir, tokenizer_dir, chat_template))
+
+
+def image_inputs(config: TrainConfig) -> ImageInputs | None:
+    return _image_inputs(config.model, config.tokenizer, config.chat_template)
+
+
+@lru_cache(maxsize=None)
 def _tokenized(path: str, flag: str, model_dir: str, tokenizer_dir: str, chat_template: str,
                cache: str, progress: bool, options: ReadOptions) -> TokenizedData:
     return tokenize_dataset(path, _tokenizer(model_dir, tokenizer_dir, chat_template), cache,
-                            progress=progress, options=options, flag=flag)
+                            progress=progress, options=options, flag=flag,
+                            images=_image_inputs(model_dir, tokenizer_dir, chat_template))
 
 
 def tokenized(config: TrainConfig, path: str, flag: str = "--data",
@@ -80,6 +103,9 @@ def check_data(config: TrainConfig) -> list[str]:
     data = [tokenized(config, path, progress=config.progress) for path, _ in sources(config)]
     if config.val_data:
         data.append(tokenized(config, config.val_data, "--val-data", config.progress))
+    for part in data:
+        if part.images is not None:
+            _check_images_fit(part, config.seq_len, image_inputs(config).image_token_id)
     long = [(part, part.samples_longer_than(config.seq_len)) for part in data]
     count = sum(len(documents) for _, documents in long)
     if not count:
@@ -95,6 +121,22 @@ def check_data(config: TrainConfig) -> list[str]:
     return [f"{count} of {samples} chat or prompt/completion samples are longer than "
             f"--seq-len {config.seq_len} tokens and are cut to it (the first: "
             f"{part.place(int(documents[0]))}); --no-truncate refuses them instead"]
+
+
+def _check_images_fit(data: TokenizedData, seq_len: int, image_token_id: int) -> None:
+    """A sample cut to ``seq_len`` may lose text, never an image's tokens: a one-line
+    ValueError naming the first sample whose images end past it."""
+    offsets = data.images.image_offsets
+    for document in data.samples_longer_than(seq_len):
+        if offsets[document + 1] == offsets[document]:
+            continue
+        tokens = np.asarray(data.tokens[int(data.offsets[document]):
+                                        int(data.offsets[document + 1])])
+        last = int(np.flatnonzero(tokens == image_token_id)[-1]) + 1
+        if last > seq_len:
+            raise ValueError(f"{data.place(int(document))} is a sample whose images end at "
+                             f"token {last}, past --seq-len {seq_len}: give a --seq-len of "
+                             f"{last} or more, or smaller or fewer images")
 
 
 def samplers(config: TrainConfig, dp_rank: int) -> tuple[Any, Any]:

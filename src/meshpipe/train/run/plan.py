@@ -22,7 +22,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from meshpipe.schedules import Schedule, build
-from meshpipe.schedules.placement import stage_layers, wraparound_placement
+from meshpipe.schedules.placement import (layers_beside_first_cost, stage_layers,
+                                          wraparound_placement)
 from meshpipe.train.checkpoints import store as checkpoint
 from meshpipe.train.checkpoints.resume import ResumePlan, plan_resume
 from meshpipe.train.config import TrainConfig
@@ -127,6 +128,9 @@ def layers_per_stage(config: TrainConfig, schedule: Schedule) -> list[int]:
     the model has too few layers for the stages."""
     layers = sources.num_layers(config)
     counts = stage_layers(layers, schedule.placement)
+    tower = sources.tower_cost(config)
+    if counts is not None and tower and layers >= schedule.num_stages:
+        return layers_beside_first_cost(layers, schedule.num_stages, tower)
     if counts is not None:
         return counts
     stages = schedule.num_stages

@@ -11,6 +11,7 @@ ranks then only map the token files). Every rank then builds its stages with
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from itertools import accumulate
 from functools import lru_cache
@@ -32,7 +33,9 @@ from meshpipe.runtime import DynamicLossScaler, MasterWeights, autocast, weights
 from meshpipe.schedules.builders import SCHEDULE_SPECS
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.data.corpus import VOCAB_SIZE
-from meshpipe.train.run.data_sources import check_data, counted_targets, samplers, tokenizer
+from meshpipe.train.run import data_sources
+from meshpipe.train.run.data_sources import (check_data, counted_targets, samplers, tokenized,
+                                             tokenizer)
 
 
 @lru_cache(maxsize=None)
@@ -55,6 +58,19 @@ def vocab_size(config: TrainConfig) -> int:
     if config.data:
         return tokenizer(config).vocab_size
     return VOCAB_SIZE
+
+
+def tower_cost(config: TrainConfig) -> float:
+    """A vision-language model's tower in decoder layers' worth of compute on the run's
+    data (``hf_vision.tower_cost_in_layers``); 0 for a decoder or data without images."""
+    vision = model_info(config.model).vision if config.model else None
+    if vision is None or not config.data:
+        return 0.0
+    from meshpipe.models.hf_vision import tower_cost_in_layers
+
+    data = [tokenized(config, path) for path, _ in data_sources.sources(config)]
+    patches = sum(part.images.patches() for part in data if part.images is not None)
+    return tower_cost_in_layers(vision, patches, sum(part.num_tokens for part in data))
 
 
 def check_sources(config: TrainConfig) -> list[str]:
@@ -218,18 +234,21 @@ def _hf_parts(config: TrainConfig, layers: list[int], attention, my_stages, *,
               tp_group=None, ep_group=None, token_group=None) -> ModelParts:
     """The ``--model``'s chunks; tensor-parallel shards and this rank's experts are cut on
     the meta skeleton, so only they are read."""
-    from meshpipe.models import hf, hf_moe, hf_tp
+    from meshpipe.models import hf, hf_moe, hf_tp, hf_vision
 
     skeleton = hf.build_skeleton(config.model, config.moe_capacity_factor)
     region = TensorParallelRegion(tp_group, config.sequence_parallel)
     if region.size > 1:
         hf_tp.shard_skeleton(skeleton, region)
-    expert_layers = [hf_moe.expert_layer(layer) for layer in skeleton.model.layers]
+    expert_layers = [hf_moe.expert_layer(layer) for layer in hf.decoder_of(skeleton)[0].layers]
     expert_layers = [layer for layer in expert_layers if layer is not None]
     for layer in expert_layers:
         layer.shard(ep_group, token_group)
     chunks = hf.split_model(skeleton, layers, attention, recompute=config.recompute == "full",
                             sequence_shards=region.sequence_shards)
+    vision = model_info(config.model).vision
+    if vision is not None:
+        chunks = hf_vision.split_vision_model(skeleton, chunks, vision.image_token_id)
     shared = shared_parameters(chunks)
     meta_names = hf.full_names(skeleton)
     real = hf.materialize(skeleton, [chunks[s] for s in my_stages], config.model)
@@ -257,6 +276,10 @@ def reference_step(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]
     grads = {name: p.grad / scale for name, p in named if p.grad is not None}
     if config.model and model_info(config.model).experts:
         grads = _in_file_names(config, grads)
+    if config.model and model_info(config.model).vision is not None:
+        from meshpipe.models.hf_vision import file_name
+
+        grads = {file_name(model.config.model_type, name): grad for name, grad in grads.items()}
     return loss.item(), grads
 
 
@@ -279,6 +302,9 @@ def _reference_model(config: TrainConfig) -> nn.Module:
     transformers.utils.logging.disable_progress_bar()
     # SDPA cannot soft-cap scores: such models (Gemma 2) run transformers' eager attention.
     capped = model_info(config.model).attention_softcap is not None
+    if model_info(config.model).vision is not None:
+        return transformers.AutoModelForImageTextToText.from_pretrained(
+            config.model, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True)
     return transformers.AutoModelForCausalLM.from_pretrained(
         config.model, dtype=torch.float32, attn_implementation="eager" if capped else "sdpa",
         local_files_only=True)
@@ -294,8 +320,13 @@ def _replica_loss(config: TrainConfig, model: nn.Module, batch) -> torch.Tensor:
     else:
         microbatches = [(tokens, targets, None) for tokens, targets in
                         zip(batch.tokens.split(size), batch.targets.split(size))]
+    pictures = getattr(batch, "pictures", None)
     total = torch.zeros(())
-    for tokens, targets, doc_lens in microbatches:
+    for index, (tokens, targets, doc_lens) in enumerate(microbatches):
+        if pictures is not None:
+            shown = [piece for row in pictures[index * size:(index + 1) * size] for piece in row]
+            total = total + _upstream_vision_loss(model, tokens, targets, doc_lens, shown, count)
+            continue
         if config.model:
             total = total + _upstream_loss(config, model, tokens, targets, doc_lens, count)
             continue
@@ -334,6 +365,32 @@ def _upstream_loss(config: TrainConfig, model: nn.Module, tokens: torch.Tensor,
     for layer in router_logits:
         aux = hf_moe.load_balancing_loss(torch.cat(layer), model.config.num_experts_per_tok)
         total = total + aux_coefficient(config) * aux / config.microbatches
+    return total
+
+
+def _upstream_vision_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
+                          doc_lens, pictures: list, count: int) -> torch.Tensor:
+    """A vision-language model's own loss on a microbatch, with its images (``pictures``:
+    one per row, or per document piece of a packed row), each piece on its own as the
+    block-diagonal mask means; the rows of an unpacked microbatch together."""
+    from meshpipe.train.data.images import Pictures
+
+    image_token = model.config.image_token_id
+    if doc_lens is None:
+        pieces = [(tokens, targets, Pictures.joined(pictures, pictures[0].pixels.shape[1]))]
+    else:
+        starts = list(accumulate(doc_lens, initial=0))
+        pieces = [(tokens[:, start:start + length], targets[:, start:start + length], shown)
+                  for start, length, shown in zip(starts, doc_lens, pictures)]
+    total = torch.zeros(())
+    for piece_tokens, piece_targets, shown in pieces:
+        images = dict(pixel_values=shown.pixels, image_grid_thw=shown.grids) if len(
+            shown.grids) else {}
+        if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+            images["mm_token_type_ids"] = (piece_tokens == image_token).int()
+        out = model(input_ids=piece_tokens, labels=piece_targets, shift_labels=piece_targets,
+                    num_items_in_batch=count, **images)
+        total = total + out.loss
     return total
 
 
