@@ -60,3 +60,125 @@ def test_the_first_batch_shows_images_of_several_sizes_and_the_tower_costs_layer
     assert sources.tower_cost(config) > 0
     layers = layers_per_stage(config, build_schedule(config))
     assert sum(layers) == 4 and layers[0] <= layers[1]
+
+
+@pytest.mark.distributed
+def test_check_passes_under_data_parallelism_with_the_sharded_optimizer(shapes, tmp_path):
+    """Qwen2.5-VL at pp 2 x dp 2 with --zero 1: each replica its own images (a replica's
+    microbatches may have none and still join the tower's gradient reduction)."""
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_5_vl")
+    config = vision_config(model, shapes, tmp_path, dp=2, zero=1)
+    report = run_distributed(config.world_size, check_first_step, config)[0]
+    assert report["mismatched"] == [] and report["passed"], report
+
+
+def chat_rows(path):
+    """Conversations whose user turns show images: the loss belongs on the answers."""
+    rows = [{"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "shape-1-0.png"},
+                                     {"type": "text", "text": "what is it?"}]},
+        {"role": "assistant", "content": "a shape"}]},
+        {"messages": [{"role": "user", "content": "no picture here"},
+                      {"role": "assistant", "content": "fine"}]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def test_chats_with_images_train_only_the_answers(vision_model, shapes, tmp_path):
+    """A chat row's image becomes its tokens (the processor's count), never targets; of the
+    text only the assistant's tokens are."""
+    chats = chat_rows(shapes.parent / "chats.jsonl")
+    config = vision_config(vision_model, chats, tmp_path)
+    data = data_sources.tokenized(config, str(chats))
+    inputs = data_sources.image_inputs(config)
+    grids = data.images.grids
+    assert list(data.images.image_offsets) == [0, 1, 1]
+    first = np.asarray(data.tokens[:data.offsets[1]])
+    shown = int((first == inputs.image_token_id).sum())
+    assert shown == int(inputs.tokens_per_image(grids)[0]) > 1
+    words = data_sources.tokenizer(config)
+    for document in range(2):
+        span = slice(int(data.offsets[document]), int(data.offsets[document + 1]))
+        trained = np.asarray(data.tokens[span])[np.asarray(data.mask[span]) == 1]
+        text = words._tokenizer.decode(trained.tolist())
+        assert text.strip().startswith(("a shape", "fine")), text
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing image", "unreadable image", "images past seq-len",
+                                  "images without a vision model"])
+def test_bad_image_data_is_refused_in_one_line(vision_model, shapes, tmp_path, case):
+    folder = shapes.parent
+    (folder / "broken.png").write_bytes(b"not a png")
+    rows = {"missing image": [{"images": ["nowhere.png"], "text": "a"}],
+            "unreadable image": [{"images": ["broken.png"], "text": "a"}],
+            "images past seq-len": [{"images": ["shape-1-0.png"] * 3, "text": "a"}],
+            "images without a vision model": [{"images": ["shape-1-0.png"], "text": "a"}]}[case]
+    data = write_rows(folder / f"bad-{case.replace(' ', '-')}.jsonl", rows)
+    flags = dict(seq_len=16) if case == "images past seq-len" else {}
+    config = vision_config(vision_model, data, tmp_path, **flags)
+    if case == "images without a vision model":
+        config = TrainConfig(**{**vars(config), "model": "", "pp": 1,
+                                "tokenizer": str(vision_model)})
+    with pytest.raises(ValueError) as raised:
+        sources.check_sources(config)
+    message = str(raised.value)
+    assert "\n" not in message
+    expected = {"missing image": ("line 1", "does not exist"),
+                "unreadable image": ("line 1", "cannot read image"),
+                "images past seq-len": ("line 1", "past --seq-len 16"),
+                "images without a vision model": ("line 1", "vision-language --model")}[case]
+    assert all(part in message for part in expected), message
+
+
+def test_bad_models_and_layouts_are_refused_in_one_line(vision_model, shapes, tmp_path):
+    from meshpipe.models import hf
+
+    (vision_model.parent / "noproc").mkdir(exist_ok=True)
+    bare = vision_model.parent / "noproc"
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((vision_model / name).read_bytes())
+    with pytest.raises(ValueError, match="without its image processor"):
+        hf.inspect_model(bare)
+    config_file = bare / "config.json"
+    config_file.write_text(config_file.read_text().replace('"qwen2', '"idefics9'))
+    with pytest.raises(ValueError, match="vision-language ones: qwen2_vl, qwen2_5_vl"):
+        hf.inspect_model(bare)
+    with pytest.raises(ValueError, match="does not run with --cp-ring/--cp-ulysses yet"):
+        sources.check_sources(vision_config(vision_model, shapes, tmp_path, cp_ring=2))
+
+
+def boundary_bytes(rank, world_size, config):
+    """Stage 0's activation bytes sent in one step, and the bytes its microbatches' real
+    tokens make (hidden states, 4 bytes a value, and the 3D positions, 8 bytes each)."""
+    from meshpipe.train.loop.trainer import Trainer
+
+    trainer = Trainer(config)
+    stats = trainer.executor.transport.stats
+    stats.reset()
+    trainer.train_step(0)
+    if rank != 0:
+        return None
+    batch = trainer.train_data.batch(0)
+    real = sum(batch.lengths)
+    from meshpipe.models import hf
+
+    dim = hf.decoder_config(hf.load_config(config.model)).hidden_size
+    return stats.payload_bytes_sent, real * (dim * 4 + 3 * 8)
+
+
+@pytest.mark.distributed
+def test_each_microbatch_crosses_the_boundary_at_its_own_length(shapes, tmp_path):
+    """No padding to --seq-len: one sequence a microbatch, what stage 0 sends is within 5 %
+    of the bytes of the sequences' real tokens (a sample is a quarter of --seq-len or so)."""
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    config = vision_config(model, shapes, tmp_path, seq_len=256, microbatches=4,
+                           microbatch_size=1)
+    sent, real = run_distributed(config.world_size, boundary_bytes, config)[0]
+    print(f"stage 0 sent {sent} bytes for {real} bytes of real tokens ({sent / real:.4f})")
+    assert real <= sent <= 1.05 * real, (sent, real)
+    assert sent < 0.5 * 4 * 256 * (32 * 4 + 3 * 8)

@@ -81,6 +81,8 @@ def check_sources(config: TrainConfig) -> list[str]:
         from meshpipe.models import hf
 
         hf.check_sequence_length(model_info(config.model), config.seq_len)
+        if model_info(config.model).vision is not None:
+            _check_vision_layout(config)
         hf.check_experts(model_info(config.model), ep=config.ep,
                          capacity_factor=config.moe_capacity_factor,
                          tensor_parallel=config.tp > 1 or bool(config.stage_tp))
@@ -96,6 +98,19 @@ def check_sources(config: TrainConfig) -> list[str]:
                          f"has {vocab_size(config)} rows: use the model's own tokenizer "
                          "(--tokenizer) or a model with a larger vocabulary")
     return check_data(config)
+
+
+def _check_vision_layout(config: TrainConfig) -> None:
+    """What a vision-language model does not run with yet, refused in one line."""
+    unsupported = [flag for flag, given in (
+        ("--tp/--stage-tp", config.tp > 1 or bool(config.stage_tp)),
+        ("--cp-ring/--cp-ulysses", config.cp_ring * config.cp_ulysses > 1),
+        ("--compile", config.compile),
+        ("a mixture of several --data sources", len(config.data) > 1)) if given]
+    if unsupported:
+        raise ValueError(f"--model {config.model} is a vision-language model, which meshpipe "
+                         f"does not run with {' or '.join(unsupported)} yet: use pp, vpp and "
+                         "dp (with --zero)")
 
 
 def check_tensor_parallel(config: TrainConfig, tp: int) -> None:
