@@ -182,3 +182,50 @@ def test_each_microbatch_crosses_the_boundary_at_its_own_length(shapes, tmp_path
     print(f"stage 0 sent {sent} bytes for {real} bytes of real tokens ({sent / real:.4f})")
     assert real <= sent <= 1.05 * real, (sent, real)
     assert sent < 0.5 * 4 * 256 * (32 * 4 + 3 * 8)
+
+
+def test_an_export_loads_back_with_the_same_logits(vision_model, shapes, tmp_path):
+    """The trained weights under the files' names: transformers' AutoModelForImageTextToText
+    loads the exported directory and gives meshpipe's logits on a batch with images."""
+    import transformers
+
+    from meshpipe.models import hf, hf_export, hf_vision
+    from meshpipe.train.data.images import Pictures
+
+    skeleton = hf.build_skeleton(vision_model)
+    info = hf.inspect_model(vision_model).vision
+    chunks = hf_vision.split_vision_model(skeleton, hf.split_model(skeleton, [1, 3]),
+                                          info.image_token_id)
+    names = hf.full_names(skeleton)
+    real = hf.materialize(skeleton, chunks, vision_model)
+    state = {names[meta]: param for meta, param in real.items()}
+    assert "visual.patch_embed.proj.weight" in state and "model.layers.0.mlp.up_proj.weight" in state
+    with torch.no_grad():
+        for param in state.values():
+            param.add_(torch.randn_like(param) * 0.01)  # "trained"
+    exported = hf_export.export_model(state, vision_model, tmp_path / "export")
+    config = vision_config(vision_model, shapes, tmp_path)
+    batch = data_sources.samplers(config, 0)[0].batch(0)
+    shown = Pictures.joined([piece for row in batch.pictures for piece in row], 96)
+    rope = hf_vision.mrope_positions(batch.tokens, shown.grids, info.image_token_id,
+                                     info.merge_size)
+    with torch.no_grad():
+        ours = chunks[1](*chunks[0](batch.tokens, None, None, rope, shown.pixels, shown.grids))
+        theirs = transformers.AutoModelForImageTextToText.from_pretrained(
+            str(exported), dtype=torch.float32)(
+            input_ids=batch.tokens, pixel_values=shown.pixels, image_grid_thw=shown.grids,
+            mm_token_type_ids=(batch.tokens == info.image_token_id).int()).logits
+    torch.testing.assert_close(theirs, ours)
+    assert (exported / "preprocessor_config.json").is_file()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule,flags", [("interleaved", dict(vpp=2)), ("zb-h1", {})])
+def test_check_passes_under_other_schedules(shapes, tmp_path, schedule, flags):
+    """Interleaved 1F1B over 4 stages (the tower's stage with no decoder layer or one) and
+    ZB-H1's split backward, on the tower too."""
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    config = vision_config(model, shapes, tmp_path, schedule=schedule,
+                           microbatches=4, **flags)
+    report = run_distributed(config.world_size, check_first_step, config)[0]
+    assert report["mismatched"] == [] and report["passed"], report

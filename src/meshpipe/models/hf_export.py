@@ -9,13 +9,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from meshpipe.models.hf import build_skeleton, require_transformers
+from meshpipe.models.hf import build_skeleton, full_names, require_transformers
 
 # Files of a model directory that describe it beside its weights and config; export copies
 # them.
 DESCRIPTION_FILES = ("generation_config.json", "tokenizer.json",
                      "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                     "vocab.json", "merges.txt", "chat_template.jinja")
+                     "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                     "preprocessor_config.json", "processor_config.json")
 
 
 def export_model(state: dict[str, Tensor], model_dir: str | Path, out_dir: str | Path) -> Path:
@@ -23,7 +24,7 @@ def export_model(state: dict[str, Tensor], model_dir: str | Path, out_dir: str |
     model directory's config (in float32) and tokenizer files, and one safetensors file."""
     source, out = Path(model_dir), Path(out_dir)
     skeleton = build_skeleton(source)
-    expected = sorted(name for name, _ in skeleton.named_parameters())
+    expected = sorted(full_names(skeleton).values())
     missing = [name for name in expected if name not in state]
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} of the model's weights "
