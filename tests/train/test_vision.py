@@ -229,3 +229,17 @@ def test_check_passes_under_other_schedules(shapes, tmp_path, schedule, flags):
                            microbatches=4, **flags)
     report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == [] and report["passed"], report
+
+
+@pytest.mark.distributed
+def test_text_only_data_and_bf16_train_a_vision_language_model(shapes, tmp_path):
+    """Data without a single image (a .txt) runs through the tower's stage; and a bf16 run
+    with images passes --check at bf16's tolerance."""
+    from hf_models import write_documents
+
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    text = write_documents(tmp_path / "docs.txt")
+    for data, flags in ((text, {}), (shapes, dict(dtype="bf16"))):
+        config = vision_config(model, data, tmp_path / str(len(flags)), **flags)
+        report = run_distributed(config.world_size, check_first_step, config)[0]
+        assert report["mismatched"] == [] and report["passed"], (flags, report)

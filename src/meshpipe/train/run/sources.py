@@ -336,10 +336,12 @@ def _replica_loss(config: TrainConfig, model: nn.Module, batch) -> torch.Tensor:
         microbatches = [(tokens, targets, None) for tokens, targets in
                         zip(batch.tokens.split(size), batch.targets.split(size))]
     pictures = getattr(batch, "pictures", None)
+    vision = bool(config.model) and model_info(config.model).vision is not None
     total = torch.zeros(())
     for index, (tokens, targets, doc_lens) in enumerate(microbatches):
-        if pictures is not None:
-            shown = [piece for row in pictures[index * size:(index + 1) * size] for piece in row]
+        if vision:
+            shown = None if pictures is None else [
+                piece for row in pictures[index * size:(index + 1) * size] for piece in row]
             total = total + _upstream_vision_loss(model, tokens, targets, doc_lens, shown, count)
             continue
         if config.model:
@@ -384,23 +386,26 @@ def _upstream_loss(config: TrainConfig, model: nn.Module, tokens: torch.Tensor,
 
 
 def _upstream_vision_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
-                          doc_lens, pictures: list, count: int) -> torch.Tensor:
+                          doc_lens, pictures: list | None, count: int) -> torch.Tensor:
     """A vision-language model's own loss on a microbatch, with its images (``pictures``:
-    one per row, or per document piece of a packed row), each piece on its own as the
-    block-diagonal mask means; the rows of an unpacked microbatch together."""
+    one per row, or per document piece of a packed row; None: data without images), each
+    piece on its own as the block-diagonal mask means; the rows of an unpacked microbatch
+    together."""
     from meshpipe.train.data.images import Pictures
 
     image_token = model.config.image_token_id
     if doc_lens is None:
-        pieces = [(tokens, targets, Pictures.joined(pictures, pictures[0].pixels.shape[1]))]
+        pieces = [(tokens, targets, pictures and Pictures.joined(
+            pictures, pictures[0].pixels.shape[1]))]
     else:
         starts = list(accumulate(doc_lens, initial=0))
         pieces = [(tokens[:, start:start + length], targets[:, start:start + length], shown)
-                  for start, length, shown in zip(starts, doc_lens, pictures)]
+                  for start, length, shown in zip(starts, doc_lens, pictures or [None] * len(
+                      doc_lens))]
     total = torch.zeros(())
     for piece_tokens, piece_targets, shown in pieces:
-        images = dict(pixel_values=shown.pixels, image_grid_thw=shown.grids) if len(
-            shown.grids) else {}
+        images = dict(pixel_values=shown.pixels, image_grid_thw=shown.grids) if (
+            shown is not None and len(shown.grids)) else {}
         if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
             images["mm_token_type_ids"] = (piece_tokens == image_token).int()
         out = model(input_ids=piece_tokens, labels=piece_targets, shift_labels=piece_targets,
