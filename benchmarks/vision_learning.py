@@ -3,7 +3,7 @@ learns the captions of the shapes corpus (``meshpipe.train.data.shapes``: colour
 0-3 pictures a sample, several sizes), and the same model on the same captions with blank
 grey pictures is the control: the colour and shape words can only come from the images.
 
-    python benchmarks/vision_learning.py [--steps 300] [--pp 2]
+    python benchmarks/vision_learning.py [--steps 800] [--pp 2]
 
 Prints and records (results/vision_learning.{md,json}) each run's mean training loss over
 its last 20 steps and its validation loss at the end. Nothing is downloaded: the model,
@@ -47,7 +47,7 @@ def summary(records: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--samples", type=int, default=400)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--pp", type=int, default=2)
