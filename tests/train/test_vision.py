@@ -243,3 +243,32 @@ def test_text_only_data_and_bf16_train_a_vision_language_model(shapes, tmp_path)
         config = vision_config(model, data, tmp_path / str(len(flags)), **flags)
         report = run_distributed(config.world_size, check_first_step, config)[0]
         assert report["mismatched"] == [] and report["passed"], (flags, report)
+
+
+def test_stage_layers_places_the_layers_as_given(vision_model, shapes, tmp_path):
+    from meshpipe.train.run.plan import build_schedule, layers_per_stage
+
+    def layers(text, **flags):
+        config = vision_config(vision_model, shapes, tmp_path, stage_layers=text, **flags)
+        return layers_per_stage(config, build_schedule(config))
+
+    assert layers("vision+3,1") == [3, 1]
+    assert layers("vision,4") == [0, 4]
+    assert layers("vision,1,1,2", vpp=2, schedule="interleaved", microbatches=4) == [0, 1, 1, 2]
+    for bad, message in (("vision+2,1", "all 4 layers"), ("2,x", "not a list of layer counts"),
+                         ("4", "each of the 2 stages")):
+        with pytest.raises(ValueError, match=message):
+            layers(bad)
+    reference = TrainConfig(pp=2, layers=4, stage_layers="vision+2,2")
+    with pytest.raises(ValueError, match="names a vision tower, which the model has not"):
+        layers_per_stage(reference, build_schedule(reference))
+    plain = TrainConfig(pp=2, layers=4, stage_layers="1,3")
+    assert layers_per_stage(plain, build_schedule(plain)) == [1, 3]
+
+
+@pytest.mark.distributed
+def test_check_passes_with_the_tower_on_a_stage_of_its_own(shapes, tmp_path):
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    config = vision_config(model, shapes, tmp_path, stage_layers="vision,4")
+    report = run_distributed(config.world_size, check_first_step, config)[0]
+    assert report["mismatched"] == [] and report["passed"], report

@@ -1,4 +1,5 @@
 """Training configuration: one dataclass, also the source of the ``meshpipe train`` flags.
+One module because every flag is one field with its help and checks, read in one place.
 
 Every field becomes a ``--flag`` (underscores become dashes) with its default and the help
 text from ``FIELD_HELP`` (``meshpipe.train.run.arguments``), so the CLI never drifts from the
@@ -53,6 +54,7 @@ class TrainConfig:
     cp_ring: int = 1
     tp: int = 1
     stage_tp: str = ""
+    stage_layers: str = ""
     stage_link: str = ""
     sequence_parallel: bool = False
     schedule: str = "1f1b"
@@ -404,6 +406,9 @@ FIELD_HELP = {
     "cp_ring": "context-parallel ring degree (zigzag ring attention)",
     "tp": "tensor-parallel ranks per stage (heads, SwiGLU width and vocabulary split)",
     "stage_tp": "one tensor-parallel size per pipeline rank, e.g. 2,1 (VTP)",
+    "stage_layers": "decoder layers per stage, e.g. vision+10,14 (a vision-language model's "
+                    "tower is on the first stage; vision,24 gives it a stage of its own); "
+                    "default: balanced, the tower's cost counted",
     "stage_link": "how stages of different --stage-tp sizes talk: root (tp rank 0 exchanges, "
                   "then broadcasts in its stage; the default) or fanout (every rank linked, "
                   "averaged fan-in)",

@@ -41,9 +41,9 @@ SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", 
                    "microbatches", "microbatch_size", "dp", "seq_len", "dtype", "moe_aux_coef",
                    "moe_capacity_factor", "data", "val_data", "text_field", "loss_on",
                    "chat_template", "truncate", "tokenizer", "pack")
-LAYOUT_FIELDS = ("pp", "vpp", "cp_ulysses", "cp_ring", "tp", "stage_tp", "stage_link",
-                 "sequence_parallel", "schedule", "placement", "p2p", "recompute", "ep",
-                 "device", "backend", "zero", "compile", "joint_projections")
+LAYOUT_FIELDS = ("pp", "vpp", "cp_ulysses", "cp_ring", "tp", "stage_tp", "stage_layers",
+                 "stage_link", "sequence_parallel", "schedule", "placement", "p2p", "recompute",
+                 "ep", "device", "backend", "zero", "compile", "joint_projections")
 RUN_FIELDS = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "timeline_step",
               "progress", "tensorboard", "hang_timeout", "skip_nonfinite", "checkpoint_on_signal",
               "max_restarts", "export", "data_cache")

@@ -127,6 +127,8 @@ def layers_per_stage(config: TrainConfig, schedule: Schedule) -> list[int]:
     """Each stage's layer count (``placement.stage_layers``); a one-line ValueError when
     the model has too few layers for the stages."""
     layers = sources.num_layers(config)
+    if config.stage_layers:
+        return given_layers(config, layers, schedule.num_stages)
     counts = stage_layers(layers, schedule.placement)
     tower = sources.tower_cost(config)
     if counts is not None and tower and layers >= schedule.num_stages:
@@ -141,6 +143,33 @@ def layers_per_stage(config: TrainConfig, schedule: Schedule) -> list[int]:
     raise ValueError(f"{what} cannot fill the {stages} stages of {config.schedule} at pp "
                      f"{config.pp} x vpp {config.vpp}; use at least {needed} layers, or fewer "
                      "stages (--pp, --vpp)")
+
+
+def given_layers(config: TrainConfig, layers: int, stages: int) -> list[int]:
+    """``--stage-layers``: a count per stage, the first written ``vision+N`` (or ``vision``
+    for none) where a vision-language model's tower shares it; a one-line ValueError for
+    counts that do not fit the model and the stages."""
+    text = config.stage_layers
+    entries = text.split(",")
+    tower = entries[0] == "vision" or entries[0].startswith("vision+")
+    has_tower = bool(config.model) and sources.model_info(config.model).vision is not None
+    if tower and not has_tower:
+        raise ValueError(f"--stage-layers {text} names a vision tower, which the model has not: "
+                         "give the layer counts alone")
+    if tower:
+        entries[0] = entries[0][len("vision+"):] if "+" in entries[0] else "0"
+    try:
+        counts = [int(entry) for entry in entries]
+    except ValueError:
+        raise ValueError(f"--stage-layers {text} is not a list of layer counts: write e.g. "
+                         "vision+10,14 or 12,12") from None
+    fewest = [0 if stage == 0 and has_tower else 1 for stage in range(len(counts))]
+    if (len(counts) != stages or sum(counts) != layers
+            or any(count < low for count, low in zip(counts, fewest))):
+        raise ValueError(f"--stage-layers {text} must give each of the {stages} stages at least "
+                         f"one layer (the tower's may have none) and all {layers} layers of the "
+                         "model")
+    return counts
 
 
 def check_model_layout(config: TrainConfig, schedule: Schedule) -> None:
