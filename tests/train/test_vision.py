@@ -272,3 +272,56 @@ def test_check_passes_with_the_tower_on_a_stage_of_its_own(shapes, tmp_path):
     config = vision_config(model, shapes, tmp_path, stage_layers="vision,4")
     report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == [] and report["passed"], report
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("flags", [dict(freeze="vision,projector", stage_layers="vision,4"),
+                                   dict(freeze="vision,language")],
+                         ids=["tower-frozen-on-its-own-stage", "only-the-projector-trains"])
+def test_check_passes_with_frozen_parts(shapes, tmp_path, flags):
+    """The frozen tower alone with the embedding on stage 0; and a run in which only the
+    projector trains, so that stage 1 (decoder layers and head) has no weight to train and
+    still passes the gradients back."""
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    config = vision_config(model, shapes, tmp_path, **flags)
+    report = run_distributed(config.world_size, check_first_step, config)[0]
+    assert report["mismatched"] == [] and report["passed"], report
+
+
+def one_step_and_its_checkpoint(rank, world_size, config):
+    """Every weight before and after one training step (rank 0's stages), and the names of
+    the checkpoint's optimizer entries."""
+    from meshpipe.train.checkpoints.store import read_tensors
+    from meshpipe.train.loop.trainer import Trainer
+
+    trainer = Trainer(config)
+    before = {name: p.detach().clone() for name, p in trainer.parameters}
+    trainer.train_step(0)
+    trainer.checkpointer.save(1)
+    after = {name: p.detach().clone() for name, p in trainer.parameters}
+    if rank != 0:
+        return None
+    from pathlib import Path
+
+    saved = read_tensors(next((Path(config.out_dir) / "checkpoint").glob("step-*")), "optim.")
+    return before, after, sorted(saved)
+
+
+@pytest.mark.distributed
+def test_frozen_parts_stay_and_keep_no_optimizer_state_and_lr_scale_scales(shapes, tmp_path):
+    """--freeze vision: the tower's weights are unchanged after a step and the checkpoint
+    holds no optimizer state for them; --lr-scale projector=0.5: AdamW's first update of the
+    projector is half as large as the decoder's (each of its first steps is the rate)."""
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    config = vision_config(model, shapes, tmp_path, freeze="vision",
+                           lr_scale="projector=0.5", weight_decay=0.0, warmup_steps=0)
+    before, after, saved = run_distributed(config.world_size, one_step_and_its_checkpoint,
+                                           config)[0]
+    tower = [name for name in before if name.startswith("visual.") and "merger" not in name]
+    assert tower and all(torch.equal(before[name], after[name]) for name in tower)
+    assert not [key for key in saved if key.startswith("optim.visual.blocks")]
+    assert any(key.startswith("optim.visual.merger") for key in saved)
+    largest = {part: max(float((after[n] - before[n]).abs().max()) for n in before
+                         if n.startswith(prefix))
+               for part, prefix in (("projector", "visual.merger."), ("language", "model."))}
+    assert largest["projector"] == pytest.approx(0.5 * largest["language"], rel=0.05)

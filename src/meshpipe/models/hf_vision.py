@@ -34,6 +34,13 @@ FILE_PREFIXES = {
     "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
 }
 VISION_MODEL_TYPES = tuple(FILE_PREFIXES)
+# The parts of a vision-language model (--freeze, --lr-scale), by weight-file prefix; the
+# language model is the rest.
+PARTS = ("vision", "projector", "language")
+PART_PREFIXES = {
+    "qwen2_vl": (("visual.merger.", "projector"), ("visual.", "vision")),
+    "qwen2_5_vl": (("visual.merger.", "projector"), ("visual.", "vision")),
+}
 PROCESSOR_FILE = "preprocessor_config.json"
 
 
@@ -59,6 +66,38 @@ def file_name(model_type: str, module_name: str) -> str:
         if module_name.startswith(module_prefix):
             return file_prefix + module_name[len(module_prefix):]
     return module_name
+
+
+def part_of(model_type: str, name: str) -> str:
+    """The part (``PARTS``) a parameter belongs to, by its weight-file name."""
+    return next((part for prefix, part in PART_PREFIXES[model_type] if name.startswith(prefix)),
+                "language")
+
+
+def parse_parts(text: str, flag: str = "--freeze") -> tuple[str, ...]:
+    """``vision,projector`` as a tuple of parts; a one-line ValueError for another name."""
+    parts = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [part for part in parts if part not in PARTS]
+    if unknown:
+        raise ValueError(f"{flag} {text}: {', '.join(unknown)} is not a part of a "
+                         f"vision-language model; name some of {', '.join(PARTS)}")
+    return parts
+
+
+def parse_lr_scales(text: str) -> dict[str, float]:
+    """``vision=0.1,projector=1`` as {part: scale}; a one-line ValueError for a bad entry."""
+    scales = {}
+    for entry in (entry.strip() for entry in text.split(",") if entry.strip()):
+        part, _, value = entry.partition("=")
+        parse_parts(part, "--lr-scale")
+        try:
+            scales[part.strip()] = float(value)
+        except ValueError:
+            scales[part.strip()] = -1.0
+        if not scales[part.strip()] > 0:
+            raise ValueError(f"--lr-scale {text}: {entry} is not part=SCALE with a positive "
+                             "scale, e.g. vision=0.1")
+    return scales
 
 
 def vision_info(path: Path, config, skeleton: nn.Module) -> VisionInfo:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from meshpipe.comm.p2p import MODES as P2P_MODES
+from meshpipe.models.hf_vision import parse_lr_scales, parse_parts
 from meshpipe.runtime.precision import DTYPES
 from meshpipe.schedules import SCHEDULES
 from meshpipe.schedules.builders import schedule_spec
@@ -55,6 +56,8 @@ class TrainConfig:
     tp: int = 1
     stage_tp: str = ""
     stage_layers: str = ""
+    freeze: str = ""
+    lr_scale: str = ""
     stage_link: str = ""
     sequence_parallel: bool = False
     schedule: str = "1f1b"
@@ -129,6 +132,8 @@ class TrainConfig:
         for name, rule in DERIVED_DEFAULTS.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, rule.value(self))
+        parse_parts(self.freeze)
+        parse_lr_scales(self.lr_scale)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of "
                              f"{', '.join(SCHEDULES)}")
@@ -406,6 +411,10 @@ FIELD_HELP = {
     "cp_ring": "context-parallel ring degree (zigzag ring attention)",
     "tp": "tensor-parallel ranks per stage (heads, SwiGLU width and vocabulary split)",
     "stage_tp": "one tensor-parallel size per pipeline rank, e.g. 2,1 (VTP)",
+    "freeze": "parts of a vision-language model that do not train: any of vision, projector, "
+              "language (e.g. vision,projector)",
+    "lr_scale": "a learning-rate factor per part of a vision-language model, e.g. "
+                "vision=0.1,projector=1",
     "stage_layers": "decoder layers per stage, e.g. vision+10,14 (a vision-language model's "
                     "tower is on the first stage; vision,24 gives it a stage of its own); "
                     "default: balanced, the tower's cost counted",

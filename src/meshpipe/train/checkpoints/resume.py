@@ -40,7 +40,7 @@ MODEL_FIELDS = ("model", "dim", "layers", "heads", "kv_heads", "tie_embeddings",
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed",
                    "microbatches", "microbatch_size", "dp", "seq_len", "dtype", "moe_aux_coef",
                    "moe_capacity_factor", "data", "val_data", "text_field", "loss_on",
-                   "chat_template", "truncate", "tokenizer", "pack")
+                   "chat_template", "truncate", "tokenizer", "pack", "freeze", "lr_scale")
 LAYOUT_FIELDS = ("pp", "vpp", "cp_ulysses", "cp_ring", "tp", "stage_tp", "stage_layers",
                  "stage_link", "sequence_parallel", "schedule", "placement", "p2p", "recompute",
                  "ep", "device", "backend", "zero", "compile", "joint_projections")

@@ -77,10 +77,11 @@ def _state_dict(parameters: NamedParameters, moments: OptimizerMoments, step: in
     _, tp_size = tp_rank_and_size(tp_group)
     state: dict[str, torch.Tensor] = {"meta.step": torch.tensor(step, device="cpu")}
     for name, param in parameters:
-        adam = moments.of(param)
-        state[f"optim.{name}.step"] = adam["step"]
-        tensors = {f"model.{name}": moments.value_of(param),
-                   **{f"optim.{name}.{key}": adam[key] for key in _ADAM_STATE}}
+        tensors = {f"model.{name}": moments.value_of(param)}
+        if param.requires_grad:  # a frozen weight has no optimizer state
+            adam = moments.of(param)
+            state[f"optim.{name}.step"] = adam["step"]
+            tensors.update({f"optim.{name}.{key}": adam[key] for key in _ADAM_STATE})
         whole = _whole_shape(param, tp_size)
         for key, tensor in tensors.items():
             if whole is None:

@@ -46,10 +46,12 @@ class Gradients:
     def __init__(self, config: TrainConfig, topology: Topology, parameters: NamedParameters,
                  tied: list[tuple[torch.nn.Parameter, Any]], device: torch.device,
                  stage_params: dict[int, list[torch.nn.Parameter]],
-                 twin_of: Callable[[torch.nn.Parameter], torch.nn.Parameter] | None = None):
+                 twin_of: Callable[[torch.nn.Parameter], torch.nn.Parameter] | None = None,
+                 lr_scale_of: Callable[[str], float] = lambda name: 1.0):
         self.config = config
         self.topology = topology
         self.parameters = list(parameters)
+        self._lr_scale = {id(param): lr_scale_of(name) for name, param in self.parameters}
         self.tied = tied
         self.device = device
         self.tp_group = topology.tp_group if topology.tp_size > 1 else None
@@ -72,6 +74,17 @@ class Gradients:
         and the parameters that take no gradient."""
         return [p for bucket in self.buckets for p in bucket.update_parameters] + \
             self._unbucketed
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups: ``update_params`` by learning-rate factor
+        (``lr_scale``; a bucket holds weights of one factor, so its shard pieces do too)."""
+        groups: dict[float, list[torch.nn.Parameter]] = {}
+        for bucket in self.buckets:
+            groups.setdefault(self._lr_scale[id(bucket.params[0])], []).extend(
+                bucket.update_parameters)
+        for param in self._unbucketed:
+            groups.setdefault(self._lr_scale[id(param)], []).append(param)
+        return [{"params": params, "lr_scale": scale} for scale, params in groups.items()]
 
     @property
     def sharded(self) -> bool:
@@ -99,14 +112,15 @@ class Gradients:
         buckets: list[Bucket] = []
         placed: set[int] = set()
         for stage, params in stage_params.items():
-            runs: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+            runs: dict[tuple[bool, bool, float], list[torch.nn.Parameter]] = {}
             for param in params:
                 if not param.requires_grad or id(param) in placed:
                     continue
                 placed.add(id(param))
                 deferred = self._needs_first(param) or seen[id(param)] > 1
-                runs.setdefault((self._replicas(param)[1], deferred), []).append(param)
-            for (_, deferred), run in runs.items():
+                key = (self._replicas(param)[1], deferred, self._lr_scale[id(param)])
+                runs.setdefault(key, []).append(param)
+            for (_, deferred, _), run in runs.items():
                 group = self._replicas(run[0])[0]
                 before = (lambda run=run: self._sum_first(run)) if deferred else None
                 buckets += buckets_of(run, group, scale=1.0 / self.config.dp,

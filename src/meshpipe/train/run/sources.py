@@ -66,11 +66,13 @@ def tower_cost(config: TrainConfig) -> float:
     vision = model_info(config.model).vision if config.model else None
     if vision is None or not config.data:
         return 0.0
-    from meshpipe.models.hf_vision import tower_cost_in_layers
+    from meshpipe.models.hf_vision import parse_parts, tower_cost_in_layers
 
     data = [tokenized(config, path) for path, _ in data_sources.sources(config)]
     patches = sum(part.images.patches() for part in data if part.images is not None)
-    return tower_cost_in_layers(vision, patches, sum(part.num_tokens for part in data))
+    cost = tower_cost_in_layers(vision, patches, sum(part.num_tokens for part in data))
+    # A frozen tower runs its forward only: a third of a forward and backward.
+    return cost / 3 if "vision" in parse_parts(config.freeze) else cost
 
 
 def check_sources(config: TrainConfig) -> list[str]:
@@ -81,6 +83,8 @@ def check_sources(config: TrainConfig) -> list[str]:
         from meshpipe.models import hf
 
         hf.check_sequence_length(model_info(config.model), config.seq_len)
+    _check_parts(config)
+    if config.model:
         if model_info(config.model).vision is not None:
             _check_vision_layout(config)
         hf.check_experts(model_info(config.model), ep=config.ep,
@@ -98,6 +102,39 @@ def check_sources(config: TrainConfig) -> list[str]:
                          f"has {vocab_size(config)} rows: use the model's own tokenizer "
                          "(--tokenizer) or a model with a larger vocabulary")
     return check_data(config)
+
+
+def _check_parts(config: TrainConfig) -> None:
+    """--freeze and --lr-scale name parts of a vision-language model, and leave some part
+    training."""
+    vision = bool(config.model) and model_info(config.model).vision is not None
+    given = [flag for flag, value in (("--freeze", config.freeze),
+                                      ("--lr-scale", config.lr_scale)) if value]
+    if given and not vision:
+        raise ValueError(f"{' and '.join(given)} name parts of a vision-language model "
+                         f"(vision, projector, language), and {config.model or 'the model'} is "
+                         "not one: drop them")
+    from meshpipe.models.hf_vision import PARTS, parse_parts
+
+    if set(parse_parts(config.freeze)) == set(PARTS):
+        raise ValueError(f"--freeze {config.freeze} leaves nothing to train: freeze fewer parts")
+
+
+def frozen(config: TrainConfig, name: str) -> bool:
+    """Whether the weight ``name`` (as the files name it) is in a part ``--freeze`` names."""
+    from meshpipe.models.hf_vision import parse_parts, part_of
+
+    return part_of(model_info(config.model).model_type, name) in parse_parts(config.freeze)
+
+
+def lr_scale_of(config: TrainConfig, name: str) -> float:
+    """The learning-rate factor ``--lr-scale`` gives the weight ``name``'s part (1 without)."""
+    if not config.lr_scale:
+        return 1.0
+    from meshpipe.models.hf_vision import parse_lr_scales, part_of
+
+    part = part_of(model_info(config.model).model_type, name)
+    return parse_lr_scales(config.lr_scale).get(part, 1.0)
 
 
 def _check_vision_layout(config: TrainConfig) -> None:
@@ -267,6 +304,9 @@ def _hf_parts(config: TrainConfig, layers: list[int], attention, my_stages, *,
     shared = shared_parameters(chunks)
     meta_names = hf.full_names(skeleton)
     real = hf.materialize(skeleton, [chunks[s] for s in my_stages], config.model)
+    for meta, param in real.items():
+        if config.freeze and frozen(config, meta_names[meta]):
+            param.requires_grad_(False)
     return ModelParts(chunks=chunks,
                       names={id(p): meta_names[meta] for meta, p in real.items()},
                       shared=shared,
@@ -279,6 +319,11 @@ def reference_step(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]
     weights, the gradients of their float32 masters). For a ``--model``
     the process runs the unmodified transformers model, its own forward and loss."""
     model = _reference_model(config)
+    if config.freeze:
+        from meshpipe.models.hf_vision import file_name
+
+        for name, param in model.named_parameters():
+            param.requires_grad_(not frozen(config, file_name(model.config.model_type, name)))
     named = MasterWeights(model.named_parameters(), weights_dtype(config.dtype)).named
     scale = DynamicLossScaler().scale if config.dtype == "fp16" else 1.0
     losses = []
