@@ -325,3 +325,13 @@ def test_frozen_parts_stay_and_keep_no_optimizer_state_and_lr_scale_scales(shape
                          if n.startswith(prefix))
                for part, prefix in (("projector", "visual.merger."), ("language", "model."))}
     assert largest["projector"] == pytest.approx(0.5 * largest["language"], rel=0.05)
+
+
+@pytest.mark.distributed
+def test_check_passes_with_tensor_parallelism_on_the_decoder(shapes, tmp_path):
+    """Qwen2-VL at pp 2 x tp 2: the decoder split over the tp ranks, the tower whole on
+    each (its gradient is then whole on each too)."""
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    config = vision_config(model, shapes, tmp_path, tp=2)
+    report = run_distributed(config.world_size, check_first_step, config)[0]
+    assert report["mismatched"] == [] and report["passed"], report

@@ -42,6 +42,7 @@ from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
 from meshpipe.context.routing import GraphPack, attend, pack_for_graph
 from meshpipe.models import hf_moe, hf_vision
+from meshpipe.models.hf_vision import decoder_of
 from meshpipe.models.hf_tp import ROWS_ATTR
 from meshpipe.models.moe import is_expert_param, mark_expert_parallel
 from meshpipe.models.transformer import _maybe_checkpoint, default_positions
@@ -367,15 +368,6 @@ class HFChunk(nn.Module):
     def extra_repr(self) -> str:
         start, stop = self.layer_range
         return f"layers=[{start}, {stop}), first={self.is_first}, last={self.is_last}"
-
-
-def decoder_of(model: nn.Module) -> tuple[nn.Module, object]:
-    """A causal LM's decoder (embedding, layers, norm, rotary embedding) and its config; a
-    vision-language model's is its language model."""
-    inner = model.model
-    if hasattr(inner, "language_model"):
-        return inner.language_model, model.config.text_config
-    return inner, model.config
 
 
 def split_model(model: nn.Module, layers_per_stage: list[int], attention: Attention | None = None,

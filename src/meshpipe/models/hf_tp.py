@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from meshpipe.models.hf_vision import decoder_of
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding, mark_fused,
                                mark_sequence_parallel)
 from meshpipe.parallel.tensor import _SHARD_ATTR
@@ -144,16 +145,17 @@ def _slice_of(param: nn.Parameter, dim: int, region: TensorParallelRegion,
 
 
 def shard_skeleton(model: nn.Module, region: TensorParallelRegion) -> None:
-    """Split ``model`` (on the meta device) for this rank's tp ``region`` (module docstring)."""
-    config = model.config
+    """Split ``model`` (on the meta device) for this rank's tp ``region`` (module docstring):
+    its decoder and head (a vision-language model's tower stays whole on every rank)."""
+    base, config = decoder_of(model)
     check_sizes(config, region.size, "the model")
     local_config = copy.copy(config)
     local_config.num_attention_heads = config.num_attention_heads // region.size
     local_config.num_key_value_heads = kv_heads(config) // region.size
-    for name, module in list(model.named_modules()):
+    for name, module in list(base.named_modules()):
         end = next((end for end in SPLITS if name.endswith(end)), None)
         if end is not None:
-            owner, attribute = _owner(model, name)
+            owner, attribute = _owner(base, name)
             fused = FUSED.get(end)
             setattr(owner, attribute, ColumnParallel(
                 module, region, parts=fused(config) if fused else None)
@@ -162,14 +164,13 @@ def shard_skeleton(model: nn.Module, region: TensorParallelRegion) -> None:
             _local_heads(module, local_config, region.size)
         if name.endswith(REGIONS):
             module.register_forward_pre_hook(_entering(region), with_kwargs=True)
-    base = model.model
     tied = model.lm_head.weight is base.embed_tokens.weight
     base.embed_tokens = _vocab_parallel(base.embed_tokens, region)
     if tied:
         model.lm_head = _TiedHead(base.embed_tokens.weight, region)
     else:
         model.lm_head = ColumnParallel(model.lm_head, region, enters=True)
-    for name, param in model.named_parameters():
+    for name, param in base.named_parameters():
         if name.endswith(PER_HEAD) or (region.sequence_parallel and name.endswith("norm.weight")):
             mark_sequence_parallel(param)
 

@@ -56,6 +56,15 @@ class VisionInfo:
     layer_parameters: int  # one decoder layer's parameter count
 
 
+def decoder_of(model: nn.Module) -> tuple[nn.Module, object]:
+    """A causal LM's decoder (embedding, layers, norm, rotary embedding) and its config; a
+    vision-language model's is its language model."""
+    inner = model.model
+    if hasattr(inner, "language_model"):
+        return inner.language_model, model.config.text_config
+    return inner, model.config
+
+
 def is_vision_model(model_type: str) -> bool:
     return model_type in VISION_MODEL_TYPES
 

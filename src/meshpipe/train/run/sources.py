@@ -140,7 +140,7 @@ def lr_scale_of(config: TrainConfig, name: str) -> float:
 def _check_vision_layout(config: TrainConfig) -> None:
     """What a vision-language model does not run with yet, refused in one line."""
     unsupported = [flag for flag, given in (
-        ("--tp/--stage-tp", config.tp > 1 or bool(config.stage_tp)),
+        ("--sequence-parallel", config.sequence_parallel),
         ("--cp-ring/--cp-ulysses", config.cp_ring * config.cp_ulysses > 1),
         ("--compile", config.compile),
         ("a mixture of several --data sources", len(config.data) > 1)) if given]
@@ -157,7 +157,8 @@ def check_tensor_parallel(config: TrainConfig, tp: int) -> None:
         return
     from meshpipe.models import hf, hf_tp
 
-    hf_tp.check_sizes(hf.load_config(config.model), tp, f"--model {config.model}")
+    hf_tp.check_sizes(hf.decoder_config(hf.load_config(config.model)), tp,
+                      f"--model {config.model}")
 
 
 def attention_heads(config: TrainConfig) -> tuple[int, int]:
@@ -168,7 +169,7 @@ def attention_heads(config: TrainConfig) -> tuple[int, int]:
         return reference.n_heads, reference.kv_heads
     from meshpipe.models import hf, hf_tp
 
-    loaded = hf.load_config(config.model)
+    loaded = hf.decoder_config(hf.load_config(config.model))
     return loaded.num_attention_heads, hf_tp.kv_heads(loaded)
 
 
