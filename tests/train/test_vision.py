@@ -148,8 +148,8 @@ def test_bad_models_and_layouts_are_refused_in_one_line(vision_model, shapes, tm
     config_file.write_text(config_file.read_text().replace('"qwen2', '"idefics9'))
     with pytest.raises(ValueError, match="vision-language ones: qwen2_vl, qwen2_5_vl"):
         hf.inspect_model(bare)
-    with pytest.raises(ValueError, match="does not run with --cp-ring/--cp-ulysses yet"):
-        sources.check_sources(vision_config(vision_model, shapes, tmp_path, cp_ring=2))
+    with pytest.raises(ValueError, match="does not run with --compile yet"):
+        sources.check_sources(vision_config(vision_model, shapes, tmp_path, compile=True))
 
 
 def boundary_bytes(rank, world_size, config):
@@ -333,5 +333,18 @@ def test_check_passes_with_tensor_parallelism_on_the_decoder(shapes, tmp_path):
     each (its gradient is then whole on each too)."""
     model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
     config = vision_config(model, shapes, tmp_path, tp=2)
+    report = run_distributed(config.world_size, check_first_step, config)[0]
+    assert report["mismatched"] == [] and report["passed"], report
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("flags", [dict(cp_ring=2, pack=True), dict(cp_ulysses=2),
+                                   dict(cp_ring=2, cp_ulysses=2, pack=True)],
+                         ids=["ring-packed", "ulysses", "hybrid-packed"])
+def test_check_passes_with_context_parallelism(shapes, tmp_path, flags):
+    """The decoder's sequence over the context-parallel ranks with the 3D positions: each
+    rank its (zigzag) columns of the tokens, their positions and image features."""
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    config = vision_config(model, shapes, tmp_path, **flags)
     report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == [] and report["passed"], report

@@ -209,6 +209,14 @@ def _document_positions(ids: np.ndarray, out: np.ndarray, image: int, counts: li
     return image
 
 
+def image_rows(tokens: Tensor, image_token_id: int) -> Tensor:
+    """For each token, the row of the microbatch's image features it takes (its image
+    placeholders numbered in order, row by row), -1 for a text token."""
+    placeholders = tokens == image_token_id
+    return torch.where(placeholders, placeholders.reshape(-1).cumsum(0).reshape(tokens.shape) - 1,
+                       -1)
+
+
 def image_features(visual: nn.Module, pixels: Tensor, grids: Tensor) -> Tensor:
     """The merged features of the images, one row per image token, in order."""
     out = visual(pixels.to(next(visual.parameters()).dtype), grid_thw=grids)
@@ -229,28 +237,30 @@ class VisionChunk(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None,
                 rope: Tensor | None = None, pixels: Tensor | None = None,
-                grids: Tensor | None = None):
-        return run_steps(self.forward_steps(x, positions, doc_ids, rope, pixels, grids))
+                grids: Tensor | None = None, rows: Tensor | None = None):
+        return run_steps(self.forward_steps(x, positions, doc_ids, rope, pixels, grids, rows))
 
     def forward_steps(self, x: Tensor, positions: Tensor | None = None,
                       doc_ids: Tensor | None = None, rope: Tensor | None = None,
-                      pixels: Tensor | None = None, grids: Tensor | None = None):
-        hidden = self._embedded(x, pixels, grids) if self.is_first else x
+                      pixels: Tensor | None = None, grids: Tensor | None = None,
+                      rows: Tensor | None = None):
+        hidden = self._embedded(x, pixels, grids, rows) if self.is_first else x
         out = yield from self.decoder.decoder_steps(hidden, x, positions, doc_ids, None,
                                                     rope=rope)
         return out if self.is_last else (*out, rope)
 
-    def _embedded(self, tokens: Tensor, pixels: Tensor | None, grids: Tensor | None) -> Tensor:
+    def _embedded(self, tokens: Tensor, pixels: Tensor | None, grids: Tensor | None,
+                  rows: Tensor | None) -> Tensor:
+        """The token embeddings, an image placeholder's replaced by its image feature:
+        ``rows`` (``image_rows``, of the tokens this rank holds) says which."""
         hidden = self.decoder.embed_tokens(tokens)
         if pixels is None or not pixels.shape[0]:
             return hidden
         features = image_features(self.visual, pixels, grids).to(hidden.dtype)
-        where = (tokens == self.image_token_id).unsqueeze(-1)
-        placeholders = int(where.sum())
-        if placeholders != features.shape[0]:
-            raise ValueError(f"the microbatch has {placeholders} image placeholder tokens but "
-                             f"its images give {features.shape[0]} features")
-        return hidden.masked_scatter(where, features)
+        if rows is None:
+            rows = image_rows(tokens, self.image_token_id)
+        shown = (rows >= 0).unsqueeze(-1)
+        return torch.where(shown, features[rows.clamp(min=0)], hidden)
 
     def extra_repr(self) -> str:
         return f"vision={self.visual is not None}"

@@ -91,9 +91,12 @@ class RankBatches:
 
     def _with_images(self, batch) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
         """A vision-language model's microbatches: ``(tokens, positions, doc_ids, rope,
-        pixels, grids)`` (``hf_vision.VisionChunk``), each microbatch as long as its longest
-        sequence without packing (no padding to ``--seq-len``), one row with packing."""
-        from meshpipe.models.hf_vision import mrope_positions
+        pixels, grids, image_rows)`` (``hf_vision.VisionChunk``). Without packing or context
+        parallelism a microbatch is as long as its longest sequence (no padding to
+        ``--seq-len``); with packing it is one row. Under context parallelism each rank
+        holds its columns of the tokens, their 3D positions and which image feature each
+        image token takes, and every rank has the microbatch's images."""
+        from meshpipe.models.hf_vision import image_rows, mrope_positions
         from meshpipe.train.data.images import Pictures
 
         size, device, vision = self.config.microbatch_size, self.device, self._vision
@@ -103,21 +106,29 @@ class RankBatches:
             pieces = [piece for row in batch.pictures[rows] for piece in row]
             pictures = Pictures.joined(pieces, batch.pictures[0][0].pixels.shape[1])
             if batch.doc_lens is None:
-                length = max(batch.lengths[rows])
+                length = batch.tokens.shape[1] if self._slices else max(batch.lengths[rows])
                 tokens, row_targets = batch.tokens[rows, :length], batch.targets[rows, :length]
-                positions = doc_ids = doc_lens = None
+                doc_lens, held = None, self.positions if self._slices else None
+                positions, doc_ids = self._device_positions, None
             else:
                 tokens = batch.tokens[rows].reshape(1, -1)
                 row_targets = batch.targets[rows].reshape(1, -1)
                 doc_lens = [[n for lens in batch.doc_lens[rows] for n in lens]]
-                positions, doc_ids = (to_device(t, device) for t in sources.packed_layout(
-                    doc_lens[0], torch.arange(tokens.shape[1])))
+                held = packed_hybrid_positions(doc_lens[0], self.config.cp_ring,
+                                               self.cp_ranks[0], self.config.cp_ulysses,
+                                               self.cp_ranks[1])
+                positions, doc_ids = sources.packed_layout(doc_lens[0], held)
             rope = mrope_positions(tokens, pictures.grids, vision.image_token_id,
                                    vision.merge_size, doc_lens)
-            inputs.append((to_device(tokens, device), positions, doc_ids, to_device(rope, device),
-                           to_device(pictures.pixels, device), to_device(pictures.grids, device)))
+            feature_rows = image_rows(tokens, vision.image_token_id)
+            if held is not None:
+                tokens, row_targets = tokens[:, held], row_targets[:, held]
+                rope, feature_rows = rope[:, :, held], feature_rows[:, held]
+            inputs.append(tuple(None if t is None else to_device(t, device) for t in (
+                tokens, positions, doc_ids, rope, pictures.pixels, pictures.grids,
+                feature_rows)))
             targets.append(to_device(row_targets, device))
-            helds.append(torch.arange(tokens.shape[1]))
+            helds.append(torch.arange(tokens.shape[1]) if held is None else held)
         return inputs, targets, helds
 
     def _packed(self, batch) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:

@@ -141,7 +141,6 @@ def _check_vision_layout(config: TrainConfig) -> None:
     """What a vision-language model does not run with yet, refused in one line."""
     unsupported = [flag for flag, given in (
         ("--sequence-parallel", config.sequence_parallel),
-        ("--cp-ring/--cp-ulysses", config.cp_ring * config.cp_ulysses > 1),
         ("--compile", config.compile),
         ("a mixture of several --data sources", len(config.data) > 1)) if given]
     if unsupported:
