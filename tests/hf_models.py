@@ -97,15 +97,20 @@ def write_documents(path: Path, count: int = 60, seed: int = 0, max_words: int =
     return path
 
 
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-VISION_ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl")
-# A ChatML template whose user turns may hold images, as Qwen2-VL's does.
-VISION_CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
-    "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+                 "<image>")
+VISION_ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl", "llava")
+# The text each image part of a message becomes, by architecture.
+IMAGE_TEXT = {"qwen": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>"}
+
+
+def vision_chatml(image_text: str) -> str:
+    """A ChatML template whose user turns may hold images, as Qwen2-VL's and LLaVA's do."""
+    return ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+            "{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+            "{% if part['type'] == 'image' %}" + image_text + "{% else %}{{ part['text'] }}"
+            "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def tiny_vision_config(arch: str, token_ids: dict[str, int], **overrides):
@@ -120,6 +125,14 @@ def tiny_vision_config(arch: str, token_ids: dict[str, int], **overrides):
                                      rope_theta=10000.0))
     vision = dict(depth=2, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2,
                   temporal_patch_size=2, in_channels=3)
+    if arch == "llava":
+        return transformers.LlavaConfig(
+            text_config=dict(text, model_type="llama", rope_parameters=None),
+            vision_config=dict(model_type=overrides.pop("tower", "clip_vision_model"),
+                               hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=2, image_size=16, patch_size=4),
+            image_token_id=token_ids["<image>"], vision_feature_layer=-2,
+            vision_feature_select_strategy=overrides.pop("strategy", "default"), **overrides)
     if arch == "qwen2_vl":
         vision.update(embed_dim=16, mlp_ratio=2)
         config_class = transformers.Qwen2VLConfig
@@ -138,20 +151,37 @@ def save_tiny_vision_model(directory: Path, arch: str = "qwen2_vl", seed: int = 
                            **overrides) -> Path:
     """A random vision-language model of tiny sizes as save_pretrained writes it, with its
     tokenizer (the vision tokens special, a chat template taking images) and its image
-    processor (4-pixel patches; images resized to 8..32 pixels a side)."""
+    processor: Qwen's with 4-pixel patches, images resized to 8..32 pixels a side; LLaVA's
+    (``tower``: a CLIP or SigLIP vision config) to 16 x 16."""
     import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil)
 
     transformers.utils.logging.disable_progress_bar()
     directory = Path(directory)
-    save_tiny_tokenizer(directory, chat_template=VISION_CHATML, extra_special=VISION_TOKENS)
+    image_text = IMAGE_TEXT["llava" if arch == "llava" else "qwen"]
+    save_tiny_tokenizer(directory, chat_template=vision_chatml(image_text),
+                        extra_special=VISION_TOKENS)
     tokens = transformers.AutoTokenizer.from_pretrained(str(directory))
     token_ids = {token: tokens.convert_tokens_to_ids(token) for token in VISION_TOKENS}
     torch.manual_seed(seed)
-    model = transformers.AutoModelForImageTextToText.from_config(
-        tiny_vision_config(arch, token_ids, **overrides))
+    config = tiny_vision_config(arch, token_ids, **overrides)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
     model.save_pretrained(str(directory))
-    Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
-                             min_pixels=8 * 8, max_pixels=32 * 32).save_pretrained(str(directory))
+    _tiny_image_processor(arch, config).save_pretrained(str(directory))
     return directory
+
+
+def _tiny_image_processor(arch: str, config):
+    if arch == "llava":
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+        from transformers.models.siglip.image_processing_pil_siglip import (
+            SiglipImageProcessorPil)
+
+        if config.vision_config.model_type == "siglip_vision_model":
+            return SiglipImageProcessorPil(size={"height": 16, "width": 16})
+        return CLIPImageProcessorPil(size={"shortest_edge": 16},
+                                     crop_size={"height": 16, "width": 16})
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+
+    return Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                                    min_pixels=8 * 8, max_pixels=32 * 32)

@@ -26,9 +26,17 @@ def shapes(tmp_path_factory):
     return write_shapes_corpus(tmp_path_factory.mktemp("shapes"), 40)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+# (architecture, its tiny config's overrides): LLaVA with a CLIP tower that drops its class
+# token, and with a SigLIP one that keeps every patch.
+MODELS = {"qwen2_vl": ("qwen2_vl", {}), "qwen2_5_vl": ("qwen2_5_vl", {}),
+          "llava-clip": ("llava", {}),
+          "llava-siglip": ("llava", dict(tower="siglip_vision_model", strategy="full"))}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
 def vision_model(request, tmp_path_factory):
-    return save_tiny_vision_model(tmp_path_factory.mktemp(request.param), request.param)
+    arch, overrides = MODELS[request.param]
+    return save_tiny_vision_model(tmp_path_factory.mktemp(request.param), arch, **overrides)
 
 
 def vision_config(model, data, tmp_path, **flags):
@@ -47,16 +55,17 @@ def test_check_passes_with_the_tower_on_the_first_stage(vision_model, shapes, tm
 
 def test_the_first_batch_shows_images_of_several_sizes_and_the_tower_costs_layers(
         vision_model, shapes, tmp_path):
-    """What the --check tests above rest on: images of mixed sizes in the first batch; and
-    the split gives the first stage, which carries the tower, no more layers than the
-    others."""
+    """What the --check tests above rest on: images of mixed sizes in the first batch (LLaVA's
+    processors make them one size), several images in a sample; and the split gives the
+    first stage, which carries the tower, no more layers than the others."""
     from meshpipe.train.run.plan import build_schedule, layers_per_stage
 
     config = vision_config(vision_model, shapes, tmp_path)
     sources.check_sources(config)
     batch = data_sources.samplers(config, 0)[0].batch(0)
     grids = {tuple(g) for row in batch.pictures for piece in row for g in piece.grids.tolist()}
-    assert len(grids) >= 2
+    assert len(grids) >= (1 if "llava" in vision_model.name else 2)
+    assert max(len(piece.grids) for row in batch.pictures for piece in row) >= 2
     assert sources.tower_cost(config) > 0
     layers = layers_per_stage(config, build_schedule(config))
     assert sum(layers) == 4 and layers[0] <= layers[1]
@@ -138,15 +147,16 @@ def test_bad_image_data_is_refused_in_one_line(vision_model, shapes, tmp_path, c
 def test_bad_models_and_layouts_are_refused_in_one_line(vision_model, shapes, tmp_path):
     from meshpipe.models import hf
 
-    (vision_model.parent / "noproc").mkdir(exist_ok=True)
-    bare = vision_model.parent / "noproc"
+    bare = tmp_path / "noproc"
+    bare.mkdir()
     for name in ("config.json", "model.safetensors"):
         (bare / name).write_bytes((vision_model / name).read_bytes())
     with pytest.raises(ValueError, match="without its image processor"):
         hf.inspect_model(bare)
     config_file = bare / "config.json"
-    config_file.write_text(config_file.read_text().replace('"qwen2', '"idefics9'))
-    with pytest.raises(ValueError, match="vision-language ones: qwen2_vl, qwen2_5_vl"):
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
+                                       "model_type": "idefics9"}))
+    with pytest.raises(ValueError, match="vision-language ones: qwen2_vl, qwen2_5_vl, llava"):
         hf.inspect_model(bare)
     with pytest.raises(ValueError, match="does not run with --compile yet"):
         sources.check_sources(vision_config(vision_model, shapes, tmp_path, compile=True))
@@ -190,6 +200,7 @@ def test_an_export_loads_back_with_the_same_logits(vision_model, shapes, tmp_pat
     import transformers
 
     from meshpipe.models import hf, hf_export, hf_vision
+    from meshpipe.models.vision_positions import mrope_positions
     from meshpipe.train.data.images import Pictures
 
     skeleton = hf.build_skeleton(vision_model)
@@ -199,22 +210,31 @@ def test_an_export_loads_back_with_the_same_logits(vision_model, shapes, tmp_pat
     names = hf.full_names(skeleton)
     real = hf.materialize(skeleton, chunks, vision_model)
     state = {names[meta]: param for meta, param in real.items()}
-    assert "visual.patch_embed.proj.weight" in state and "model.layers.0.mlp.up_proj.weight" in state
+    expected = {"qwen": ("visual.patch_embed.proj.weight", "model.layers.0.mlp.up_proj.weight"),
+                "llava": ("vision_tower.embeddings.patch_embedding.weight",
+                          "language_model.model.layers.0.mlp.up_proj.weight",
+                          "multi_modal_projector.linear_1.weight")}
+    assert all(name in state for name in expected["llava" if "llava" in vision_model.name
+                                                   else "qwen"])
     with torch.no_grad():
         for param in state.values():
             param.add_(torch.randn_like(param) * 0.01)  # "trained"
     exported = hf_export.export_model(state, vision_model, tmp_path / "export")
     config = vision_config(vision_model, shapes, tmp_path)
     batch = data_sources.samplers(config, 0)[0].batch(0)
-    shown = Pictures.joined([piece for row in batch.pictures for piece in row], 96)
-    rope = hf_vision.mrope_positions(batch.tokens, shown.grids, info.image_token_id,
-                                     info.merge_size)
+    shown = Pictures.joined([piece for row in batch.pictures for piece in row],
+                            batch.pictures[0][0].pixels.shape[1])
+    rope = mrope_positions(batch.tokens, shown.grids, info.image_token_id,
+                           info.merge_size) if info.rope_3d else None
+    upstream = transformers.AutoModelForImageTextToText.from_pretrained(str(exported),
+                                                                        dtype=torch.float32)
+    images = hf_vision.reference_images(info.model_type, shown.pixels, shown.grids,
+                                        upstream.config)
+    if info.rope_3d:
+        images["mm_token_type_ids"] = (batch.tokens == info.image_token_id).int()
     with torch.no_grad():
         ours = chunks[1](*chunks[0](batch.tokens, None, None, rope, shown.pixels, shown.grids))
-        theirs = transformers.AutoModelForImageTextToText.from_pretrained(
-            str(exported), dtype=torch.float32)(
-            input_ids=batch.tokens, pixel_values=shown.pixels, image_grid_thw=shown.grids,
-            mm_token_type_ids=(batch.tokens == info.image_token_id).int()).logits
+        theirs = upstream(input_ids=batch.tokens, **images).logits
     torch.testing.assert_close(theirs, ours)
     assert (exported / "preprocessor_config.json").is_file()
 
@@ -338,13 +358,16 @@ def test_check_passes_with_tensor_parallelism_on_the_decoder(shapes, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("flags", [dict(cp_ring=2, pack=True), dict(cp_ulysses=2),
-                                   dict(cp_ring=2, cp_ulysses=2, pack=True)],
-                         ids=["ring-packed", "ulysses", "hybrid-packed"])
-def test_check_passes_with_context_parallelism(shapes, tmp_path, flags):
-    """The decoder's sequence over the context-parallel ranks with the 3D positions: each
-    rank its (zigzag) columns of the tokens, their positions and image features."""
-    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+@pytest.mark.parametrize("arch,flags", [("llava", dict(cp_ring=2, pack=True)),
+                                        ("qwen2_vl", dict(cp_ring=2, pack=True)),
+                                        ("qwen2_vl", dict(cp_ulysses=2)),
+                                        ("qwen2_vl", dict(cp_ring=2, cp_ulysses=2, pack=True))],
+                         ids=["llava-ring-packed", "ring-packed", "ulysses", "hybrid-packed"])
+def test_check_passes_with_context_parallelism(shapes, tmp_path, arch, flags):
+    """The decoder's sequence over the context-parallel ranks (with Qwen2-VL's 3D
+    positions): each rank its (zigzag) columns of the tokens, their positions and image
+    features."""
+    model = save_tiny_vision_model(tmp_path / "model", arch)
     config = vision_config(model, shapes, tmp_path, **flags)
     report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == [] and report["passed"], report

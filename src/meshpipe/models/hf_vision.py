@@ -26,34 +26,125 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from meshpipe.models.vision_positions import image_rows
 from meshpipe.runtime.substeps import run_steps
 
-# model_type -> (module-name prefix, weight-file prefix), longest module prefix first.
-FILE_PREFIXES = {
-    "qwen2_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
-    "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
-}
-VISION_MODEL_TYPES = tuple(FILE_PREFIXES)
-# The parts of a vision-language model (--freeze, --lr-scale), by weight-file prefix; the
-# language model is the rest.
-PARTS = ("vision", "projector", "language")
-PART_PREFIXES = {
-    "qwen2_vl": (("visual.merger.", "projector"), ("visual.", "vision")),
-    "qwen2_5_vl": (("visual.merger.", "projector"), ("visual.", "vision")),
-}
 PROCESSOR_FILE = "preprocessor_config.json"
+# The parts of a vision-language model (--freeze, --lr-scale).
+PARTS = ("vision", "projector", "language")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How meshpipe reads one kind of vision-language model."""
+
+    # (module-name prefix, weight-file prefix), the longest module prefix first.
+    file_prefixes: tuple[tuple[str, str], ...]
+    # (weight-file prefix, part): a weight's part for --freeze (the language model: the rest).
+    part_prefixes: tuple[tuple[str, str], ...]
+    tower: type  # the nn.Module that turns a microbatch's images into its image features
+    rope_3d: bool  # whether the decoder rotates by (time, row, column) positions
+
+
+class QwenTower(nn.Module):
+    """Qwen2-VL's and Qwen2.5-VL's tower with its patch merger (the projector): the
+    processor gives patches already, with each image's (t, h, w) grid."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.visual = model.model.visual
+
+    def forward(self, pixels: Tensor, grids: Tensor) -> Tensor:
+        out = self.visual(pixels.to(next(self.visual.parameters()).dtype), grid_thw=grids)
+        return getattr(out, "pooler_output", out)
+
+
+class LlavaTower(nn.Module):
+    """A LLaVA model's CLIP or SigLIP tower and its projector: the hidden states of the
+    configured layer(s), without the first token under the "default" strategy, projected.
+    The cache holds each image as patches (``as_images`` folds them back)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.vision_tower = model.model.vision_tower
+        self.projector = model.model.multi_modal_projector
+        config = model.config
+        layers = config.vision_feature_layer
+        self.layers = [layers] if isinstance(layers, int) else list(layers)
+        self.drop_first = config.vision_feature_select_strategy == "default"
+        self.patch_size = config.vision_config.patch_size
+
+    def forward(self, pixels: Tensor, grids: Tensor) -> Tensor:
+        images = as_images(pixels, grids, self.patch_size)
+        out = self.vision_tower(images.to(next(self.projector.parameters()).dtype),
+                                output_hidden_states=True)
+        chosen = [out.hidden_states[layer] for layer in self.layers]
+        if self.drop_first:
+            chosen = [hidden[:, 1:] for hidden in chosen]
+        features = self.projector(torch.cat(chosen, dim=-1))
+        return features.reshape(-1, features.shape[-1])
+
+
+QWEN = Architecture(file_prefixes=(("model.language_model.", "model."),
+                                   ("model.visual.", "visual.")),
+                    part_prefixes=(("visual.merger.", "projector"), ("visual.", "vision")),
+                    tower=QwenTower, rope_3d=True)
+LLAVA = Architecture(file_prefixes=(("model.language_model.", "language_model.model."),
+                                    ("model.vision_tower.", "vision_tower."),
+                                    ("model.multi_modal_projector.", "multi_modal_projector."),
+                                    ("lm_head.", "language_model.lm_head.")),
+                     part_prefixes=(("multi_modal_projector.", "projector"),
+                                    ("vision_tower.", "vision")),
+                     tower=LlavaTower, rope_3d=False)
+ARCHITECTURES = {"qwen2_vl": QWEN, "qwen2_5_vl": QWEN, "llava": LLAVA}
+VISION_MODEL_TYPES = tuple(ARCHITECTURES)
+
+
+def as_patches(images: np.ndarray, patch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Images ``[n, c, H, W]`` (of one size) as rows of ``c * p * p`` values, one per patch,
+    image by image and row by row, and each image's (1, H / p, W / p) grid."""
+    n, channels, height, width = images.shape
+    rows, columns = height // patch_size, width // patch_size
+    patches = images.reshape(n, channels, rows, patch_size, columns, patch_size).transpose(
+        0, 2, 4, 1, 3, 5).reshape(n * rows * columns, channels * patch_size * patch_size)
+    return patches, np.tile(np.array([[1, rows, columns]], dtype=np.int64), (n, 1))
+
+
+def as_images(patches: Tensor, grids: Tensor, patch_size: int) -> Tensor:
+    """``as_patches`` undone: ``[n, c, H, W]``."""
+    n, rows, columns = len(grids), int(grids[0, 1]), int(grids[0, 2])
+    channels = patches.shape[1] // patch_size ** 2
+    return patches.reshape(n, rows, columns, channels, patch_size, patch_size).permute(
+        0, 3, 1, 4, 2, 5).reshape(n, channels, rows * patch_size, columns * patch_size)
+
+
+def reference_images(model_type: str, pixels: Tensor, grids: Tensor, config) -> dict:
+    """The unmodified transformers model's image arguments for ``pixels`` and ``grids``."""
+    if ARCHITECTURES[model_type].rope_3d:
+        return dict(pixel_values=pixels, image_grid_thw=grids)
+    return dict(pixel_values=as_images(pixels, grids, config.vision_config.patch_size))
 
 
 @dataclass(frozen=True)
 class VisionInfo:
     """What the data and the layer split need of a vision-language model."""
 
+    model_type: str
     image_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
+    vision_start_token_id: int | None  # written before an image's tokens (Qwen), or none
+    vision_end_token_id: int | None
     merge_size: int  # image patches merged into one token along each side
-    tower_parameters: int  # the vision tower's (with the merger) parameter count
+    tower_parameters: int  # the vision tower's (with the projector) parameter count
     layer_parameters: int  # one decoder layer's parameter count
+    extra_tokens: int = 0  # an image's tokens beyond its patches (a class token kept or not)
+    patch_size: int = 0  # > 0: the processor gives whole images, cut into patches this size
+
+    @property
+    def rope_3d(self) -> bool:
+        return ARCHITECTURES[self.model_type].rope_3d
+
+    def tokens_per_image(self, grids: np.ndarray) -> np.ndarray:
+        return grids.prod(axis=1) // self.merge_size ** 2 + self.extra_tokens
 
 
 def decoder_of(model: nn.Module) -> tuple[nn.Module, object]:
@@ -71,7 +162,8 @@ def is_vision_model(model_type: str) -> bool:
 
 def file_name(model_type: str, module_name: str) -> str:
     """A parameter's name in the weight files, from its module path."""
-    for module_prefix, file_prefix in FILE_PREFIXES.get(model_type, ()):
+    prefixes = ARCHITECTURES[model_type].file_prefixes if model_type in ARCHITECTURES else ()
+    for module_prefix, file_prefix in prefixes:
         if module_name.startswith(module_prefix):
             return file_prefix + module_name[len(module_prefix):]
     return module_name
@@ -79,8 +171,8 @@ def file_name(model_type: str, module_name: str) -> str:
 
 def part_of(model_type: str, name: str) -> str:
     """The part (``PARTS``) a parameter belongs to, by its weight-file name."""
-    return next((part for prefix, part in PART_PREFIXES[model_type] if name.startswith(prefix)),
-                "language")
+    return next((part for prefix, part in ARCHITECTURES[model_type].part_prefixes
+                 if name.startswith(prefix)), "language")
 
 
 def parse_parts(text: str, flag: str = "--freeze") -> tuple[str, ...]:
@@ -116,14 +208,24 @@ def vision_info(path: Path, config, skeleton: nn.Module) -> VisionInfo:
         raise ValueError(f"--model {path} is a vision-language model without its image "
                          f"processor ({PROCESSOR_FILE}): save the processor beside the model "
                          "(processor.save_pretrained(directory))")
-    visual = skeleton.model.visual
+    tower = ARCHITECTURES[config.model_type].tower(skeleton)
     layer = skeleton.model.language_model.layers[0]
-    return VisionInfo(image_token_id=config.image_token_id,
+    sizes = dict(tower_parameters=sum(p.numel() for p in tower.parameters()),
+                 layer_parameters=sum(p.numel() for p in layer.parameters()))
+    if config.model_type == "llava":
+        embeddings = skeleton.model.vision_tower.embeddings
+        kept_class = int(hasattr(embeddings, "class_embedding"))
+        image_token = getattr(config, "image_token_id", None)
+        return VisionInfo(model_type="llava",
+                          image_token_id=config.image_token_index if image_token is None
+                          else image_token,
+                          vision_start_token_id=None, vision_end_token_id=None, merge_size=1,
+                          extra_tokens=kept_class - int(tower.drop_first),
+                          patch_size=config.vision_config.patch_size, **sizes)
+    return VisionInfo(model_type=config.model_type, image_token_id=config.image_token_id,
                       vision_start_token_id=config.vision_start_token_id,
                       vision_end_token_id=config.vision_end_token_id,
-                      merge_size=config.vision_config.spatial_merge_size,
-                      tower_parameters=sum(p.numel() for p in visual.parameters()),
-                      layer_parameters=sum(p.numel() for p in layer.parameters()))
+                      merge_size=config.vision_config.spatial_merge_size, **sizes)
 
 
 def tower_cost_in_layers(info: VisionInfo, patches: int, tokens: int) -> float:
@@ -144,83 +246,24 @@ def build_skeleton(config, attention_name: str) -> nn.Module:
         model = transformers.AutoModelForImageTextToText.from_config(
             config, attn_implementation={"text_config": attention_name,
                                          "vision_config": "sdpa"})
-    real_rotary_embeddings(model)
+    real_buffers(model)
     return model
 
 
-def real_rotary_embeddings(model: nn.Module) -> None:
-    """The skeleton's rotary embeddings (text and vision) rebuilt off the meta device: their
-    small tables are computed from the config, not stored."""
+def real_buffers(model: nn.Module) -> None:
+    """The skeleton's computed buffers made real: its rotary embeddings (text and vision)
+    rebuilt off the meta device from their config, and the token positions of a tower's
+    embeddings (``position_ids``, 0..n-1)."""
     for owner in list(model.modules()):
         for name, child in list(owner.named_children()):
             if (type(child).__name__.endswith("RotaryEmbedding") and hasattr(child, "config")
                     and any(buffer.is_meta for buffer in child.buffers())):
                 with torch.device("cpu"):
                     setattr(owner, name, type(child)(child.config))
-
-
-def mrope_positions(tokens: Tensor, grids: Tensor, image_token_id: int, merge_size: int,
-                    doc_lens: list[list[int]] | None = None) -> Tensor:
-    """The 3D rotary positions ``[3, rows, seq]`` of ``tokens`` ``[rows, seq]`` whose image
-    placeholders belong to the images of ``grids`` (in order). A text token is one past
-    the position before it on all three axes; an image's tokens are its (frame, row,
-    column) of merged patches, offset by where the text stopped, and the text after it goes
-    on from the largest. Each document of ``doc_lens`` (per row; None: a row is one) starts
-    at zero. This is transformers' ``get_rope_index`` for images."""
-    rows, seq = tokens.shape
-    out = np.empty((3, rows, seq), dtype=np.int64)
-    ids = tokens.numpy()
-    image_counts = (grids[:, 0] * grids[:, 1] * grids[:, 2] // merge_size ** 2).tolist()
-    spans = [(int(t), int(h) // merge_size, int(w) // merge_size) for t, h, w in grids.tolist()]
-    image = 0
-    for row in range(rows):
-        lengths = doc_lens[row] if doc_lens is not None else [seq]
-        start = 0
-        for length in lengths:
-            image = _document_positions(ids[row, start:start + length],
-                                        out[:, row, start:start + length], image, image_counts,
-                                        spans, image_token_id)
-            start += length
-    if image != len(image_counts):
-        raise ValueError(f"the tokens hold placeholders for {image} images but {len(spans)} "
-                         "were given")
-    return torch.from_numpy(out)
-
-
-def _document_positions(ids: np.ndarray, out: np.ndarray, image: int, counts: list[int],
-                        spans: list[tuple[int, int, int]], image_token_id: int) -> int:
-    """One document's positions into ``out`` ``[3, len]``; the index of its next image."""
-    placeholders = np.flatnonzero(ids == image_token_id)
-    cursor, position, used = 0, 0, 0
-    while used < len(placeholders):
-        begin = int(placeholders[used])
-        text = begin - cursor
-        out[:, cursor:begin] = np.arange(position, position + text)
-        position += text
-        frames, height, width = spans[image]
-        count = counts[image]
-        grid = np.indices((frames, height, width)).reshape(3, -1)
-        out[:, begin:begin + count] = grid + position
-        position += max(height, width)
-        cursor = begin + count
-        used += count
-        image += 1
-    out[:, cursor:] = np.arange(position, position + len(ids) - cursor)
-    return image
-
-
-def image_rows(tokens: Tensor, image_token_id: int) -> Tensor:
-    """For each token, the row of the microbatch's image features it takes (its image
-    placeholders numbered in order, row by row), -1 for a text token."""
-    placeholders = tokens == image_token_id
-    return torch.where(placeholders, placeholders.reshape(-1).cumsum(0).reshape(tokens.shape) - 1,
-                       -1)
-
-
-def image_features(visual: nn.Module, pixels: Tensor, grids: Tensor) -> Tensor:
-    """The merged features of the images, one row per image token, in order."""
-    out = visual(pixels.to(next(visual.parameters()).dtype), grid_thw=grids)
-    return getattr(out, "pooler_output", out)
+        positions = owner._buffers.get("position_ids")
+        if positions is not None and positions.is_meta:
+            owner.register_buffer("position_ids", torch.arange(positions.shape[-1]).expand(
+                positions.shape), persistent=False)
 
 
 class VisionChunk(nn.Module):
@@ -228,10 +271,10 @@ class VisionChunk(nn.Module):
     with, on the first stage, the vision tower whose features replace the image
     placeholders' embeddings."""
 
-    def __init__(self, decoder: nn.Module, visual: nn.Module | None, image_token_id: int):
+    def __init__(self, decoder: nn.Module, tower: nn.Module | None, image_token_id: int):
         super().__init__()
         self.decoder = decoder
-        self.visual = visual
+        self.tower = tower
         self.image_token_id = image_token_id
         self.is_first, self.is_last = decoder.is_first, decoder.is_last
 
@@ -256,19 +299,19 @@ class VisionChunk(nn.Module):
         hidden = self.decoder.embed_tokens(tokens)
         if pixels is None or not pixels.shape[0]:
             return hidden
-        features = image_features(self.visual, pixels, grids).to(hidden.dtype)
+        features = self.tower(pixels, grids).to(hidden.dtype)
         if rows is None:
             rows = image_rows(tokens, self.image_token_id)
         shown = (rows >= 0).unsqueeze(-1)
         return torch.where(shown, features[rows.clamp(min=0)], hidden)
 
     def extra_repr(self) -> str:
-        return f"vision={self.visual is not None}"
+        return f"vision={self.tower is not None}"
 
 
 def split_vision_model(model: nn.Module, chunks: list[nn.Module],
                        image_token_id: int) -> list[VisionChunk]:
     """The decoder's chunks as vision-language stages, the tower on the first."""
-    visual = model.model.visual
-    return [VisionChunk(chunk, visual if index == 0 else None, image_token_id)
+    tower = ARCHITECTURES[model.config.model_type].tower(model)
+    return [VisionChunk(chunk, tower if index == 0 else None, image_token_id)
             for index, chunk in enumerate(chunks)]

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshpipe.models.hf_vision import as_patches
 from meshpipe.train.data.npy_stream import NpyStream
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
@@ -46,8 +47,7 @@ class Pictures:
 class ImageInputs:
     """A vision-language model's image processor and placeholder tokens."""
 
-    def __init__(self, model_dir: str | Path, image_token_id: int, start_token_id: int,
-                 end_token_id: int, merge_size: int, tokenizer):
+    def __init__(self, model_dir: str | Path, vision, tokenizer):
         import transformers
 
         directory = Path(model_dir)
@@ -57,11 +57,11 @@ class ImageInputs:
         except Exception as err:  # transformers raises many types; the CLI wants one line
             raise ValueError(f"cannot load the image processor in {directory}: "
                              f"{str(err).strip().splitlines()[0]}") from None
-        self.image_token_id = image_token_id
-        self.merge_size = merge_size
-        words = tokenizer.token_texts([start_token_id, image_token_id, end_token_id])
-        self.image_token = words[1]
-        self.marker = "".join(words)  # what a caption row shows for each of its images
+        self.vision = vision  # the model's hf_vision.VisionInfo
+        self.image_token_id = vision.image_token_id
+        shown = [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]
+        # What a caption row shows for each of its images.
+        self.marker = "".join(tokenizer.token_texts([i for i in shown if i is not None]))
         config = (directory / "preprocessor_config.json").read_bytes()
         self.name = f"images:{hashlib.sha256(config).hexdigest()[:16]}"
 
@@ -81,11 +81,13 @@ class ImageInputs:
             except (UnidentifiedImageError, OSError) as err:
                 raise ValueError(f": cannot read image {path} ({err})") from None
         out = self._processor(images=images, return_tensors="np")
-        return (np.asarray(out["pixel_values"], dtype=np.float32),
-                np.asarray(out["image_grid_thw"], dtype=np.int64))
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        if self.vision.patch_size:  # whole images (LLaVA's processors): kept as patches
+            return as_patches(pixels, self.vision.patch_size)
+        return pixels, np.asarray(out["image_grid_thw"], dtype=np.int64)
 
     def tokens_per_image(self, grids: np.ndarray) -> np.ndarray:
-        return grids.prod(axis=1) // self.merge_size ** 2
+        return self.vision.tokens_per_image(grids)
 
     def expand(self, ids: list[int], mask: np.ndarray | None,
                grids: np.ndarray) -> tuple[list[int], np.ndarray]:

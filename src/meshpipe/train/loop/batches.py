@@ -91,12 +91,13 @@ class RankBatches:
 
     def _with_images(self, batch) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
         """A vision-language model's microbatches: ``(tokens, positions, doc_ids, rope,
-        pixels, grids, image_rows)`` (``hf_vision.VisionChunk``). Without packing or context
+        pixels, grids, image_rows)`` (``hf_vision.VisionChunk``; ``rope`` None where the
+        decoder rotates by the token positions). Without packing or context
         parallelism a microbatch is as long as its longest sequence (no padding to
         ``--seq-len``); with packing it is one row. Under context parallelism each rank
         holds its columns of the tokens, their 3D positions and which image feature each
         image token takes, and every rank has the microbatch's images."""
-        from meshpipe.models.hf_vision import image_rows, mrope_positions
+        from meshpipe.models.vision_positions import image_rows, mrope_positions
         from meshpipe.train.data.images import Pictures
 
         size, device, vision = self.config.microbatch_size, self.device, self._vision
@@ -119,11 +120,12 @@ class RankBatches:
                                                self.cp_ranks[1])
                 positions, doc_ids = sources.packed_layout(doc_lens[0], held)
             rope = mrope_positions(tokens, pictures.grids, vision.image_token_id,
-                                   vision.merge_size, doc_lens)
+                                   vision.merge_size, doc_lens) if vision.rope_3d else None
             feature_rows = image_rows(tokens, vision.image_token_id)
             if held is not None:
                 tokens, row_targets = tokens[:, held], row_targets[:, held]
-                rope, feature_rows = rope[:, :, held], feature_rows[:, held]
+                feature_rows = feature_rows[:, held]
+                rope = None if rope is None else rope[:, :, held]
             inputs.append(tuple(None if t is None else to_device(t, device) for t in (
                 tokens, positions, doc_ids, rope, pictures.pixels, pictures.grids,
                 feature_rows)))

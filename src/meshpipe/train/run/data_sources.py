@@ -63,9 +63,7 @@ def _image_inputs(model_dir: str, tokenizer_dir: str, chat_template: str) -> Ima
     vision = hf.inspect_model(model_dir).vision
     if vision is None:
         return None
-    return ImageInputs(model_dir, vision.image_token_id, vision.vision_start_token_id,
-                       vision.vision_end_token_id, vision.merge_size,
-                       _tokenizer(model_dir, tokenizer_dir, chat_template))
+    return ImageInputs(model_dir, vision, _tokenizer(model_dir, tokenizer_dir, chat_template))
 
 
 def image_inputs(config: TrainConfig) -> ImageInputs | None:

@@ -387,7 +387,8 @@ def _replica_loss(config: TrainConfig, model: nn.Module, batch) -> torch.Tensor:
         if vision:
             shown = None if pictures is None else [
                 piece for row in pictures[index * size:(index + 1) * size] for piece in row]
-            total = total + _upstream_vision_loss(model, tokens, targets, doc_lens, shown, count)
+            total = total + _upstream_vision_loss(model, model_info(config.model).vision,
+                                                  tokens, targets, doc_lens, shown, count)
             continue
         if config.model:
             total = total + _upstream_loss(config, model, tokens, targets, doc_lens, count)
@@ -430,15 +431,16 @@ def _upstream_loss(config: TrainConfig, model: nn.Module, tokens: torch.Tensor,
     return total
 
 
-def _upstream_vision_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
+def _upstream_vision_loss(model: nn.Module, vision, tokens: torch.Tensor, targets: torch.Tensor,
                           doc_lens, pictures: list | None, count: int) -> torch.Tensor:
     """A vision-language model's own loss on a microbatch, with its images (``pictures``:
     one per row, or per document piece of a packed row; None: data without images), each
     piece on its own as the block-diagonal mask means; the rows of an unpacked microbatch
     together."""
+    from meshpipe.models.hf_vision import reference_images
     from meshpipe.train.data.images import Pictures
 
-    image_token = model.config.image_token_id
+    image_token = vision.image_token_id
     if doc_lens is None:
         pieces = [(tokens, targets, pictures and Pictures.joined(
             pictures, pictures[0].pixels.shape[1]))]
@@ -449,8 +451,8 @@ def _upstream_vision_loss(model: nn.Module, tokens: torch.Tensor, targets: torch
                       doc_lens))]
     total = torch.zeros(())
     for piece_tokens, piece_targets, shown in pieces:
-        images = dict(pixel_values=shown.pixels, image_grid_thw=shown.grids) if (
-            shown is not None and len(shown.grids)) else {}
+        images = reference_images(model.config.model_type, shown.pixels, shown.grids,
+                                  model.config) if shown is not None and len(shown.grids) else {}
         if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
             images["mm_token_type_ids"] = (piece_tokens == image_token).int()
         out = model(input_ids=piece_tokens, labels=piece_targets, shift_labels=piece_targets,
