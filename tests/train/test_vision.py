@@ -158,8 +158,9 @@ def test_bad_models_and_layouts_are_refused_in_one_line(vision_model, shapes, tm
                                        "model_type": "idefics9"}))
     with pytest.raises(ValueError, match="vision-language ones: qwen2_vl, qwen2_5_vl, llava"):
         hf.inspect_model(bare)
-    with pytest.raises(ValueError, match="does not run with --compile yet"):
-        sources.check_sources(vision_config(vision_model, shapes, tmp_path, compile=True))
+    with pytest.raises(ValueError, match="does not run with --sequence-parallel yet"):
+        sources.check_sources(vision_config(vision_model, shapes, tmp_path, tp=2,
+                                            sequence_parallel=True))
 
 
 def boundary_bytes(rank, world_size, config):
@@ -371,3 +372,39 @@ def test_check_passes_with_context_parallelism(shapes, tmp_path, arch, flags):
     config = vision_config(model, shapes, tmp_path, **flags)
     report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == [] and report["passed"], report
+
+
+def compiled_check(rank, world_size, config):
+    """--check with the decoder blocks compiled by ``aot_eager`` (TorchDynamo's capture and
+    AOTAutograd, without generating code)."""
+    import os
+
+    from meshpipe.models.compile import BACKEND_VARIABLE
+
+    os.environ[BACKEND_VARIABLE] = "aot_eager"
+    return check_first_step(rank, world_size, config)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+def test_check_passes_with_compiled_decoder_blocks_and_recompute(shapes, tmp_path, arch):
+    model = save_tiny_vision_model(tmp_path / "model", arch)
+    config = vision_config(model, shapes, tmp_path, compile=True, recompute="full")
+    report = run_distributed(config.world_size, compiled_check, config)[0]
+    assert report["mismatched"] == [] and report["passed"], report
+
+
+def test_a_chat_template_kept_by_the_processor_renders_the_chats(vision_model, tmp_path):
+    """Hub vision-language directories keep the chat template in the processor's
+    chat_template.json: the tokenizer then renders with it."""
+    from meshpipe.train.data.tokenizers import HFTokenizer
+
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (copy / name).write_bytes((vision_model / name).read_bytes())
+    template = (vision_model / "chat_template.jinja").read_text()
+    assert not HFTokenizer(copy).has_chat_template
+    (copy / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
+    assert HFTokenizer(copy).render_chat(chat) == HFTokenizer(vision_model).render_chat(chat)

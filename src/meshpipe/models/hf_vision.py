@@ -278,6 +278,11 @@ class VisionChunk(nn.Module):
         self.image_token_id = image_token_id
         self.is_first, self.is_last = decoder.is_first, decoder.is_last
 
+    @property
+    def layers(self) -> nn.ModuleDict:
+        """The decoder layers (the blocks ``--compile`` compiles)."""
+        return self.decoder.layers
+
     def forward(self, x: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None,
                 rope: Tensor | None = None, pixels: Tensor | None = None,
                 grids: Tensor | None = None, rows: Tensor | None = None):

@@ -11,12 +11,15 @@ assistant's tokens under any template. Byte-level has no chat template.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Protocol
 
 from meshpipe.train.data.corpus import VOCAB_SIZE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Where a processor (a vision-language model's) saves a chat template of its own.
+PROCESSOR_TEMPLATE = "chat_template.json"
 # Files of a model directory that never change what its tokenizer produces; hashing them
 # (gigabytes of weights) would make every start slow.
 # Chat renders checked against transformers' own before the template is rendered directly.
@@ -79,6 +82,12 @@ class HFTokenizer:
             raise ValueError(f"cannot load the tokenizer in {directory}: "
                              f"{_first_line(err)}") from err
         self.name = f"hf:{directory}:{_fingerprint(directory)}"
+        processor_template = directory / PROCESSOR_TEMPLATE
+        if not chat_template and not self._tokenizer.chat_template and \
+                processor_template.is_file():
+            # A vision-language model's processor may keep the template for both.
+            self._tokenizer.chat_template = json.loads(
+                processor_template.read_text(encoding="utf-8")).get("chat_template")
         if chat_template:
             text = _read_template(chat_template)
             self._tokenizer.chat_template = text

@@ -141,7 +141,6 @@ def _check_vision_layout(config: TrainConfig) -> None:
     """What a vision-language model does not run with yet, refused in one line."""
     unsupported = [flag for flag, given in (
         ("--sequence-parallel", config.sequence_parallel),
-        ("--compile", config.compile),
         ("a mixture of several --data sources", len(config.data) > 1)) if given]
     if unsupported:
         raise ValueError(f"--model {config.model} is a vision-language model, which meshpipe "
