@@ -30,6 +30,8 @@ failed, 0 otherwise (also when there is no CUDA device: then nothing runs).
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
 import os
 import platform
@@ -53,6 +55,7 @@ COMMON = ["--no-progress", "--eval-every", "0", "--timeline-step", "0"]
 # The shipped corpus, whose paragraphs are the documents that --pack packs.
 CORPUS = str(resources.files("meshpipe.train").joinpath("data/shakespeare.txt"))
 PACKED = ("--data", CORPUS, "--pack", "--seq-len", "128")
+VISION = ("--data", "{shapes}", "--seq-len", "128")
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,13 @@ LAYOUTS = [
            "a block one graph, the variable-length call inside"),
     Layout("pp2-vpp2-zb-v-compile", ("--pp", "2", "--vpp", "2", "--schedule", "zb-v",
                                      "--compile")),
+    # Vision-language models (tiny random ones, made on the spot: ``vision_inputs``).
+    Layout("vl-qwen2-vl-pp2", ("--pp", "2", "--model", "{qwen2_vl}", *VISION),
+           "the tower on stage 0, each microbatch at its own length"),
+    Layout("vl-qwen2-vl-pp2-bf16", ("--pp", "2", "--model", "{qwen2_vl}", "--dtype", "bf16",
+                                    *VISION)),
+    Layout("vl-llava-pp2-packed", ("--pp", "2", "--model", "{llava}", "--pack", *VISION),
+           "CLIP tower, samples packed whole"),
 ]
 
 
@@ -163,9 +173,31 @@ def planned_runs(layouts: list[Layout], gpus: int) -> list[Run]:
     return runs
 
 
+@functools.lru_cache(maxsize=None)
+def vision_inputs() -> dict[str, str]:
+    """Tiny random Qwen2-VL and LLaVA directories and the shapes corpus, made once in a
+    temporary directory (as the tests make them: nothing is downloaded)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from hf_models import save_tiny_vision_model
+
+    from meshpipe.train.data.shapes import write_shapes_corpus
+
+    work = Path(tempfile.mkdtemp(prefix="meshpipe-gpu-check-vision-"))
+    return {"qwen2_vl": str(save_tiny_vision_model(work / "qwen2_vl", "qwen2_vl")),
+            "llava": str(save_tiny_vision_model(work / "llava", "llava")),
+            "shapes": str(write_shapes_corpus(work / "shapes", 64))}
+
+
+def _filled(args: tuple[str, ...]) -> list[str]:
+    """A layout's arguments with ``{name}`` placeholders made real (``vision_inputs``)."""
+    if not any("{" in arg for arg in args):
+        return list(args)
+    return [arg.format(**vision_inputs()) for arg in args]
+
+
 def command(run: Run, steps: int, out_dir: str, rehearsal: bool) -> list[str]:
-    train = [*run.layout.args, "--check", "--steps", str(steps), *COMMON, "--out-dir", out_dir,
-             "--device", "cpu" if rehearsal else "cuda"]
+    train = [*_filled(run.layout.args), "--check", "--steps", str(steps), *COMMON, "--out-dir",
+             out_dir, "--device", "cpu" if rehearsal else "cuda"]
     if run.how == "nccl":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(run.layout.ranks), "-m", "meshpipe", "train", *train]
@@ -254,6 +286,10 @@ def to_markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     layouts = [l for l in LAYOUTS if not args.only or l.name in args.only]
+    if importlib.util.find_spec("transformers") is None:
+        print("gpu_check: transformers is not installed: the vision-language layouts are left "
+              "out (pip install 'meshpipe[hf]')")
+        layouts = [l for l in layouts if not any("{" in arg for arg in l.args)]
     if args.cpu_rehearsal:
         gpus, device = 0, f"CPU rehearsal on {platform.processor() or 'cpu'} (gloo)"
         layouts = [l for l in layouts if l.ranks <= args.max_ranks]

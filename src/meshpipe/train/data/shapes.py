@@ -19,9 +19,12 @@ CAPTIONS_FILE = "captions.jsonl"
 
 
 def write_shapes_corpus(directory: str | Path, samples: int = 64, seed: int = 0, *,
-                        max_images: int = 3, blank: bool = False) -> Path:
-    """``samples`` rows of ``directory/captions.jsonl`` and their PNGs; ``blank``: every
-    picture plain grey (the control a model cannot learn the captions from)."""
+                        max_images: int = 3, blank: bool = False,
+                        sizes: tuple[tuple[int, int], ...] = SIZES,
+                        min_images: int = 0) -> Path:
+    """``samples`` rows of ``directory/captions.jsonl`` and their PNGs, ``min_images`` to
+    ``max_images`` pictures a row, each of one of ``sizes`` (width, height); ``blank``:
+    every picture plain grey (the control a model cannot learn the captions from)."""
     from PIL import Image, ImageDraw
 
     out = Path(directory)
@@ -30,9 +33,9 @@ def write_shapes_corpus(directory: str | Path, samples: int = 64, seed: int = 0,
     rows = []
     for sample in range(samples):
         names, words = [], []
-        for index in range(rng.randint(0, max_images)):
+        for index in range(rng.randint(min_images, max_images)):
             colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
-            width, height = rng.choice(SIZES)
+            width, height = rng.choice(sizes)
             image = Image.new("RGB", (width, height), (128, 128, 128))
             if not blank:
                 _draw(ImageDraw.Draw(image), shape, COLOURS[colour], width, height)
