@@ -408,3 +408,18 @@ def test_a_chat_template_kept_by_the_processor_renders_the_chats(vision_model, t
     (copy / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
     assert HFTokenizer(copy).render_chat(chat) == HFTokenizer(vision_model).render_chat(chat)
+
+
+@pytest.mark.distributed
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(shapes, tmp_path):
+    """The images of each step come back in the same order after a resume: the losses of
+    the steps after the checkpoint equal the uninterrupted run's, exactly."""
+    from trainer_cases import train
+
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    config = vision_config(model, shapes, tmp_path / "whole", steps=4, checkpoint_every=2,
+                           pack=True)
+    whole = run_distributed(config.world_size, train, config)[0]
+    step_2 = sorted((tmp_path / "whole" / "checkpoint").glob("*step-000002"))[0].name
+    again = run_distributed(config.world_size, train, config, rewind_to=step_2)[0]
+    assert again[2:] == whole[2:]
