@@ -362,7 +362,9 @@ def test_check_passes_with_tensor_parallelism_on_the_decoder(shapes, tmp_path):
 @pytest.mark.parametrize("arch,flags", [("llava", dict(cp_ring=2, pack=True)),
                                         ("qwen2_vl", dict(cp_ring=2, pack=True)),
                                         ("qwen2_vl", dict(cp_ulysses=2)),
-                                        ("qwen2_vl", dict(cp_ring=2, cp_ulysses=2, pack=True))],
+                                        pytest.param("qwen2_vl", dict(cp_ring=2, cp_ulysses=2,
+                                                                      pack=True),
+                                                     marks=pytest.mark.slow)],
                          ids=["llava-ring-packed", "ring-packed", "ulysses", "hybrid-packed"])
 def test_check_passes_with_context_parallelism(shapes, tmp_path, arch, flags):
     """The decoder's sequence over the context-parallel ranks (with Qwen2-VL's 3D
@@ -386,7 +388,7 @@ def compiled_check(rank, world_size, config):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", pytest.param("llava", marks=pytest.mark.slow)])
 def test_check_passes_with_compiled_decoder_blocks_and_recompute(shapes, tmp_path, arch):
     model = save_tiny_vision_model(tmp_path / "model", arch)
     config = vision_config(model, shapes, tmp_path, compile=True, recompute="full")
@@ -423,3 +425,45 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(shapes, tmp_path):
     step_2 = sorted((tmp_path / "whole" / "checkpoint").glob("*step-000002"))[0].name
     again = run_distributed(config.world_size, train, config, rewind_to=step_2)[0]
     assert again[2:] == whole[2:]
+
+
+def chats_of(captions, path):
+    """The captions as conversations: the user shows the pictures and asks, the assistant
+    answers with the caption."""
+    rows = []
+    for line in captions.read_text().splitlines():
+        row = json.loads(line)
+        shown = [{"type": "image", "image": name} for name in row["images"]]
+        rows.append({"messages": [
+            {"role": "user", "content": [*shown, {"type": "text", "text": "what is shown?"}]},
+            {"role": "assistant", "content": row["text"]}]})
+    return write_rows(path, rows)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+def test_check_passes_on_chats_with_images_and_the_loss_on_the_answers(shapes, tmp_path, arch):
+    model = save_tiny_vision_model(tmp_path / "model", arch)
+    chats = chats_of(shapes, shapes.parent / f"chats-{arch}.jsonl")
+    config = vision_config(model, chats, tmp_path, pack=True)
+    report = run_distributed(config.world_size, check_first_step, config)[0]
+    assert report["mismatched"] == [] and report["passed"], report
+
+
+def test_parts_of_a_model_that_has_none_are_refused_in_one_line(tmp_path, shapes):
+    from hf_models import save_tiny_model, save_tiny_tokenizer
+
+    decoder = save_tiny_model(tmp_path / "decoder", "qwen2", vocab_size=320)
+    save_tiny_tokenizer(decoder)
+    config = TrainConfig(**{**for_a_model(VISION), "model": str(decoder), "freeze": "vision",
+                            "out_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match="--freeze name parts of a vision-language model"):
+        sources.check_sources(config)
+    with pytest.raises(ValueError, match="not a part of a vision-language model"):
+        TrainConfig(freeze="tower")
+    with pytest.raises(ValueError, match="with a positive scale"):
+        TrainConfig(lr_scale="vision=0")
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    with pytest.raises(ValueError, match="leaves nothing to train"):
+        sources.check_sources(vision_config(model, shapes, tmp_path,
+                                            freeze="vision,projector,language"))
