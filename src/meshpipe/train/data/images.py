@@ -3,10 +3,12 @@ patches by the model directory's own image processor (transformers' Pillow backe
 torchvision is not installed, its torchvision one where it is), once, into the data cache.
 
 A row's images are written where they are shown, as the model's placeholder: one image
-token, which the tokenized row then holds as many times as the processor gives the image
-tokens (its patches over the merge size squared). Those tokens are never targets.
+token, which the tokenized row then holds as many times as the image gives tokens
+(``VisionInfo.tokens_per_image``: Qwen's patches over the merge size squared, LLaVA's tower
+patches with or without its class token). Those tokens are never targets.
 
-In the cache the images are ``pixels.npy`` (float32 patches of every image, in order),
+In the cache the images are ``pixels.npy`` (float32 patches of every image, in order; a
+processor that gives whole images, LLaVA's, has them cut into the tower's patches),
 ``grids.npy`` (each image's (t, h, w) in patches) and ``image_offsets.npy`` (each document's
 first image, and one past the last); ``DocumentImages`` maps them and hands a sequence's
 images to the samplers.
@@ -24,9 +26,6 @@ import torch
 
 from meshpipe.models.hf_vision import as_patches
 from meshpipe.train.data.npy_stream import NpyStream
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
-
 
 @dataclass(frozen=True)
 class Pictures:

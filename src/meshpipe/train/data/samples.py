@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from meshpipe.models.hf_vision import VISION_MODEL_TYPES
 from meshpipe.train.data.images import ImageInputs, image_paths
 from meshpipe.train.data.records import RowBatch, where
 from meshpipe.train.data.tokenizers import Tokenizer
@@ -145,7 +146,7 @@ def _row_images(kind: str, content: Any, value: Any, file: Path,
         return []
     if paths and images is None:
         raise ValueError(" shows images, which only a vision-language --model reads "
-                         "(qwen2_vl, qwen2_5_vl)")
+                         f"({', '.join(VISION_MODEL_TYPES)})")
     return paths
 
 

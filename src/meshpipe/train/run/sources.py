@@ -144,8 +144,8 @@ def _check_vision_layout(config: TrainConfig) -> None:
         ("a mixture of several --data sources", len(config.data) > 1)) if given]
     if unsupported:
         raise ValueError(f"--model {config.model} is a vision-language model, which meshpipe "
-                         f"does not run with {' or '.join(unsupported)} yet: use pp, vpp and "
-                         "dp (with --zero)")
+                         f"does not run with {' or '.join(unsupported)} yet: drop it (pp, vpp, "
+                         "dp, tp and cp all run)")
 
 
 def check_tensor_parallel(config: TrainConfig, tp: int) -> None:
