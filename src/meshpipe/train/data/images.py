@@ -26,6 +26,7 @@ import torch
 
 from meshpipe.models.hf_vision import as_patches
 from meshpipe.train.data.npy_stream import NpyStream
+from meshpipe.train.data.tokenizers import load_offline
 
 @dataclass(frozen=True)
 class Pictures:
@@ -50,12 +51,8 @@ class ImageInputs:
         import transformers
 
         directory = Path(model_dir)
-        try:
-            self._processor = transformers.AutoImageProcessor.from_pretrained(
-                str(directory), local_files_only=True)
-        except Exception as err:  # transformers raises many types; the CLI wants one line
-            raise ValueError(f"cannot load the image processor in {directory}: "
-                             f"{str(err).strip().splitlines()[0]}") from None
+        self._processor = load_offline(transformers.AutoImageProcessor, directory,
+                                       "image processor")
         self.vision = vision  # the model's hf_vision.VisionInfo
         self.image_token_id = vision.image_token_id
         shown = [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]

@@ -75,12 +75,7 @@ class HFTokenizer:
         import transformers
 
         directory = Path(path).resolve()
-        try:
-            self._tokenizer = transformers.AutoTokenizer.from_pretrained(
-                str(directory), local_files_only=True)
-        except Exception as err:  # transformers raises many types; the CLI wants one line
-            raise ValueError(f"cannot load the tokenizer in {directory}: "
-                             f"{_first_line(err)}") from err
+        self._tokenizer = load_offline(transformers.AutoTokenizer, directory, "tokenizer")
         self.name = f"hf:{directory}:{_fingerprint(directory)}"
         processor_template = directory / PROCESSOR_TEMPLATE
         if not chat_template and not self._tokenizer.chat_template and \
@@ -174,6 +169,15 @@ class HFTokenizer:
         variables = dict(self._tokenizer.special_tokens_map)
         return lambda messages, add_generation_prompt: compiled.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+
+def load_offline(auto_class, directory: Path, what: str):
+    """``auto_class.from_pretrained(directory)`` without the network; a one-line ValueError
+    naming ``what`` when it cannot."""
+    try:
+        return auto_class.from_pretrained(str(directory), local_files_only=True)
+    except Exception as err:  # transformers raises many types; the CLI wants one line
+        raise ValueError(f"cannot load the {what} in {directory}: {_first_line(err)}") from err
 
 
 def _first_line(err: BaseException) -> str:
