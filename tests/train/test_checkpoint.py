@@ -156,8 +156,8 @@ def test_the_next_save_removes_stale_partial_directories(tmp_path):
 def _save_that_dies(rank, world_size, root):
     parameters, optimizer = _model(rank)
 
-    def die():
-        raise KeyboardInterrupt("killed after writing")
+    def die(step):
+        raise KeyboardInterrupt(f"killed after writing step {step}")
 
     try:
         checkpoint.save(Path(root), parameters, optimizer, 2, config={}, run_id="dies",
@@ -169,7 +169,8 @@ def _save_that_dies(rank, world_size, root):
 
 def test_a_save_killed_after_writing_leaves_the_last_checkpoint_in_charge(tmp_path):
     run_distributed(WORLD, _save_steps, str(tmp_path), "run-a", [1])
-    assert run_distributed(WORLD, _save_that_dies, str(tmp_path)) == ["killed after writing"] * 2
+    assert run_distributed(WORLD, _save_that_dies, str(tmp_path)) == [
+        "killed after writing step 2"] * 2
     assert (tmp_path / "step-000002.partial-dies" / ".metadata").exists()  # data all written
     assert not (tmp_path / "step-000002").exists()
     assert checkpoint.newest(tmp_path).step == 1

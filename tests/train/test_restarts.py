@@ -127,3 +127,28 @@ def test_restarts_end_bit_for_bit_in_more_layouts_and_faults(tmp_path, monkeypat
     restarted = tmp_path / "restarted"
     run(TrainConfig(**{**RUN, **layout}, max_restarts=1, out_dir=str(restarted)))
     assert_same_ending(restarted, whole)
+
+
+@pytest.mark.distributed
+def test_background_checkpoints_equal_synchronous_ones(tmp_path, uninterrupted):
+    """--checkpoint-async writes the same files as synchronous saves of the same steps, and
+    training is the same."""
+    run(TrainConfig(**RUN, checkpoint_async=True, out_dir=str(tmp_path)))
+    assert_same_ending(tmp_path, uninterrupted)
+    ours = {info.step: info for info in complete_checkpoints(tmp_path / "checkpoint")}
+    theirs = {info.step: info for info in complete_checkpoints(uninterrupted / "checkpoint")}
+    assert ours.keys() == theirs.keys() == {4, 6}
+    first, second = read_tensors(ours[4].directory), read_tensors(theirs[4].directory)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+@pytest.mark.distributed
+def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(
+        tmp_path, monkeypatch, uninterrupted, capsys):
+    """Rank 1 dies while its part of step 4's checkpoint is being written in the background:
+    step 4 is never published, the restart resumes from step 2 and ends bit for bit."""
+    monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, "kind=kill,at=save,rank=1,step=4,once=1")
+    run(TrainConfig(**RUN, checkpoint_async=True, max_restarts=1, out_dir=str(tmp_path)))
+    assert "resuming from step 2" in capsys.readouterr().out
+    assert_same_ending(tmp_path, uninterrupted)

@@ -124,6 +124,7 @@ class TrainConfig:
     hang_timeout: float = 30.0
     skip_nonfinite: int = 0
     checkpoint_on_signal: bool = False
+    checkpoint_async: bool = False
     max_restarts: int = 0
 
     def __post_init__(self) -> None:
@@ -488,6 +489,8 @@ FIELD_HELP = {
     "eval_every": "validation loss every N steps, forward-only schedule (0 disables)",
     "out_dir": "where metrics, pictures and checkpoints go",
     "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
+    "checkpoint_async": "write checkpoints in the background: training stops only to copy "
+                        "the state to host memory; one write at a time",
     "resume": "continue from the newest complete checkpoint in --out-dir",
     "keep_checkpoints": "checkpoints of this run kept in --out-dir (older ones of this run are "
                         "deleted; other runs' are never touched)",

@@ -258,7 +258,7 @@ def _rotate(root: Path, run_id: str, keep: int) -> list[Path]:
 def save(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimizer,
          step: int, tp_group: dist.ProcessGroup | None = None,
          scaler: DynamicLossScaler | None = None, *, config: dict[str, Any], run_id: str,
-         keep: int = 2, after_write: Callable[[], None] | None = None,
+         keep: int = 2, after_write: Callable[[int], None] | None = None,
          learning_rate: dict[str, Any] | None = None, buckets: Sequence[Bucket] = ()) -> Path:
     """Write the checkpoint of ``step`` under ``root`` whole or not at all (a collective
     call on every rank); return its directory ``root/step-NNNNNN``.
@@ -270,9 +270,33 @@ def save(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimiz
     other runs' are never deleted. ``buckets`` are the run's gradient buckets: the optimizer
     states of sharded ones (``--zero 1/2``) are gathered and saved whole, under the same
     full-model names as unsharded ones, so a checkpoint resumes at any zero level.
-    ``after_write`` runs on every rank once its part is written, before the checkpoint is
-    published (fault injection: a save that dies there leaves only a partial directory).
+    ``after_write(step)`` runs on every rank once its part is written, before the checkpoint
+    is published (fault injection: a save that dies there leaves only a partial directory).
     """
+    state = snapshot(parameters, optimizer, step, tp_group, scaler, buckets)
+    return write(root, state, step, config=config, run_id=run_id, keep=keep,
+                 after_write=after_write, learning_rate=learning_rate)
+
+
+def snapshot(parameters: NamedParameters, optimizer: torch.optim.Optimizer, step: int,
+             tp_group: dist.ProcessGroup | None = None, scaler: DynamicLossScaler | None = None,
+             buckets: Sequence[Bucket] = ()) -> dict[str, torch.Tensor]:
+    """What the checkpoint of ``step`` holds, as dcp writes it (a collective where shards
+    are gathered: tensor-parallel weights, ``--zero`` states); live tensors, not copies."""
+    state = _state_dict(parameters, OptimizerMoments(optimizer, buckets), step, tp_group,
+                        for_loading=False)
+    if scaler is not None:
+        state.update(_scaler_entries(scaler))
+    return state
+
+
+def write(root: Path, state: dict[str, torch.Tensor], step: int, *, config: dict[str, Any],
+          run_id: str, keep: int = 2, after_write: Callable[[int], None] | None = None,
+          learning_rate: dict[str, Any] | None = None,
+          group: dist.ProcessGroup | None = None) -> Path:
+    """``state`` (a ``snapshot``) written as the checkpoint of ``step``, whole or not at all,
+    coordinating over ``group`` (None: the default group; a background write has a group
+    of its own, so that it never interleaves with training's collectives)."""
     if not _RUN_ID.fullmatch(run_id):
         raise ValueError(f"run_id {run_id!r} must be letters, digits, '-' or '_' (it is part "
                          "of a directory name)")
@@ -285,26 +309,22 @@ def save(root: Path, parameters: NamedParameters, optimizer: torch.optim.Optimiz
     if is_main:
         root.mkdir(parents=True, exist_ok=True)
         remove_partial(root)
-    state = _state_dict(parameters, OptimizerMoments(optimizer, buckets), step, tp_group,
-                        for_loading=False)
-    if scaler is not None:
-        state.update(_scaler_entries(scaler))
-    dist.barrier()  # the leftovers are gone before any rank writes
+    dist.barrier(group=group)  # the leftovers are gone before any rank writes
     # Into a fresh directory: dcp warns on every rank when it overwrites a checkpoint (what
     # saving a step again after a resume did when saves went straight to step-NNNNNN).
     with warnings.catch_warnings():  # torch 2.9's writer reads its storages the old way
         warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
-        _dcp().save(state, checkpoint_id=str(partial))
+        _dcp().save(state, checkpoint_id=str(partial), process_group=group)
     if after_write is not None:
-        after_write()
-    dist.barrier()
+        after_write(step)
+    dist.barrier(group=group)
     if is_main:
         _write_json_durably(partial / META_FILE, {
             "step": step, "run_id": run_id, "saved_at": time.time(), "config": config,
             "learning_rate": learning_rate, "format": FORMAT})
         _publish(partial, final, run_id)
         _rotate(root, run_id, keep)
-    dist.barrier()
+    dist.barrier(group=group)
     return final
 
 
@@ -395,9 +415,14 @@ class Checkpointer:
     def __init__(self, root: Path, parameters: NamedParameters,
                  optimizer: torch.optim.Optimizer, tp_group: dist.ProcessGroup | None,
                  scaler: DynamicLossScaler | None, *, config: dict[str, Any], run_id: str,
-                 keep: int, patience: float, after_write: Callable[[], None] | None = None,
-                 learning_rate: dict[str, Any] | None = None, buckets: Sequence[Bucket] = ()):
+                 keep: int, patience: float, after_write: Callable[[int], None] | None = None,
+                 learning_rate: dict[str, Any] | None = None, buckets: Sequence[Bucket] = (),
+                 background: bool = False):
+        from meshpipe.train.checkpoints.background import BackgroundWrites
+
         self.root = Path(root)
+        # --checkpoint-async: writes go to a thread (``background``); None: synchronous.
+        self.writes = BackgroundWrites() if background else None
         self.parameters = parameters
         self.optimizer = optimizer
         self.tp_group = tp_group
@@ -419,11 +444,26 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         """The checkpoint after step number ``step`` (that many steps done), written whole
-        or not at all (``save``)."""
+        or not at all (``save``); with background writes, snapshotted to the host and
+        written while training goes on (``background``)."""
         with activity.doing(f"saving the checkpoint of step {step}", limit=self.patience,
                             action="checkpoint save"):
-            save(self.root, self.parameters, self.optimizer, step, self.tp_group, self.scaler,
-                 config=self.config, run_id=self.run_id, keep=self.keep,
-                 after_write=self.after_write, learning_rate=self.learning_rate,
-                 buckets=self.buckets)
+            if self.writes is not None:
+                self.writes.wait()  # at most one write in flight
+            state = snapshot(self.parameters, self.optimizer, step, self.tp_group,
+                             self.scaler, self.buckets)
+            options = dict(config=self.config, run_id=self.run_id, keep=self.keep,
+                           after_write=self.after_write, learning_rate=self.learning_rate)
+            if self.writes is None:
+                write(self.root, state, step, **options)
+            else:
+                self.writes.start(state, step, lambda copy, group: write(
+                    self.root, copy, step, group=group, **options))
         self.saved_step = step
+
+    def finish(self) -> None:
+        """Wait for a background write still in flight (the end of training)."""
+        if self.writes is not None:
+            with activity.doing(f"writing the checkpoint of step {self.writes.step}",
+                                limit=self.patience, action="checkpoint save"):
+                self.writes.wait()

@@ -235,8 +235,9 @@ class Trainer:
             Path(config.out_dir) / "checkpoint", self.parameters, self.optimizer,
             self.tp_group, self.scaler, config=config.to_dict(), run_id=plan.run_id,
             keep=config.keep_checkpoints, patience=SAVE_PATIENCE * config.hang_timeout,
-            after_write=lambda: self._fire_fault("save"),
-            learning_rate=self.learning_rate.anchor, buckets=self.gradients.buckets)
+            after_write=lambda step: self._fire_fault("save", step),
+            learning_rate=self.learning_rate.anchor, buckets=self.gradients.buckets,
+            background=config.checkpoint_async)
         self._now = StepState(-1, float(config.microbatch_size * config.seq_len))
         self.fault = faults.from_environment(self.rank, config.out_dir)
         if self.fault is not None:
@@ -265,8 +266,11 @@ class Trainer:
         self.masters.refresh(p for stage in self.stages.values()
                              for p in stage.module.parameters())
 
-    def _fire_fault(self, place: str) -> None:
-        if self.fault is not None and self.fault.at == place and self.fault.due(self.step + 1):
+    def _fire_fault(self, place: str, step: int | None = None) -> None:
+        """Fire the injected fault if it is due at ``place`` in ``step`` (default: the step
+        under way; a save's is its checkpoint's, written in the background maybe later)."""
+        step = self.step + 1 if step is None else step
+        if self.fault is not None and self.fault.at == place and self.fault.due(step):
             self.fault.fire()
 
     def _in_precision(self, chunk: torch.nn.Module) -> torch.nn.Module:
@@ -453,6 +457,7 @@ class Trainer:
                     break
                 self._run_step(step, out, bar, log, metrics)
         bar.close()
+        self.checkpointer.finish()
         self._all_weights()
         if log is not None:
             log.close()
