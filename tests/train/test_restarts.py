@@ -116,11 +116,12 @@ def test_a_crash_loop_stops_with_its_exit_status(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("layout, fault", [
     (dict(dp=2, zero=1, dtype="fp16"), "kind=kill,at=forward,rank=2,step=5,once=1"),
     (dict(), "kind=hang,at=forward,rank=1,step=4,once=1"),
-], ids=["dp2-zero1-fp16-kill", "hang"])
+    (dict(), "kind=stop,at=forward,rank=1,step=4,once=1"),
+], ids=["dp2-zero1-fp16-kill", "hang", "sigstop"])
 def test_restarts_end_bit_for_bit_in_more_layouts_and_faults(tmp_path, monkeypatch, layout,
                                                               fault):
     """pp 2 x dp 2 with the optimizer states sharded and fp16's loss scale in the state; a
-    hung rank found by the hang timeout."""
+    hung rank and a SIGSTOPped one (the whole process frozen) found by the hang timeout."""
     whole = tmp_path / "whole"
     run(TrainConfig(**{**RUN, **layout}, out_dir=str(whole)))
     monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, fault)

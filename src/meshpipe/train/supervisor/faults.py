@@ -13,7 +13,9 @@ restart, which rehearses a crash loop. (The first firing leaves ``FIRED_FILE`` i
 out-dir; a new job removes it.)
 
 kinds: ``raise`` (an exception), ``exit`` (os._exit without a word), ``kill`` (SIGKILL to
-itself, as the out-of-memory killer does), ``hang`` (sleeps for an hour), ``nan`` (the
+itself, as the out-of-memory killer does), ``hang`` (sleeps for an hour), ``stop`` (SIGSTOP
+to itself: the whole process frozen, its threads too, as a debugger or a stalled node
+leaves it), ``nan`` (the
 loss becomes NaN; ``at=loss`` only), ``mismatch`` (the stage sends a tensor one feature narrower
 than the next stage takes; ``at=forward`` only).
 places (``at``): ``forward``, ``backward``, ``loss`` (on a rank holding the last stage),
@@ -36,7 +38,7 @@ import torch
 from meshpipe.runtime import activity
 
 ENVIRONMENT_VARIABLE = "MESHPIPE_FAULT"
-KINDS = ("raise", "exit", "kill", "hang", "nan", "mismatch")
+KINDS = ("raise", "exit", "kill", "hang", "stop", "nan", "mismatch")
 PLACES = ("forward", "backward", "loss", "step", "save")
 HANG_S = 3600.0
 EXIT_STATUS = 7
@@ -90,6 +92,8 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "hang":
             time.sleep(HANG_S)
+        if self.kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def announce(fault: Fault) -> None:
