@@ -3,6 +3,7 @@ compared bit for bit with an uninterrupted run.
 
     .venv/bin/python benchmarks/chaos.py                       # 20 faults, ~8 min on 2 cores
     .venv/bin/python benchmarks/chaos.py --faults 4 --every 8  # a quick look
+    .venv/bin/python benchmarks/chaos.py --every 60 --checkpoint-async --name chaos_async
 
 The job: ``meshpipe train`` of a small model over pp 2 (2 CPU processes), a checkpoint every
 ``--checkpoint-every`` steps, ``--hang-timeout 5``, ``--max-restarts 1000``. First it runs
@@ -166,8 +167,13 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=15.0, help="mean seconds between faults")
     parser.add_argument("--checkpoint-every", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-async", action="store_true",
+                        help="both runs write their checkpoints in the background")
+    parser.add_argument("--name", default="chaos",
+                        help="results/<name>.json and .md (default chaos)")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
+    extra = ["--checkpoint-async"] if args.checkpoint_async else []
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="meshpipe-chaos-"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -179,7 +185,7 @@ def main() -> None:
         args.checkpoint_every
     whole = work / "whole"
     start = time.time()
-    subprocess.run(command(whole, steps, args.checkpoint_every), check=True, env=env,
+    subprocess.run(command(whole, steps, args.checkpoint_every, *extra), check=True, env=env,
                    capture_output=True)
     whole_s = time.time() - start
     kinds = ["kill", "stop", "kill", "kill during a save"] * args.faults
@@ -187,8 +193,8 @@ def main() -> None:
     chaos_env = {**env, "MESHPIPE_FAULT": f"kind=raise,at=forward,rank=1,step={raised_at},once=1"}
     chaos = work / "chaos"
     start = time.time()
-    watched = Watched(command(chaos, steps, args.checkpoint_every, "--max-restarts", "1000"),
-                      chaos, chaos_env)
+    watched = Watched(command(chaos, steps, args.checkpoint_every, "--max-restarts", "1000",
+                              *extra), chaos, chaos_env)
     faults = [{"kind": "exception (MESHPIPE_FAULT)", "at_step": raised_at}]
     while len(faults) < args.faults and watched.process.poll() is None:
         time.sleep(rng.expovariate(1 / args.every))
@@ -218,6 +224,7 @@ def main() -> None:
     per_fault = (sum(f["to_restart_line_s"] + f["restart_to_step_s"] for f in timed)
                  / max(len(timed), 1)) + redone
     result = {"steps": steps, "step_s": round(step_s, 4), "faults": faults,
+              "every_s": args.every, "checkpoint_async": args.checkpoint_async,
               "restarts": restarts, "exit_status": watched.process.returncode,
               "uninterrupted_s": round(whole_s, 1), "chaos_s": round(chaos_s, 1),
               "goodput": round(productive / chaos_s, 3),
@@ -230,8 +237,8 @@ def main() -> None:
     print(table)
     if not args.no_save:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "chaos.json").write_text(json.dumps(result, indent=1) + "\n")
-        (RESULTS / "chaos.md").write_text(table)
+        (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (RESULTS / f"{args.name}.md").write_text(table)
 
 
 def markdown(result: dict) -> str:
@@ -239,9 +246,10 @@ def markdown(result: dict) -> str:
         return "-" if value is None else f"{value:.1f}"
 
     lines = [f"A chaos run on {os.cpu_count()} CPU cores: pp 2, {result['steps']} steps of "
-             f"{result['step_s'] * 1000:.0f} ms, a checkpoint every 20 steps, "
-             f"{len(result['faults'])} faults, {result['restarts']} restarts, exit status "
-             f"{result['exit_status']}.", "",
+             f"{result['step_s'] * 1000:.0f} ms, a checkpoint every 20 steps"
+             f"{' written in the background (--checkpoint-async)' if result['checkpoint_async'] else ''}, "
+             f"{len(result['faults'])} faults about every {result['every_s']:.0f} s, "
+             f"{result['restarts']} restarts, exit status {result['exit_status']}.", "",
              f"- last checkpoint equal to the uninterrupted run's: {result['tensors_equal']} "
              f"({result['tensors']} tensors); step losses equal: {result['losses_equal']}",
              f"- wall time {result['chaos_s']:.0f} s against {result['uninterrupted_s']:.0f} s "

@@ -70,6 +70,9 @@ CASES = [
          rank=1, says=r"failed at step 1, stage 1.*InjectedFault"),
     Case("data-parallel peer raises (pp 2 x dp 2)", (*PP2, "--dp", "2"),
          "kind=raise,at=forward,rank=3,step=2", rank=3, says=r"InjectedFault"),
+    Case("rank runs out of memory", (*PP2,), "kind=oom,at=forward,rank=1,step=2",
+         rank=1, says=r"failed at step 2, stage 1, microbatch \d.*out of memory: CUDA out of "
+                      r"memory\. Tried to allocate 2\.00 GiB .*--recompute full"),
     Case("rank exits", (*PP2,), "kind=exit,at=forward,rank=1,step=2",
          rank=1, says=r"exited with status 7 .*at step 2, stage 1"),
     Case("rank killed (SIGKILL)", (*PP2,), "kind=kill,at=forward,rank=0,step=2",

@@ -113,3 +113,17 @@ def test_a_failing_rank_stops_the_others_and_is_named():
     assert info.value.rank == 1
     assert "deliberate failure" in str(info.value)
     assert time.monotonic() - start < 60
+
+
+def test_nccl_ranks_record_their_collectives_for_the_watchdog(tmp_path):
+    """NCCL's flight recorder is on for NCCL ranks (as defaults a user's settings override),
+    dumping under the run's logs, and a hang report names the dumps when there are some."""
+    from meshpipe.train.supervisor.launch import _flight_recorder_note, nccl_flight_recorder
+
+    settings = nccl_flight_recorder(tmp_path)
+    assert settings["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert int(settings["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert settings["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl-trace-rank-")
+    assert _flight_recorder_note(tmp_path) == ""
+    (tmp_path / "nccl-trace-rank-1").write_bytes(b"trace")
+    assert "flight recorder wrote 1 rank(s)' collectives" in _flight_recorder_note(tmp_path)

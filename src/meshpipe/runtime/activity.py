@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
+
 # A waiting rank gives the rank it waits on this much longer to notice its own hang first
 # (under torchrun, where each rank judges itself, so the stuck rank is the one that reports).
 WAITING_GRACE_S = 5.0
@@ -190,8 +192,38 @@ def stop_requested() -> bool:
 
 
 def one_line(error: BaseException) -> str:
+    """The error in one line; an out-of-memory error with the device's memory and what to
+    try (``out_of_memory_line``)."""
+    if is_out_of_memory(error):
+        return out_of_memory_line(error)
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+# What an out-of-memory error says to try, in the order people usually can.
+MEMORY_ADVICE = ("try more pipeline stages (--pp, --vpp), --recompute full, a smaller "
+                 "--microbatch-size (more --microbatches), or --zero 1/2")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A CUDA allocator's ``OutOfMemoryError``, or the CPU allocator's failure."""
+    out_of_memory = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    return isinstance(error, out_of_memory) or "can't allocate memory" in str(error)
+
+
+def out_of_memory_line(error: BaseException) -> str:
+    """The allocator's own first sentences (what it tried to allocate), the device's memory
+    allocated, reserved and at its peak, and what to try."""
+    sentences = " ".join(str(error).split()).split(". ")
+    said = ". ".join(sentences[:2]).rstrip(".")
+    memory = ""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gib = 2 ** 30
+        device = torch.cuda.current_device()
+        memory = (f" (GPU {device}: {torch.cuda.memory_allocated(device) / gib:.1f} GiB "
+                  f"allocated, {torch.cuda.memory_reserved(device) / gib:.1f} GiB reserved, "
+                  f"peak {torch.cuda.max_memory_allocated(device) / gib:.1f} GiB)")
+    return f"out of memory: {said}{memory}; {MEMORY_ADVICE}"
 
 
 def describe(state: dict[str, Any]) -> str:

@@ -12,7 +12,8 @@ runs on without it, which rehearses a recovery; without it the fault fires again
 restart, which rehearses a crash loop. (The first firing leaves ``FIRED_FILE`` in the
 out-dir; a new job removes it.)
 
-kinds: ``raise`` (an exception), ``exit`` (os._exit without a word), ``kill`` (SIGKILL to
+kinds: ``raise`` (an exception), ``oom`` (the allocator's out-of-memory error, as a too large
+microbatch gets on a GPU), ``exit`` (os._exit without a word), ``kill`` (SIGKILL to
 itself, as the out-of-memory killer does), ``hang`` (sleeps for an hour), ``stop`` (SIGSTOP
 to itself: the whole process frozen, its threads too, as a debugger or a stalled node
 leaves it), ``nan`` (the
@@ -38,7 +39,7 @@ import torch
 from meshpipe.runtime import activity
 
 ENVIRONMENT_VARIABLE = "MESHPIPE_FAULT"
-KINDS = ("raise", "exit", "kill", "hang", "stop", "nan", "mismatch")
+KINDS = ("raise", "oom", "exit", "kill", "hang", "stop", "nan", "mismatch")
 PLACES = ("forward", "backward", "loss", "step", "save")
 HANG_S = 3600.0
 EXIT_STATUS = 7
@@ -86,6 +87,10 @@ class Fault:
         announce(self)
         if self.kind == "raise":
             raise InjectedFault(f"injected fault at {self.at} of step {self.step}")
+        if self.kind == "oom":
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB (injected at "
+                f"{self.at} of step {self.step}). GPU 0 has a total capacity of 79.1 GiB")
         if self.kind == "exit":
             os._exit(EXIT_STATUS)
         if self.kind == "kill":

@@ -237,6 +237,7 @@ def _supervise(processes: list, control: Path, supervision: Supervision,
             picture, line, rank = hang
             print(picture, file=sys.stderr, flush=True)
             _stop_all(processes)
+            line += _flight_recorder_note(supervision.log_dir)
             _keep_log(supervision.log_dir, "hang.txt", picture + "\n" + line)
             raise LaunchError(line, rank, picture)
         if signals.dump_requested:
@@ -358,6 +359,30 @@ def _take_device(device: torch.device) -> None:
         keep_freed_memory()
 
 
+# NCCL's flight recorder: each rank keeps its last collectives, and its watchdog (the process
+# group's timeout) writes them to a file before tearing the rank down.
+FLIGHT_RECORDER_ENTRIES = "2000"
+NCCL_TRACE_PREFIX = "nccl-trace-rank-"
+
+
+def nccl_flight_recorder(log_dir: Path | None) -> dict[str, str]:
+    """torch's ``TORCH_NCCL_*`` settings that record each rank's collectives and dump them
+    under ``log_dir`` (as ``nccl-trace-rank-<rank>``) when the watchdog times out; a user's
+    own settings win (they are defaults)."""
+    settings = {"TORCH_NCCL_TRACE_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES,
+                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    if log_dir is not None:
+        settings["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(Path(log_dir) / NCCL_TRACE_PREFIX)
+    return settings
+
+
+def _flight_recorder_note(log_dir: Path | None) -> str:
+    """Where NCCL's watchdog dumped the ranks' collectives, when it did."""
+    dumps = sorted(Path(log_dir).glob(f"{NCCL_TRACE_PREFIX}*")) if log_dir is not None else []
+    return (f"; NCCL's flight recorder wrote {len(dumps)} rank(s)' collectives to "
+            f"{Path(log_dir) / NCCL_TRACE_PREFIX}*" if dumps else "")
+
+
 def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str | None,
               world_size: int, threads: int, timeout_s: float, supervision: Supervision,
               devices: DevicePlan, control: Path | None, launcher_pid: int | None) -> None:
@@ -379,6 +404,9 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str |
         # rendezvous with its error.
         with activity.doing("rendezvous", limit=timeout_s):
             _take_device(devices.device(local_rank(rank)))
+            if devices.backend == "nccl":
+                for name, value in nccl_flight_recorder(supervision.log_dir).items():
+                    os.environ.setdefault(name, value)
             dist.init_process_group(devices.backend, init_method=init_method or "env://",
                                     rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
