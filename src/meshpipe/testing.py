@@ -253,9 +253,22 @@ def get_pool(world_size: int) -> WorkerPool:
 
 
 def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any,
-                    timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on a pooled group of ``world_size`` ranks."""
+                    timeout: float = DEFAULT_TIMEOUT_S, strict: bool = False,
+                    **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on a pooled group of ``world_size`` ranks;
+    ``strict``: with every operation in NCCL's order (``meshpipe.comm.strict``)."""
+    if strict:
+        return get_pool(world_size).run(_strictly, fn, *args, timeout=timeout, **kwargs)
     return get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+
+
+def _strictly(rank: int, world_size: int, fn: Callable[..., Any], *args: Any,
+              **kwargs: Any) -> Any:
+    """``fn`` under the strict communication mode."""
+    from meshpipe.comm import strict
+
+    with strict.installed():
+        return fn(rank, world_size, *args, **kwargs)
 
 
 def shutdown_pools() -> None:

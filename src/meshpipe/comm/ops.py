@@ -27,9 +27,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_into = (getattr(dist, "reduce_scatter_single", None)
-                        or dist.reduce_scatter_tensor)
+
+
+def _gather_into(*args: Any, **options: Any) -> Any:
+    """``all_gather_single`` or ``all_gather_into_tensor``, looked up at each call (the
+    strict mode, ``comm.strict``, replaces them while it is on)."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        *args, **options)
+
+
+def _reduce_scatter_into(*args: Any, **options: Any) -> Any:
+    """``reduce_scatter_single`` or ``reduce_scatter_tensor``, looked up at each call."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+        *args, **options)
 
 def host_only(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group`` (None: the default group) moves only CPU tensors (gloo alone)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshpipe.comm import strict
 from meshpipe.comm.p2p import P2PTransport
 from meshpipe.comm.transport import Transport
 from meshpipe.comm.vtp import FanoutTransport, VTPTransport
@@ -23,8 +24,10 @@ def pipeline_transport(config: TrainConfig, plan: RunPlan, topology: Topology,
     a GPU over gloo send from host buffers and receive onto the GPU.
     """
     on_nccl = plan.devices.backend == "nccl"
-    meta_group = dist.new_group(backend="gloo") if on_nccl else None
-    reverse_group = dist.new_group(backend="nccl") if on_nccl else None
+    # The strict communication mode runs gloo in NCCL's order: the groups are NCCL's too.
+    nccl_shaped = on_nccl or strict.active()
+    meta_group = dist.new_group(backend="gloo") if nccl_shaped else None
+    reverse_group = (dist.new_group(backend=plan.devices.backend) if nccl_shaped else None)
     options = dict(reverse_group=reverse_group, meta_group=meta_group,
                    device=device if on_nccl else "cpu", deliver_to=device,
                    timeout=plan.process_group_timeout, mode=config.p2p)

@@ -76,12 +76,23 @@ def plan_run(config: TrainConfig) -> RunPlan:
         tensorboard.check_available()
     notes = list(resume.notes if resume is not None else _earlier_checkpoints_note(out))
     notes.extend(data_notes)
-    for notice in (devices.notice(), _zero_notice(config)):
+    for notice in (devices.notice(), _zero_notice(config), strict_notice()):
         if notice:
             notes.append(notice)
     # A resumed run continues its checkpoint's run: --keep-checkpoints counts them together.
     run_id = resume.checkpoint.run_id if resume is not None else uuid.uuid4().hex[:12]
     return _decided(config, schedule, devices, resume, run_id, tuple(notes))
+
+
+def strict_notice() -> str | None:
+    """The one line that says the strict communication mode is on."""
+    from meshpipe.comm import strict
+
+    if not strict.requested():
+        return None
+    return (f"strict communication mode on ({strict.ENVIRONMENT_VARIABLE}=1): every pair's "
+            "sends and receives and every group's collectives run in posting order, as NCCL "
+            "runs them; an order that would deadlock there fails here (a test mode: slower)")
 
 
 def _zero_notice(config: TrainConfig) -> str | None:

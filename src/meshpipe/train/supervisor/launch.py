@@ -44,6 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from meshpipe.comm import strict
 from meshpipe.process_exit import exit_process, under_torchrun
 from meshpipe.runtime import activity
 from meshpipe.runtime.executor import PeerFailedError
@@ -410,7 +411,8 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, init_method: str |
             dist.init_process_group(devices.backend, init_method=init_method or "env://",
                                     rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
-        fn(*args)
+        with strict.installed() if strict.requested() else contextlib.nullcontext():
+            fn(*args)
     except BaseException as error:
         if control is None:
             raise

@@ -1,0 +1,109 @@
+"""The strict communication mode executes each pair's point-to-point operations and each
+group's collectives in posting order, as NCCL does: an exchange in which both ranks receive
+before they send deadlocks under it (and is reported in one line) while plain gloo runs it;
+the same exchange in a safe order, a batch, a collective and a pipeline with --check pass."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshpipe.comm import strict
+from meshpipe.testing import run_distributed
+from trainer_cases import SMALL, check_first_step
+
+pytestmark = pytest.mark.distributed
+
+
+def exchange(rank, world_size, strict_mode, receive_first):
+    """Ranks 0 and 1 swap a tensor; ``receive_first``: each posts its receive first."""
+    other = 1 - rank
+    mine, theirs = torch.full((4,), float(rank)), torch.zeros(4)
+    # A group of its own: a deadlock reported leaves its connection closed, not the pool's.
+    group = dist.new_group([0, 1])
+
+    def run():
+        if receive_first or rank == 1:
+            posted = [dist.irecv(theirs, src=other, group=group),
+                      dist.isend(mine, dst=other, group=group)]
+        else:
+            posted = [dist.isend(mine, dst=other, group=group),
+                      dist.irecv(theirs, src=other, group=group)]
+        for work in posted:
+            work.wait()
+        return theirs.tolist()
+
+    if not strict_mode:
+        return run()
+    with strict.installed(timeout_s=3):
+        try:
+            return run()
+        except strict.StrictOrderError as error:
+            return str(error)
+
+
+def test_both_receiving_first_deadlocks_only_in_strict_mode():
+    assert run_distributed(2, exchange, False, True) == [[1.0] * 4, [0.0] * 4]
+    reports = run_distributed(2, exchange, True, True)
+    for rank, report in enumerate(reports):
+        assert isinstance(report, str) and "\n" not in report, report
+        assert f"rank {rank} would deadlock on NCCL: receive from rank {1 - rank}" in report
+
+
+def test_a_safe_order_a_batch_and_collectives_pass_in_strict_mode():
+    assert run_distributed(2, exchange, True, False) == [[1.0] * 4, [0.0] * 4]
+    assert run_distributed(2, batch_and_collectives) == [[1.0, 2.0]] * 2
+
+
+def batch_and_collectives(rank, world_size):
+    other = 1 - rank
+    with strict.installed(timeout_s=5):
+        mine, theirs = torch.full((2,), float(rank)), torch.zeros(2)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, theirs, other),
+                                        dist.P2POp(dist.isend, mine, other)])
+        for work in works:
+            work.wait()
+        assert theirs.tolist() == [float(other)] * 2
+        total = torch.tensor([1.0, 2.0]) / 2
+        dist.all_reduce(total)
+        dist.barrier()
+        return total.tolist()
+
+
+STRICT_LAYOUTS = {
+    "pp2-1f1b": dict(pp=2, schedule="1f1b"),
+    "pp2-interleaved": dict(pp=2, vpp=2, schedule="interleaved"),
+    "pp2-zb-v": dict(pp=2, vpp=2, schedule="zb-v"),
+    "pp2-batched-p2p": dict(pp=2, p2p="batched"),
+    "ring2": dict(pp=1, schedule="none", cp_ring=2),
+    "ulysses2": dict(pp=1, schedule="none", cp_ulysses=2),
+    "tp2": dict(pp=1, schedule="none", tp=2),
+    "dp2-zero2": dict(pp=1, schedule="none", dp=2, zero=2),
+}
+
+
+def strict_check(rank, world_size, config):
+    """--check's report under the strict mode, and how many operations went through it."""
+    from meshpipe.train.loop.trainer import Trainer
+
+    with strict.installed() as mode:
+        report = Trainer(config).check_first_step()
+    return report, mode.posted
+
+
+@pytest.mark.parametrize("layout", STRICT_LAYOUTS.values(), ids=STRICT_LAYOUTS.keys())
+def test_layouts_pass_check_in_strict_mode(tmp_path, layout):
+    from meshpipe.train.config import TrainConfig
+
+    config = TrainConfig(**{**SMALL, "microbatches": 4, **layout, "out_dir": str(tmp_path)})
+    report, posted = run_distributed(config.world_size, strict_check, config)[0]
+    assert report["passed"], report
+    kind = "p2p" if config.pp > 1 or config.cp_ring > 1 else "collective"
+    assert posted[kind] > 0, posted
+
+
+def test_the_pool_runs_a_function_in_strict_mode(tmp_path):
+    from meshpipe.train.config import TrainConfig
+
+    config = TrainConfig(**{**SMALL, "pp": 2, "out_dir": str(tmp_path)})
+    report = run_distributed(2, check_first_step, config, strict=True)[0]
+    assert report["passed"], report
