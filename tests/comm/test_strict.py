@@ -78,6 +78,16 @@ STRICT_LAYOUTS = {
     "ulysses2": dict(pp=1, schedule="none", cp_ulysses=2),
     "tp2": dict(pp=1, schedule="none", tp=2),
     "dp2-zero2": dict(pp=1, schedule="none", dp=2, zero=2),
+    "tp2-sequence-parallel": dict(pp=1, schedule="none", tp=2, sequence_parallel=True),
+    "combined-1f1b-ep2": dict(pp=1, dp=2, ep=2, moe_experts=4, schedule="combined-1f1b"),
+}
+# Four ranks or a longer schedule: make test-slow.
+SLOW_STRICT_LAYOUTS = {
+    "pp2-dualpipe-v": dict(pp=2, schedule="dualpipe-v"),
+    "pp2-vtp-2,1": dict(pp=2, stage_tp="2,1"),
+    "pp2-cp-ring2": dict(pp=2, cp_ring=2),
+    "hybrid-2x2": dict(pp=1, schedule="none", cp_ring=2, cp_ulysses=2),
+    "pp2-dp2-zero1": dict(pp=2, dp=2, zero=1),
 }
 
 
@@ -90,7 +100,9 @@ def strict_check(rank, world_size, config):
     return report, mode.posted
 
 
-@pytest.mark.parametrize("layout", STRICT_LAYOUTS.values(), ids=STRICT_LAYOUTS.keys())
+@pytest.mark.parametrize("layout", [*STRICT_LAYOUTS.values(), *(
+    pytest.param(layout, marks=pytest.mark.slow) for layout in SLOW_STRICT_LAYOUTS.values())],
+    ids=[*STRICT_LAYOUTS, *SLOW_STRICT_LAYOUTS])
 def test_layouts_pass_check_in_strict_mode(tmp_path, layout):
     from meshpipe.train.config import TrainConfig
 
@@ -98,6 +110,8 @@ def test_layouts_pass_check_in_strict_mode(tmp_path, layout):
     report, posted = run_distributed(config.world_size, strict_check, config)[0]
     assert report["passed"], report
     kind = "p2p" if config.pp > 1 or config.cp_ring > 1 else "collective"
+    if config.ep > 1:
+        assert posted["collective"] > 0, posted  # the experts' all-to-alls, from their thread
     assert posted[kind] > 0, posted
 
 

@@ -467,3 +467,29 @@ def test_parts_of_a_model_that_has_none_are_refused_in_one_line(tmp_path, shapes
     with pytest.raises(ValueError, match="leaves nothing to train"):
         sources.check_sources(vision_config(model, shapes, tmp_path,
                                             freeze="vision,projector,language"))
+
+
+@pytest.mark.distributed
+def test_a_replica_without_images_still_joins_the_towers_reduction(shapes, tmp_path):
+    """Data parallelism where, at the checked step, one replica's microbatches show images
+    and the other's none: the tower's gradients (from one replica) are averaged over both,
+    no hang, and --check holds."""
+    captions = [json.loads(line) for line in shapes.read_text().splitlines()]
+    rows = [row if index % 8 == 0 else {"text": row["text"]} for index, row in
+            enumerate(row for row in captions if row["images"])]
+    data = write_rows(shapes.parent / "few-images.jsonl", rows)
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+
+    def shown(config, dp_rank):
+        batch = data_sources.samplers(config, dp_rank)[0].batch(0)
+        return sum(len(piece.grids) for row in batch.pictures for piece in row)
+
+    for seed in range(50):
+        config = vision_config(model, data, tmp_path, dp=2, seed=seed)
+        sources.check_sources(config)
+        if shown(config, 0) > 0 and shown(config, 1) == 0:
+            break
+    else:
+        pytest.fail("no seed gives one replica images and the other none")
+    report = run_distributed(config.world_size, check_first_step, config)[0]
+    assert report["mismatched"] == [] and report["passed"], report
