@@ -127,3 +127,30 @@ def test_nccl_ranks_record_their_collectives_for_the_watchdog(tmp_path):
     assert _flight_recorder_note(tmp_path) == ""
     (tmp_path / "nccl-trace-rank-1").write_bytes(b"trace")
     assert "flight recorder wrote 1 rank(s)' collectives" in _flight_recorder_note(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_torchrun_agents_train_like_two_nodes(tmp_path):
+    """Two torchrun agents of two processes each meet at a c10d rendezvous on 127.0.0.1,
+    as two nodes would, and train pp 2 x dp 2 with --check."""
+    import socket
+    import subprocess
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "run"
+    train = ["-m", "meshpipe", "train", "--layers", "2", "--dim", "32", "--heads", "2",
+             "--kv-heads", "1", "--seq-len", "16", "--microbatches", "2", "--pp", "2",
+             "--dp", "2", "--steps", "2", "--check", "--no-progress", "--eval-every", "0",
+             "--timeline-step", "0", "--device", "cpu", "--out-dir", str(out)]
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+         "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--rdzv-id", "two-nodes", *train], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for _ in range(2)]
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], [err[-2000:] for _, err in outputs]
+    said = "".join(stdout for stdout, _ in outputs)
+    assert "--check step 1 vs one process" in said and ": PASS" in said, said[-2000:]
