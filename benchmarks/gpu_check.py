@@ -262,6 +262,19 @@ HOW = {"nccl": "nccl, a GPU per rank (torchrun)", "shared": "gloo, ranks share t
 REHEARSED = {"nccl": "torchrun, CPU (gloo)", "shared": "local launcher, CPU (gloo)"}
 
 
+def pipeline_throughput(rows: list[dict]) -> list[str]:
+    """pp 2 on NCCL (a GPU per stage) against pp 1, where both ran on NCCL: the steps'
+    sequences per second and their ratio (2 would be a pipeline without a bubble or a
+    message cost)."""
+    step = {row["layout"]: row["median_step_seconds"] for row in rows
+            if row["how"] == "nccl" and row["status"] == "PASS"}
+    if not (step.get("pp1-1f1b") and step.get("pp2-1f1b")):
+        return []
+    return ["", f"Pipeline throughput on NCCL: pp 2 (1F1B, a GPU per stage) steps in "
+                f"{step['pp2-1f1b']:.4f} s against {step['pp1-1f1b']:.4f} s for pp 1 with the "
+                f"same batch: {step['pp1-1f1b'] / step['pp2-1f1b']:.2f}x."]
+
+
 def to_markdown(result: dict) -> str:
     lines = [f"# GPU check: {result['device']}", "",
              f"torch {result['torch']}, CUDA {result['cuda']}, NCCL {result['nccl']}, "
@@ -276,6 +289,7 @@ def to_markdown(result: dict) -> str:
                      f"{row['status']} | {_figure(row['loss_difference'], '.1e')} | "
                      f"{_figure(row['max_grad_difference'], '.1e')} | "
                      f"{_figure(row['median_step_seconds'], '.4f')} | {row['note']} |")
+    lines += pipeline_throughput(result["rows"])
     for row in result["rows"]:
         if row["status"] == "FAIL":
             lines += ["", f"FAIL {row['layout']} ({row['how']}): `{row.get('command', '')}`",
