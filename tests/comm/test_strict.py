@@ -3,6 +3,8 @@ group's collectives in posting order, as NCCL does: an exchange in which both ra
 before they send deadlocks under it (and is reported in one line) while plain gloo runs it;
 the same exchange in a safe order, a batch, a collective and a pipeline with --check pass."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -121,3 +123,26 @@ def test_the_pool_runs_a_function_in_strict_mode(tmp_path):
     config = TrainConfig(**{**SMALL, "pp": 2, "out_dir": str(tmp_path)})
     report = run_distributed(2, check_first_step, config, strict=True)[0]
     assert report["passed"], report
+
+
+def strict_steps(rank, world_size, config, strict_mode):
+    """Two training steps' losses (the gradient buckets reduced as each stage's backward
+    ends, overlapped with the rest of the step), under the strict mode or not."""
+    from meshpipe.train.loop.trainer import Trainer
+
+    with strict.installed() if strict_mode else contextlib.nullcontext():
+        trainer = Trainer(config)
+        return [trainer.train_step(step).loss for step in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 2])
+def test_overlapped_bucket_reductions_train_the_same_in_strict_mode(tmp_path, zero):
+    """Found by this test: torch's newer collective names (``reduce_scatter_single``), which
+    the ZeRO buckets call, went around the strict mode's queue until it replaced them."""
+    from meshpipe.train.config import TrainConfig
+
+    config = TrainConfig(**{**SMALL, "pp": 2, "dp": 2, "zero": zero, "microbatches": 4,
+                            "out_dir": str(tmp_path)})
+    plain = run_distributed(4, strict_steps, config, False)
+    assert run_distributed(4, strict_steps, config, True) == plain

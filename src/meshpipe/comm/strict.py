@@ -29,8 +29,14 @@ from torch.distributed import distributed_c10d as c10d
 
 ENVIRONMENT_VARIABLE = "MESHPIPE_STRICT_COMM"
 DEFAULT_TIMEOUT_S = 20.0
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-               "reduce_scatter_tensor", "all_to_all_single", "barrier")
+# torch's newer names (``all_gather_single``) are what the older ones call: where they exist
+# they are replaced, and the older ones reach the queue through them (replacing both would
+# queue one inside the other).
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_to_all_single", "all_to_all",
+               "reduce", "gather", "scatter", "barrier",
+               *(new if hasattr(c10d, new) else old for old, new in (
+                   ("all_gather_into_tensor", "all_gather_single"),
+                   ("reduce_scatter_tensor", "reduce_scatter_single"))))
 PATCHED = ("isend", "irecv", "batch_isend_irecv", *COLLECTIVES)
 
 
