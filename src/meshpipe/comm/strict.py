@@ -91,6 +91,8 @@ class _Queue(threading.Thread):
     def run(self) -> None:
         while True:
             work, execute = self.items.get()
+            if work is None:  # the mode was uninstalled
+                return
             try:
                 execute()
                 work.finish()
@@ -123,6 +125,13 @@ class StrictMode:
     def _names(self, group: Any) -> str:
         ranks = dist.get_process_group_ranks(self._group(group))
         return f"group of ranks {ranks}"
+
+    def close(self) -> None:
+        """End the queues' threads once they executed what they hold."""
+        with self._lock:
+            for queue_ in self._queues.values():
+                queue_.items.put((None, None))
+            self._queues.clear()
 
     def _submit(self, key: tuple, what: str, execute: Callable[[], None]) -> StrictWork:
         work = StrictWork(what)
@@ -245,6 +254,7 @@ def installed(timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[StrictMode]:
         yield mode
     finally:
         _ACTIVE.remove(mode)
+        mode.close()
         for name, function in mode.original.items():
             setattr(c10d, name, function)
             setattr(dist, name, function)
