@@ -146,3 +146,27 @@ def test_overlapped_bucket_reductions_train_the_same_in_strict_mode(tmp_path, ze
                             "out_dir": str(tmp_path)})
     plain = run_distributed(4, strict_steps, config, False)
     assert run_distributed(4, strict_steps, config, True) == plain
+
+
+@pytest.mark.parametrize("flags", [dict(), pytest.param(dict(cp_ring=2, pack=True),
+                                                        marks=pytest.mark.slow)],
+                         ids=["pp2", "pp2-ring2-packed"])
+def test_a_vision_language_model_passes_check_in_strict_mode(tmp_path, flags):
+    """Each microbatch crosses at its own length, so every message changes the layout both
+    ways: the headers that say so go over the transport's gloo group, which stays gloo beside
+    NCCL and is not ordered (ordering it deadlocked here: each side's first header send
+    waited behind the other's)."""
+    pytest.importorskip("transformers")
+    from hf_models import save_tiny_vision_model
+    from meshpipe.train.config import TrainConfig
+    from meshpipe.train.data.shapes import write_shapes_corpus
+    from trainer_cases import for_a_model
+
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    data = write_shapes_corpus(tmp_path / "shapes", 40)
+    config = TrainConfig(**{**for_a_model(dict(SMALL, seq_len=64, microbatches=2)), "pp": 2,
+                            "model": str(model), "data": str(data), "out_dir": str(tmp_path),
+                            **flags})
+    report, posted = run_distributed(config.world_size, strict_check, config)[0]
+    assert report["passed"], report
+    assert posted["p2p"] > 0, posted

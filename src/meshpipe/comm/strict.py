@@ -45,6 +45,16 @@ class StrictOrderError(RuntimeError):
 
 
 _ACTIVE: list["StrictMode"] = []
+# Groups that are gloo on GPU runs too (a transport's header group, the background
+# checkpoint writer's): gloo keeps no posting order there, so neither does the strict mode.
+_HOST_GROUPS: set[int] = set()
+
+
+def host_group(group: Any) -> Any:
+    """Mark ``group`` as one that stays gloo beside NCCL (returned, for chaining)."""
+    if group is not None:
+        _HOST_GROUPS.add(id(group))
+    return group
 
 
 def requested() -> bool:
@@ -160,11 +170,13 @@ class StrictMode:
 
     def p2p(self, send: bool, tensor: Any, peer: int | None = None, group: Any = None,
             tag: int = 0, group_peer: int | None = None, **options: Any) -> StrictWork:
+        call = self.original["isend" if send else "irecv"]
         peer = self._peer(group, peer, group_peer)
+        if id(group) in _HOST_GROUPS:
+            return call(tensor, peer, group=group, tag=tag)
         me = dist.get_rank()
         what = (f"{'send to' if send else 'receive from'} rank {peer} (tag {tag}, "
                 f"{self._names(group)})")
-        call = self.original["isend" if send else "irecv"]
 
         def execute() -> None:
             self._finished(call(tensor, peer, group=group, tag=tag), what)
@@ -207,8 +219,10 @@ class StrictMode:
 
     def collective(self, name: str, *args: Any, group: Any = None, async_op: bool = False,
                    **options: Any) -> Any:
-        what = f"{name} over the {self._names(group)}"
         call = self.original[name]
+        if id(group) in _HOST_GROUPS:
+            return call(*args, group=group, async_op=async_op, **options)
+        what = f"{name} over the {self._names(group)}"
 
         def execute() -> None:
             work = call(*args, group=group, async_op=True, **options)

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshpipe.comm import strict
+
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s values in host memory that nothing else writes (pinned for a GPU's)."""
@@ -33,7 +35,8 @@ class BackgroundWrites:
     """The rank's checkpoint writer thread, one write at a time (module docstring)."""
 
     def __init__(self):
-        self.group = dist.new_group(backend="gloo")
+        # gloo beside NCCL too: not ordered by the strict communication mode.
+        self.group = strict.host_group(dist.new_group(backend="gloo"))
         self._thread: threading.Thread | None = None
         self._failure: tuple[int, BaseException] | None = None
         self.step: int | None = None  # the step of the write in flight, None when idle

@@ -26,7 +26,7 @@ def pipeline_transport(config: TrainConfig, plan: RunPlan, topology: Topology,
     on_nccl = plan.devices.backend == "nccl"
     # The strict communication mode runs gloo in NCCL's order: the groups are NCCL's too.
     nccl_shaped = on_nccl or strict.active()
-    meta_group = dist.new_group(backend="gloo") if nccl_shaped else None
+    meta_group = strict.host_group(dist.new_group(backend="gloo")) if nccl_shaped else None
     reverse_group = (dist.new_group(backend=plan.devices.backend) if nccl_shaped else None)
     options = dict(reverse_group=reverse_group, meta_group=meta_group,
                    device=device if on_nccl else "cpu", deliver_to=device,
@@ -37,7 +37,8 @@ def pipeline_transport(config: TrainConfig, plan: RunPlan, topology: Topology,
     stage_ranks = layout.stage_ranks(topology.rank)
     if config.link == "fanout":
         return FanoutTransport(stage_ranks, **options)
-    intra_meta_group = (new_groups(layout.group_ranks(["tp"]), topology.rank, backend="gloo")
-                        if on_nccl else None)
+    intra_meta_group = (strict.host_group(new_groups(layout.group_ranks(["tp"]),
+                                                     topology.rank, backend="gloo"))
+                        if nccl_shaped else None)
     return VTPTransport(stage_ranks, topology.tp_group, intra_meta_group=intra_meta_group,
                         **options)
