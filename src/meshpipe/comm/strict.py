@@ -11,7 +11,8 @@ goes to the queue of its pair or of its group's collectives, and one thread per 
 executes them in posting order, each to its end (a send until its receive was reached), so
 the CPU run deadlocks where NCCL would. A queue that waits longer than ``timeout_s`` on one
 operation fails it with ``StrictOrderError``: the rank, the group's ranks, the operation and
-what it waits for, in one line.
+what it waits for, in one line. Groups that stay gloo beside NCCL on GPU runs (``host_group``:
+a transport's header group, the background checkpoint writer's) keep gloo's behaviour.
 """
 
 from __future__ import annotations
