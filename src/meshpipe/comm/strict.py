@@ -153,6 +153,11 @@ class StrictMode:
 
     # -- point to point ----------------------------------------------------------------------
 
+    def _pair(self, group: Any, peer: int) -> tuple:
+        """The queue of this rank and ``peer`` in ``group`` (NCCL's communicator of the pair)."""
+        me = dist.get_rank()
+        return ("p2p", id(self._group(group)), min(me, peer), max(me, peer))
+
     def _peer(self, group: Any, peer: int | None, group_peer: int | None) -> int:
         if group_peer is not None:
             return dist.get_global_rank(self._group(group), group_peer)
@@ -175,26 +180,22 @@ class StrictMode:
         peer = self._peer(group, peer, group_peer)
         if id(group) in _HOST_GROUPS:
             return call(tensor, peer, group=group, tag=tag)
-        me = dist.get_rank()
         what = (f"{'send to' if send else 'receive from'} rank {peer} (tag {tag}, "
                 f"{self._names(group)})")
 
         def execute() -> None:
             self._finished(call(tensor, peer, group=group, tag=tag), what)
-        return self._submit(("p2p", id(self._group(group)), min(me, peer), max(me, peer)),
-                            what, execute)
+        return self._submit(self._pair(group, peer), what, execute)
 
     def batch(self, operations: list) -> list[StrictWork]:
         """A grouped call: its operations start together once each of their pairs' queues
         reached it, and the unit ends when all of them did."""
-        me = dist.get_rank()
         parts = []
         for op in operations:
             peer = self._peer(op.group, op.peer, getattr(op, "group_peer", None))
             send = op.op in (self.patched_isend, self.original["isend"])
             parts.append((send, op.tensor, peer, op.group, op.tag))
-        keys = sorted({("p2p", id(self._group(group)), min(me, peer), max(me, peer))
-                       for _, _, peer, group, _ in parts})
+        keys = sorted({self._pair(group, peer) for _, _, peer, group, _ in parts})
         what = "a batch of " + ", ".join(
             f"{'send to' if send else 'receive from'} rank {peer}"
             for send, _, peer, _, _ in parts)
@@ -213,8 +214,7 @@ class StrictMode:
                     done.set()
             done.wait()
         works = {key: self._submit(key, what, execute) for key in keys}
-        return [works[("p2p", id(self._group(group)), min(me, peer), max(me, peer))]
-                for _, _, peer, group, _ in parts]
+        return [works[self._pair(group, peer)] for _, _, peer, group, _ in parts]
 
     # -- collectives -------------------------------------------------------------------------
 

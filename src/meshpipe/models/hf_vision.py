@@ -1,19 +1,21 @@
-"""Hugging Face vision-language models (Qwen2-VL, Qwen2.5-VL) as meshpipe pipeline stages.
+"""Hugging Face vision-language models (Qwen2-VL, Qwen2.5-VL, LLaVA) as meshpipe pipeline
+stages.
 
 transformers' own modules run everything: the vision tower with its patch merger (the
 projector), the token embedding and each decoder layer. The tower sits on the first stage,
 beside the embedding its image features replace (the image placeholder tokens' rows), with
 that stage's first decoder layers or none (a stage of its own). A microbatch's stage-0
-message is ``(tokens, positions, doc_ids, rope, pixels, grids)``: ``rope`` the 3D rotary
-positions of every token ``[3, batch, seq]`` (``mrope_positions``: text tokens count up, an
-image's tokens take its (time, row, column) from where the text stopped), ``pixels`` the
-microbatch's image patches in token order and ``grids`` each image's (t, h, w) in patches.
-Between stages ``(hidden, positions, doc_ids, rope)`` travels, each microbatch at its own
-length. ``positions`` and ``doc_ids`` are meshpipe's token order for the causal mask, as for
-decoders; the rotary tables come from ``rope``.
+message is ``(tokens, positions, doc_ids, rope, pixels, grids, rows)``: ``rope`` Qwen's 3D
+rotary positions of every token ``[3, batch, seq]`` (``vision_positions.mrope_positions``;
+None for LLaVA, whose decoder rotates by the token positions), ``pixels`` the microbatch's
+image patches in token order, ``grids`` each image's (t, h, w) in patches and ``rows`` the
+image feature each token takes (``image_rows``). Between stages ``(hidden, positions,
+doc_ids, rope)`` travels, each microbatch at its own length. ``positions`` and ``doc_ids``
+are meshpipe's token order for the causal mask, as for decoders.
 
-Parameter names are the weight files' (``visual.blocks.0...``, ``model.layers.0...``),
-which transformers 5 maps onto its modules (``model.visual...``,
+Which models, their weight-file names, their parts (``--freeze``) and their tower are data
+(``ARCHITECTURES``). Parameter names are the weight files' (``visual.blocks.0...``,
+``model.layers.0...``), which transformers 5 maps onto its modules (``model.visual...``,
 ``model.language_model.layers...``) when it loads them.
 """
 
@@ -73,9 +75,12 @@ class LlavaTower(nn.Module):
         self.layers = [layers] if isinstance(layers, int) else list(layers)
         self.drop_first = config.vision_feature_select_strategy == "default"
         self.patch_size = config.vision_config.patch_size
+        # Its processor makes every image this size: the grids need not be read back from
+        # the device (a host synchronization every microbatch on a GPU).
+        self.side = config.vision_config.image_size // self.patch_size
 
     def forward(self, pixels: Tensor, grids: Tensor) -> Tensor:
-        images = as_images(pixels, grids, self.patch_size)
+        images = as_images(pixels, self.side, self.side, self.patch_size)
         out = self.vision_tower(images.to(next(self.projector.parameters()).dtype),
                                 output_hidden_states=True)
         chosen = [out.hidden_states[layer] for layer in self.layers]
@@ -110,9 +115,9 @@ def as_patches(images: np.ndarray, patch_size: int) -> tuple[np.ndarray, np.ndar
     return patches, np.tile(np.array([[1, rows, columns]], dtype=np.int64), (n, 1))
 
 
-def as_images(patches: Tensor, grids: Tensor, patch_size: int) -> Tensor:
-    """``as_patches`` undone: ``[n, c, H, W]``."""
-    n, rows, columns = len(grids), int(grids[0, 1]), int(grids[0, 2])
+def as_images(patches: Tensor, rows: int, columns: int, patch_size: int) -> Tensor:
+    """``as_patches`` undone for images of ``rows`` x ``columns`` patches: ``[n, c, H, W]``."""
+    n = patches.shape[0] // (rows * columns)
     channels = patches.shape[1] // patch_size ** 2
     return patches.reshape(n, rows, columns, channels, patch_size, patch_size).permute(
         0, 3, 1, 4, 2, 5).reshape(n, channels, rows * patch_size, columns * patch_size)
@@ -122,7 +127,8 @@ def reference_images(model_type: str, pixels: Tensor, grids: Tensor, config) -> 
     """The unmodified transformers model's image arguments for ``pixels`` and ``grids``."""
     if ARCHITECTURES[model_type].rope_3d:
         return dict(pixel_values=pixels, image_grid_thw=grids)
-    return dict(pixel_values=as_images(pixels, grids, config.vision_config.patch_size))
+    _, rows, columns = grids[0].tolist()
+    return dict(pixel_values=as_images(pixels, rows, columns, config.vision_config.patch_size))
 
 
 @dataclass(frozen=True)
