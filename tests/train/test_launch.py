@@ -53,6 +53,7 @@ def _stop_rank_one_inside_step_seven():
         dist.recv(torch.ones(1), src=1)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_stopped_rank_is_reported_at_the_step_it_stopped_in():
     """Rank 1 stops itself as it enters step 7, before its reporter writes that: the report
@@ -97,6 +98,7 @@ class _RankOneSlowToStart(DevicePlan):
         return super().device(local_rank)
 
 
+@pytest.mark.slow
 def test_waiting_at_the_rendezvous_for_a_slow_rank_is_no_hang(tmp_path):
     """Rank 0 waits at the rendezvous longer than the hang timeout: not a hang, since a
     rank that never comes ends the rendezvous with the process group's own timeout."""

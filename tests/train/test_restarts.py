@@ -87,7 +87,9 @@ FAULTS = {"raise": "kind=raise,at=forward,rank=1,step=4,once=1",
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("fault", FAULTS.values(), ids=FAULTS.keys())
+@pytest.mark.parametrize("fault", [pytest.param(fault, id=name, marks=() if name == "kill"
+                                                 else pytest.mark.slow)
+                                    for name, fault in FAULTS.items()])
 def test_a_restarted_job_ends_bit_for_bit_as_the_uninterrupted_one(tmp_path, monkeypatch,
                                                                    uninterrupted, fault, capsys):
     monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, fault)
@@ -100,6 +102,7 @@ def test_a_restarted_job_ends_bit_for_bit_as_the_uninterrupted_one(tmp_path, mon
     assert json.loads((kept[-1].directory / META_FILE).read_text())["step"] == 6
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_crash_loop_stops_with_its_exit_status(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, "kind=raise,at=step,rank=1,step=3")
@@ -144,6 +147,7 @@ def test_background_checkpoints_equal_synchronous_ones(tmp_path, uninterrupted):
     assert all(torch.equal(first[key], second[key]) for key in first)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(
         tmp_path, monkeypatch, uninterrupted, capsys):

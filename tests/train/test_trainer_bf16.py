@@ -65,7 +65,9 @@ ZERO1 = dict(pp=1, schedule="none", dp=2, zero=1)
 
 
 @pytest.mark.parametrize(("layout", "resumed_as"), [
-    (dict(pp=2), {}), (ZERO1, {}), (ZERO1, dict(zero=0)), (dict(ZERO1, zero=0), dict(zero=2))],
+    (dict(pp=2), {}), (ZERO1, {}),
+    pytest.param(ZERO1, dict(zero=0), marks=pytest.mark.slow),
+    pytest.param(dict(ZERO1, zero=0), dict(zero=2), marks=pytest.mark.slow)],
     ids=["pp2", "dp2-zero1-sharded-masters", "zero1-as-zero0", "zero0-as-zero2"])
 def test_a_bf16_run_resumes_exactly(tmp_path, layout, resumed_as):
     """Also across zero levels: the masters are saved whole whether they were sharded."""

@@ -167,7 +167,9 @@ MIXED_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", MIXED_LAYOUTS.values(), ids=MIXED_LAYOUTS.keys())
+@pytest.mark.parametrize("layout", [pytest.param(layout, id=name, marks=() if name == "tp2"
+                                                  else pytest.mark.slow)
+                                     for name, layout in MIXED_LAYOUTS.items()])
 def test_a_mixture_matches_one_process_in_every_layout(tmp_path, chat_tokenizer, layout):
     """The per-source split of the loss under tensor parallelism (the vocabulary-parallel
     loss) and context parallelism (each rank's slice of every sequence's sources)."""

@@ -69,6 +69,7 @@ def test_resume_continues_exactly_in_another_layout(tmp_path):
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
 
 
+@pytest.mark.slow
 def test_fused_tensor_parallel_shards_resume_without_tensor_parallelism(tmp_path):
     """Phi-3's fused q/k/v and gate/up shards are saved whole (each part gathered) and load
     back into a run without tensor parallelism, which continues exactly."""

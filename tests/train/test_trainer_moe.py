@@ -61,6 +61,7 @@ def test_metrics_report_load_balance_and_dropped_tokens(tmp_path):
     assert all(step["max_tokens_per_expert"] >= capacity_per_rank for step in limited)
 
 
+@pytest.mark.slow
 def test_expert_shards_resume_exactly(tmp_path):
     base = dict(MOE, pp=1, dp=2, ep=2, schedule="combined-1f1b", out_dir=str(tmp_path),
                 checkpoint_every=2)

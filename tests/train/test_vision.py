@@ -388,7 +388,8 @@ def compiled_check(rank, world_size, config):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("arch", ["qwen2_vl", pytest.param("llava", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
 def test_check_passes_with_compiled_decoder_blocks_and_recompute(shapes, tmp_path, arch):
     model = save_tiny_vision_model(tmp_path / "model", arch)
     config = vision_config(model, shapes, tmp_path, compile=True, recompute="full")
@@ -412,6 +413,7 @@ def test_a_chat_template_kept_by_the_processor_renders_the_chats(vision_model, t
     assert HFTokenizer(copy).render_chat(chat) == HFTokenizer(vision_model).render_chat(chat)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_resumed_run_ends_where_the_uninterrupted_one_does(shapes, tmp_path):
     """The images of each step come back in the same order after a resume: the losses of

@@ -117,6 +117,7 @@ def _load_then_save(rank, world_size, config, source, target_root):
                     buckets=trainer.gradients.buckets)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_moves_between_zero_levels_and_dp_sizes_bit_for_bit(tmp_path):
     """Saved at --zero 1 --dp 2: loaded at zero 0/1/2 and dp 1/2 and saved again, every
     weight and moment is the same bytes."""
