@@ -25,7 +25,7 @@ from meshpipe import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMANDS = ("train", "schedule", "tune", "export", "plot", "demo")
+COMMANDS = ("train", "schedule", "tune", "plan", "export", "plot", "demo")
 # Flags of the outside tools the pages show next to meshpipe's.
 EXTERNAL_FLAGS = {
     "torchrun": {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",

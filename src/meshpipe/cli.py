@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -229,6 +230,7 @@ def _parser() -> _Parser:
     export.set_defaults(handler=_export)
 
     _add_tune_parser(commands)
+    _add_plan_parser(commands)
 
     plot = commands.add_parser(
         "plot", help="draw a run's loss, learning rate and gradient norm into loss.png",
@@ -285,6 +287,67 @@ def _add_tune_parser(commands) -> None:
                       help="save the fastest layout as a TOML file for meshpipe train --config")
     add_train_arguments(tune)
     tune.set_defaults(handler=_tune)
+
+
+def _add_plan_parser(commands) -> None:
+    plan = commands.add_parser(
+        "plan", help="predict and rank the layouts of a model on a cluster of GPUs, from a "
+        "description (nothing runs)",
+        description="Search every layout (tp within a node, pp, vpp, cp ring or Ulysses, dp, "
+        "ep, --zero, microbatches, schedule, recompute) of --gpus GPUs of --cluster for the "
+        "model (--model DIR: only its config.json is read; or the reference model's flags) at "
+        "--seq-len and --global-batch, predict each one's step, MFU, bubble, exposed "
+        "communication and memory per GPU, and print the fastest that fit (docs/planning.md). "
+        "--write saves the pick for meshpipe train --config.")
+    plan.add_argument("--gpus", type=_positive_int, required=True, help="GPUs to lay out")
+    plan.add_argument("--cluster", default="h100",
+                      help="h100, h200, a100 (nodes of 8) or a TOML file describing one "
+                      "(default h100)")
+    plan.add_argument("--global-batch", type=_positive_int, default=None,
+                      help="sequences per step (default: dp x microbatches x microbatch-size "
+                      "of the train flags)")
+    plan.add_argument("--top", type=_positive_int, default=10,
+                      help="layouts to print (default 10)")
+    plan.add_argument("--write", type=Path, metavar="RUN.toml",
+                      help="save the fastest layout as a TOML file for meshpipe train --config")
+    add_train_arguments(plan)
+    plan.set_defaults(handler=_plan)
+
+
+def _plan(args: argparse.Namespace, out: TextIO) -> int:
+    """Plan, print the table; the pick as TOML with --write."""
+    from meshpipe.schedules.cluster import cluster_named, describe
+    from meshpipe.schedules.planner import PlanRequest, plan, table
+    from meshpipe.train.run.toml_config import to_toml
+    from meshpipe.train.tune.planning import (PLANNED_FIELDS, config_for_layout, model_shape,
+                                              runnable_by_meshpipe)
+    from meshpipe.train.tune.tuner import global_batch_of
+
+    chosen = [f"--{name.replace('_', '-')}" for name in PLANNED_FIELDS if hasattr(args, name)]
+    if chosen:
+        raise CommandLineError(f"meshpipe plan: error: plan chooses the layout: drop "
+                               f"{', '.join(chosen)}")
+    config = train_config_from_arguments(args)
+    model, cluster = model_shape(config), cluster_named(args.cluster)
+    batch = args.global_batch or global_batch_of(config)
+    started = time.perf_counter()
+    # Selective recomputation re-runs the reference model's attention core only.
+    recompute = ("none", "full") if config.model else RECOMPUTE_MODES
+    result = plan(PlanRequest(model, cluster, args.gpus, config.seq_len, batch,
+                              recompute=recompute), args.top,
+                  runnable_by_meshpipe(config, model))
+    out.write(f"{model.name}: {model.parameters() / 1e9:.2f}B parameters "
+              f"({model.active_parameters() / 1e9:.2f}B active), seq-len {config.seq_len}, "
+              f"global batch {batch} on {args.gpus} GPUs of {describe(cluster)}\n"
+              f"{result.layouts} layouts, {result.too_large} too large for a GPU, "
+              f"{result.refused} refused by meshpipe train's checks, {result.simulated} "
+              f"schedules simulated in {time.perf_counter() - started:.1f} s\n\n")
+    out.write(table(result.predictions, args.top))
+    if args.write:
+        best = config_for_layout(result.predictions[0].layout, config)
+        _write(args.write, lambda: to_toml(best))
+        out.write(f"\nwrote {args.write}: meshpipe train --config {args.write}\n")
+    return 0
 
 
 def _tune(args: argparse.Namespace, out: TextIO) -> int:

@@ -231,7 +231,7 @@ def _layouts(world_size: int, profile: Profile, global_batch: int,
             for microbatches in _divisors(global_batch // dp):
                 size = global_batch // (dp * microbatches)
                 for schedule in schedules:
-                    for vpp in _vpp_choices(schedule, pp, profile.layers):
+                    for vpp in vpp_choices(schedule, pp, profile.layers):
                         layout = Layout(pp, vpp, dp, cp, microbatches, size, schedule)
                         if buildable(layout):
                             for zero in ZERO_LEVELS if dp * cp > 1 else (0,):
@@ -242,7 +242,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _vpp_choices(schedule: str, pp: int, layers: int) -> range:
+def vpp_choices(schedule: str, pp: int, layers: int) -> range:
     """Stages per rank worth trying: 1 for a one-rank schedule and those of one stage per
     rank, 2 for the V schedules, up to ``MAX_VPP`` for the others (from 2 for one that
     equals another schedule at 1), each stage holding at least a layer."""
