@@ -291,6 +291,14 @@ def _runners_at(seq_len: int, args, device: torch.device, scratch: str, corpus: 
     return runners, config
 
 
+def _measured_model(config: TrainConfig) -> dict:
+    """The sizes of the step a row times, for ``meshpipe plan --efficiency-from``."""
+    model = model_config(config)
+    return {"dim": model.dim, "layers": model.n_layers, "heads": model.n_heads,
+            "kv_heads": model.kv_heads, "vocab": model.vocab_size, "seq_len": config.seq_len,
+            "microbatches": config.microbatches, "microbatch_size": config.microbatch_size}
+
+
 def _train_row(name: str, rounds: list[dict], seq_len: int, parameters: int | None,
                config: TrainConfig, device: torch.device) -> dict:
     """A runner's row: the median of its rounds, tokens/s and MFU."""
@@ -307,6 +315,7 @@ def _train_row(name: str, rounds: list[dict], seq_len: int, parameters: int | No
                            default=None),
            "rounds": rounds, "seq": seq_len, "parameters": parameters,
            "tokens_per_step": tokens, "tokens_per_s": tokens_per_s,
+           "model": _measured_model(config),
            "mfu": (tokens_per_s * model_flops_per_token(parameters, config) / 1e12 / peak
                    if tokens_per_s and peak else None)}
     print(_train_line(row), flush=True)

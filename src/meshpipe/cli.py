@@ -310,6 +310,9 @@ def _add_plan_parser(commands) -> None:
                       help="layouts to print (default 10)")
     plan.add_argument("--write", type=Path, metavar="RUN.toml",
                       help="save the fastest layout as a TOML file for meshpipe train --config")
+    plan.add_argument("--efficiency-from", type=Path, metavar="GPU_BENCH.json",
+                      help="fit the GPU's efficiency to a step benchmarks/gpu_bench.py measured "
+                      "on one of its GPUs (default: the curve measured on an H100)")
     add_train_arguments(plan)
     plan.set_defaults(handler=_plan)
 
@@ -317,9 +320,11 @@ def _add_plan_parser(commands) -> None:
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
     """Plan, print the table; the pick as TOML with --write."""
     from meshpipe.schedules.cluster import cluster_named, describe
-    from meshpipe.schedules.planner import PlanRequest, plan, table
+    from meshpipe.schedules.plan_space import PlanRequest
+    from meshpipe.schedules.planner import plan, table
     from meshpipe.train.run.toml_config import to_toml
-    from meshpipe.train.tune.planning import (PLANNED_FIELDS, config_for_layout, model_shape,
+    from meshpipe.train.tune.planning import (PLANNED_FIELDS, config_for_layout,
+                                              efficiency_from_gpu_bench, model_shape,
                                               runnable_by_meshpipe)
     from meshpipe.train.tune.tuner import global_batch_of
 
@@ -333,9 +338,12 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     started = time.perf_counter()
     # Selective recomputation re-runs the reference model's attention core only.
     recompute = ("none", "full") if config.model else RECOMPUTE_MODES
-    result = plan(PlanRequest(model, cluster, args.gpus, config.seq_len, batch,
-                              recompute=recompute), args.top,
-                  runnable_by_meshpipe(config, model))
+    request = PlanRequest(model, cluster, args.gpus, config.seq_len, batch,
+                          recompute=recompute)
+    if args.efficiency_from:
+        request, fitted = efficiency_from_gpu_bench(args.efficiency_from, request)
+        out.write(fitted + "\n")
+    result = plan(request, args.top, runnable_by_meshpipe(config, model))
     out.write(f"{model.name}: {model.parameters() / 1e9:.2f}B parameters "
               f"({model.active_parameters() / 1e9:.2f}B active), seq-len {config.seq_len}, "
               f"global batch {batch} on {args.gpus} GPUs of {describe(cluster)}\n"

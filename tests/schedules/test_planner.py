@@ -9,7 +9,8 @@ import pytest
 from meshpipe.schedules.builders import build
 from meshpipe.schedules.cluster import CLUSTERS, GIB
 from meshpipe.schedules.model_shape import ModelShape
-from meshpipe.schedules.planner import PlanError, PlanRequest, layouts, plan, predict
+from meshpipe.schedules.plan_space import PlanRequest, layouts
+from meshpipe.schedules.planner import PlanError, fit_efficiency, plan, predict
 from meshpipe.schedules.ranking import state_bytes
 from meshpipe.schedules.scale import ScaleLayout
 from meshpipe.schedules.simulator import simulate
@@ -62,7 +63,9 @@ def test_expert_models_search_expert_parallelism_and_combined_1f1b():
 
 def test_layouts_keep_tp_inside_a_node_and_dividing_the_heads():
     searched = list(layouts(request(gpus=64)))
-    assert {layout.tp for layout in searched} == {1, 2, 4, 8}
+    assert {layout.tp for layout in searched} == {1, 2, 4}  # 4 kv heads
+    wider = list(layouts(request(replace(SMALL, kv_heads=8), gpus=64)))
+    assert {layout.tp for layout in wider} == {1, 2, 4, 8}  # 8 GPUs a node
     assert all(layout.gpus == 64 and 32 % layout.dp == 0 for layout in searched)
     ulysses = {layout.cp for layout in searched if layout.cp_kind == "ulysses"}
     assert ulysses
@@ -112,3 +115,24 @@ def test_the_published_style_layout_is_priced_with_the_heads_and_embeddings_stag
     assert 0 < predicted.mfu < 1
     assert predicted.tflops_per_gpu == pytest.approx(predicted.mfu * H100.peak_flops / 1e12)
     assert predicted.memory_bytes < 80 * GIB
+
+
+@pytest.mark.parametrize("slower", [1.3, 1.1])
+def test_a_fitted_efficiency_predicts_the_measured_step(slower):
+    asked = request(gpus=1, global_batch=8)
+    layout = ScaleLayout(tp=1, pp=1, vpp=1, cp=1, dp=1, microbatch_size=2, microbatches=4,
+                         schedule="none")
+    measured = slower * predict(asked, layout).step_s
+    efficiency, factor = fit_efficiency(asked, layout, measured)
+    assert predict(replace(asked, efficiency=efficiency), layout).step_s == pytest.approx(
+        measured, rel=1e-6)
+    assert factor < 1
+    assert efficiency.matmul == pytest.approx(asked.efficiency.matmul * factor)
+
+
+def test_a_step_faster_than_any_efficiency_makes_it_stops_at_the_whole_peak():
+    asked = request(gpus=1, global_batch=8)
+    layout = ScaleLayout(tp=1, pp=1, vpp=1, cp=1, dp=1, microbatch_size=2, microbatches=4,
+                         schedule="none")
+    efficiency, _ = fit_efficiency(asked, layout, predict(asked, layout).step_s / 100)
+    assert max(efficiency.matmul, efficiency.memory) == pytest.approx(1.0)

@@ -10,7 +10,8 @@ import pytest
 
 from meshpipe import cli
 from meshpipe.schedules.cluster import CLUSTERS
-from meshpipe.schedules.planner import PlanRequest, plan
+from meshpipe.schedules.plan_space import PlanRequest
+from meshpipe.schedules.planner import plan
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
 from meshpipe.train.tune.planning import config_for_layout, model_shape
@@ -95,3 +96,34 @@ def test_the_plans_pick_for_a_small_cluster_trains_with_check(tmp_path, capsys):
     assert config.world_size == 4
     report = run_distributed(4, check_first_step, config)[0]
     assert report["passed"], report
+
+
+def _gpu_bench_json(path, seconds, sizes=True):
+    row = {"part": "train step", "runner": "meshpipe Trainer (1F1B, 1 stage) --compile",
+           "status": "ok", "seconds": seconds}
+    if sizes:
+        row["model"] = {"dim": 256, "layers": 4, "heads": 4, "kv_heads": 2, "vocab": 256,
+                        "seq_len": 512, "microbatches": 4, "microbatch_size": 2}
+    path.write_text(json.dumps({"runs": [{"result": {"device": "a GPU", "train": [row]}}]}))
+    return path
+
+
+def test_the_efficiency_is_fitted_to_a_measured_gpu_step(config_only, tmp_path, capsys):
+    argv = ["plan", "--model", str(config_only), "--seq-len", "4096", "--global-batch", "64",
+            "--gpus", "16", "--top", "1"]
+    assert cli.main(argv) == 0
+    default_step = float(_rows(capsys.readouterr().out)[0][12])
+    measured = _gpu_bench_json(tmp_path / "gpu_bench.json", seconds=0.5)
+    assert cli.main([*argv, "--efficiency-from", str(measured)]) == 0
+    printed = capsys.readouterr().out
+    assert "measured 500.0 ms" in printed and "scaled by 0." in printed
+    assert float(_rows(printed)[0][12]) > default_step  # a slower GPU than the curve's
+
+
+def test_a_gpu_bench_file_without_the_models_sizes_is_one_line(config_only, tmp_path, capsys):
+    old = _gpu_bench_json(tmp_path / "old.json", seconds=0.5, sizes=False)
+    assert cli.main(["plan", "--model", str(config_only), "--gpus", "8", "--global-batch", "8",
+                     "--efficiency-from", str(old)]) == 2
+    error = capsys.readouterr().err
+    assert "no compiled meshpipe training step with its model's sizes" in error
+    assert error.count("\n") == 1

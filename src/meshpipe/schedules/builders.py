@@ -156,6 +156,8 @@ class ScheduleSpec:
     (Megatron's virtual pipeline), so a comparison at vpp k runs it at k. ``split_backward``:
     it runs each backward as I then W. ``one_rank``: it runs on one rank only.
     ``at_one_stage_per_rank``: the schedule it is identical to with one stage per rank.
+    ``hides_all_to_all``: its OVERLAP actions run one microbatch's expert all-to-all behind
+    another's compute (without experts it is the schedule it interleaves like).
     """
 
     name: str
@@ -166,6 +168,7 @@ class ScheduleSpec:
     split_backward: bool = False
     one_rank: bool = False
     at_one_stage_per_rank: str | None = None
+    hides_all_to_all: bool = False
 
     @property
     def v_shaped(self) -> bool:
@@ -222,7 +225,8 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec("dualpipe-v", lambda p, m, v, placed, fo: dualpipe_v(p, m, forward_only=fo),
                  stages_per_rank="two", placement="v", split_backward=True),
     ScheduleSpec("combined-1f1b", lambda p, m, v, placed, fo: combined_1f1b(
-        p, m, v, forward_only=fo), stages_per_rank="any", placement="loop", interleaves=True),
+        p, m, v, forward_only=fo), stages_per_rank="any", placement="loop", interleaves=True,
+                 hides_all_to_all=True),
 )}
 SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_SPECS)
 

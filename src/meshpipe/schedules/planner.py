@@ -1,12 +1,8 @@
 """``meshpipe plan``: search every layout of a decoder on a cluster of GPUs, predict each
 one's step with the cost model at scale (``scale``), and rank those that fit in memory.
 
-The search covers tp (within a node, dividing the heads, kv heads, MLP width and vocabulary),
-cp (ring, and Ulysses
-where the heads divide), pp, the virtual stages each schedule takes, dp (dividing the
-global batch), ep for expert models (dividing the experts and ``dp x cp``), ``--zero``
-0/1/2, the microbatch size and count, every schedule and recompute mode. Most of it never
-reaches the simulator: a layout's step is at least its busiest rank's compute for every
+The search covers every layout ``plan_space.layouts`` lists. Most of it never reaches the
+simulator: a layout's step is at least its busiest rank's compute for every
 microbatch plus what follows the pipeline, so layouts are simulated in the order of that
 bound until the bound passes the ``top``-th best step found, and a layout whose weights,
 optimizer state and one microbatch's activations already exceed a GPU is dropped unseen.
@@ -16,47 +12,25 @@ stage costs are in the same proportions (``_simulated``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
-from meshpipe.schedules.builders import SCHEDULES, build, schedule_spec
-from meshpipe.schedules.cluster import Cluster
-from meshpipe.schedules.costs import RECOMPUTE_MODES, CostModel
+from meshpipe.schedules.builders import build, schedule_spec
+from meshpipe.schedules.costs import CostModel
 from meshpipe.schedules.model_shape import ModelShape
 from meshpipe.schedules.placement import balanced_layers, loop_placement, v_placement
-from meshpipe.schedules.ranking import ZERO_LEVELS, TuneError, format_bytes, vpp_choices
-from meshpipe.schedules.scale import (CP_KINDS, MESHPIPE, Efficiency, LayerCosts, Runtime,
-                                      ScaleLayout, gradient_accumulation_s, gradient_sync_s,
-                                      layer_costs, pipeline_message_s, saved_bytes_per_token,
-                                      state_bytes_of)
+from meshpipe.schedules.plan_space import PlanRequest, layouts
+from meshpipe.schedules.ranking import TuneError, format_bytes
+from meshpipe.schedules.scale import (Efficiency, LayerCosts, ScaleLayout,
+                                      gradient_accumulation_s, gradient_sync_s, layer_costs,
+                                      pipeline_message_s, saved_bytes_per_token, state_bytes_of)
 from meshpipe.schedules.simulator import simulate
 
-MICROBATCH_SIZES = (1, 2, 4, 8)
-MAX_CP = 64
 LOGIT_BYTES = 4.0  # the loss's float32 logits, kept for its backward
 
 
 class PlanError(TuneError):
     """A request no layout answers; the message says what does not fit and what to change."""
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What to plan: ``global_batch`` sequences of ``seq_len`` tokens a step on ``gpus``
-    GPUs of ``cluster``, and the parts of the search to cover."""
-
-    model: ModelShape
-    cluster: Cluster
-    gpus: int
-    seq_len: int
-    global_batch: int
-    efficiency: Efficiency = Efficiency()
-    runtime: Runtime = MESHPIPE
-    schedules: tuple[str, ...] = SCHEDULES
-    microbatch_sizes: tuple[int, ...] = MICROBATCH_SIZES
-    recompute: tuple[str, ...] = RECOMPUTE_MODES
-    zero: tuple[int, ...] = ZERO_LEVELS
-    cp_kinds: tuple[str, ...] = CP_KINDS
 
 
 @dataclass(frozen=True)
@@ -282,7 +256,7 @@ class _Planner:
         for stage, rank in enumerate(schedule.placement):
             ranks[rank].append(stage)
         sync, memory, exposed = 0.0, 0.0, 0.0
-        a2a_waited = 0.0 if layout.schedule == "combined-1f1b" else 2.0
+        a2a_waited = 0.0 if spec.hides_all_to_all else 2.0
         for rank, held in enumerate(ranks):
             dense = sum(stages.dense[s] for s in held)
             experts = sum(stages.experts[s] for s in held)
@@ -330,80 +304,6 @@ def _proportions(stages: _Stages, unit: float, message: float) -> tuple:
 
     return (scaled(stages.forward), scaled(stages.backward_input),
             scaled(stages.backward_weight), scaled(stages.a2a), float(f"{message / unit:.3g}"))
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def layouts(request: PlanRequest) -> Iterator[ScaleLayout]:
-    """Every layout of the request's search (see the module docstring)."""
-    model, gpus = request.model, request.gpus
-    for tp in _divisors(min(gpus, request.cluster.gpus_per_node)):
-        if gpus % tp or any(size % tp for size in (model.heads, model.kv_heads,
-                                                     model.ffn_hidden, model.vocab)):
-            continue
-        for cp in _divisors(gpus // tp):
-            if cp > MAX_CP or request.seq_len % (2 * cp if cp > 1 else 1):
-                continue
-            for kind in _cp_kinds(request, tp, cp):
-                for pp in _divisors(gpus // (tp * cp)):
-                    dp = gpus // (tp * cp * pp)
-                    if pp > model.layers or request.global_batch % dp:
-                        continue
-                    yield from _inner(request, tp, cp, kind, pp, dp)
-
-
-def _cp_kinds(request: PlanRequest, tp: int, cp: int) -> tuple[str, ...]:
-    if cp == 1:
-        return ("ring",)
-    heads, kv = request.model.heads // tp, max(1, request.model.kv_heads // tp)
-    return tuple(kind for kind in request.cp_kinds
-                 if kind == "ring" or (heads % cp == 0 and kv % cp == 0))
-
-
-def _inner(request: PlanRequest, tp: int, cp: int, kind: str, pp: int,
-           dp: int) -> Iterator[ScaleLayout]:
-    model = request.model
-    experts = [ep for ep in _divisors(dp * cp) if model.experts % ep == 0] if model.experts \
-        else [1]
-    per_replica = request.global_batch // dp
-    for size in request.microbatch_sizes:
-        if per_replica % size:
-            continue
-        microbatches = per_replica // size
-        for schedule in _schedules(request, pp):
-            for vpp in _vpp_choices(schedule, pp, model.layers):
-                for ep in experts:
-                    for zero in request.zero if dp * cp > 1 else (0,):
-                        for recompute in request.recompute:
-                            yield ScaleLayout(tp, pp, vpp, cp, dp, size, microbatches,
-                                              schedule, kind, ep, zero, recompute)
-
-
-def _vpp_choices(schedule: str, pp: int, layers: int) -> range:
-    """``ranking.vpp_choices``, but one stage per rank for GPipe and 1F1B: several stages a
-    rank are what interleaved 1F1B is for (and the list scheduler those two take there
-    costs more than the rest of a search)."""
-    choices = vpp_choices(schedule, pp, layers)
-    spec = schedule_spec(schedule)
-    if spec.interleaves or spec.v_shaped:
-        return choices
-    return range(1, 2) if 1 in choices else range(0)
-
-
-def _schedules(request: PlanRequest, pp: int) -> list[str]:
-    """The request's schedules that run on ``pp`` ranks; combined 1F1B only for expert
-    models (without all-to-alls it is interleaved 1F1B)."""
-    chosen = []
-    for name in request.schedules:
-        spec = schedule_spec(name)
-        if (pp == 1) != spec.one_rank:
-            continue
-        if name == "combined-1f1b" and not request.model.experts:
-            continue
-        chosen.append(name)
-    return chosen
 
 
 def plan(request: PlanRequest, top: int = 10,
@@ -455,6 +355,26 @@ def predict(request: PlanRequest, layout: ScaleLayout) -> PlanPrediction:
         raise PlanError(f"schedule {layout.schedule} does not run {layout.microbatches} "
                         f"microbatches on pp {layout.pp} with vpp {layout.vpp}")
     return predicted
+
+
+def fit_efficiency(request: PlanRequest, layout: ScaleLayout,
+                   measured_s: float) -> tuple[Efficiency, float]:
+    """The request's efficiency scaled so that ``layout``'s predicted step is the
+    ``measured_s`` a GPU took (bisection on the factor: a step's time falls as the factor
+    grows, down to the host's floor), and the factor."""
+    def step(factor: float) -> float:
+        return predict(replace(request, efficiency=request.efficiency.scaled(factor)),
+                       layout).step_s
+
+    efficiency = request.efficiency
+    low = 0.05
+    high = 1 / max(efficiency.matmul, efficiency.memory, *(f for _, f in efficiency.attention))
+    if step(high) > measured_s:
+        return request.efficiency.scaled(high), high
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if step(middle) > measured_s else (low, middle)
+    return request.efficiency.scaled(high), high
 
 
 def _nothing_fits(request: PlanRequest, count: int, smallest: float | None) -> str:

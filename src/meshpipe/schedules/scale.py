@@ -6,14 +6,15 @@ Pure Python like the rest of ``schedules``. Per microbatch and GPU (``layer_cost
 - compute: every projection is a matrix product priced at the GPU's bf16 peak times an
   efficiency that falls for small matrices (``Efficiency.matmul_s``: each dimension ``d``
   scales it by ``d / (d + matmul_half_size)``); attention (flash kernels, causal: half the
-  score products) at its own efficiency, which grows with the sequence; norms, rotary, the activation, residual adds and
-  the loss as bytes through the GPU's memory. A backward's input-gradient half (I) is its
-  data-gradient products, attention's backward (2.5 times its forward's products, as flash
-  kernels do) and the element-wise work twice; its weight-gradient half (W) the
-  weight-gradient products, and where the runtime does not fuse it, adding the gradients
-  into their float32 accumulators. Recomputation adds the forward (``full``, to I and again to W
-  where the schedule splits the backward, as the runtime does) or attention's forward
-  (``selective``).
+  score products) at its own efficiency, which grows with the sequence; norms, rotary, the
+  activation, residual adds and the loss as bytes through the GPU's memory. A backward's
+  input-gradient half (I) is its data-gradient products, attention's backward (2.5 times
+  its forward's products, as flash kernels do) and the element-wise work twice; its
+  weight-gradient half (W) the weight-gradient products and, where the runtime does not fuse
+  it, adding the gradients into their float32 accumulators. A layer lasts at least the
+  host's time to launch it (``Runtime.host_layer_s``). Recomputation adds the forward
+  (``full``, to I and again to W where the schedule splits the backward, as the runtime
+  does) or attention's forward (``selective``).
 - tensor parallelism (with sequence parallelism, the layout meshpipe runs at tp > 1): per
   layer two all-gathers and two reduce-scatters of a microbatch's activations forward, as
   many backward, inside a node; ``Runtime.tensor_overlap`` of it hidden.
@@ -38,9 +39,8 @@ Pure Python like the rest of ``schedules``. Per microbatch and GPU (``layer_cost
   activations (per token and layer: what the layer saves for backward, sharded over tp),
   the last stage's float32 logits, and the cluster's reserve.
 
-Left out: FP8, kernels' launch gaps at small sizes (measured runs show them: fit
-``Efficiency`` from one), stragglers, the network's topology beyond nodes, load imbalance
-between experts, activation offloading.
+Left out: FP8, stragglers, the network's topology beyond nodes, load imbalance between
+experts, activation offloading.
 """
 
 from __future__ import annotations
@@ -59,10 +59,11 @@ BUCKET_BYTES = 32 * 2**20  # ``parallel.zero.BUCKET_BYTES``: the last one cannot
 CP_KINDS = ("ring", "ulysses")
 
 
-# meshpipe's attention (torch's SDPA flash kernel) measured on an H100, forward and backward
-# together, causal (``benchmarks/gpu_attention.py``, ``results/gpu_bench_2026-11-26.md``, and
-# a 740M step's profile at 2,048 tokens, ``results/step_profile.md``): the fraction of the
-# peak at each sequence length.
+# meshpipe's attention (torch's SDPA flash kernel) on an H100, forward and backward together,
+# causal: the fraction of the peak at each sequence length, as ``benchmarks/gpu_attention.py``
+# measured the kernel alone (``results/gpu_bench_2026-11-26.md``: 0.27 at 8,192 tokens, 0.32
+# at 16,384, 0.34 at 32,768); at 2,048 between the kernel alone (0.19) and what a 740M step's
+# profile shows it taking in training (0.28, ``results/step_profile.md``).
 SDPA_ON_H100 = ((2048, 0.25), (8192, 0.27), (16384, 0.32), (32768, 0.34))
 
 
@@ -95,6 +96,7 @@ class Efficiency:
         return flops / (peak * self.matmul * shape)
 
     def attention_at(self, seq_len: float) -> float:
+        """The attention fraction at ``seq_len`` tokens (the end values beyond the points)."""
         sizes, fractions = zip(*self.attention)
         logs = [math.log(size) for size in sizes]
         at = min(max(math.log(seq_len), logs[0]), logs[-1])

@@ -12,6 +12,8 @@ from pathlib import Path
 from meshpipe.schedules.builders import schedule_spec
 from meshpipe.schedules.model_shape import (ModelShape, ModelShapeError, reference_shape,
                                             shape_from_hf_config)
+from meshpipe.schedules.plan_space import PlanRequest
+from meshpipe.schedules.planner import PlanError, fit_efficiency, predict
 from meshpipe.schedules.scale import ScaleLayout
 from meshpipe.train.config import TrainConfig
 
@@ -79,3 +81,36 @@ def runnable_by_meshpipe(config: TrainConfig,
         return True
 
     return runnable
+
+
+def efficiency_from_gpu_bench(path: Path, request: PlanRequest) -> tuple[PlanRequest, str]:
+    """``request`` with its efficiency fitted to the compiled meshpipe step that
+    ``benchmarks/gpu_bench.py`` measured on one GPU (its JSON: one run's result or the
+    recorded runs), and a line saying what was fitted."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise PlanError(f"{path}: cannot read it as gpu_bench's JSON: {error}") from None
+    results = [run.get("result", run) for run in document.get("runs", [document])]
+    rows = [row for result in results for row in result.get("train", [])
+            if row.get("status") == "ok" and row.get("model")
+            and row.get("runner", "").startswith("meshpipe Trainer (1F1B, 1 stage) --compile")]
+    if not rows:
+        raise PlanError(f"{path}: no compiled meshpipe training step with its model's sizes "
+                        f"(rows written by benchmarks/gpu_bench.py with --modes compile since "
+                        f"it records them); run it on the GPU to fit")
+    row = rows[-1]
+    sizes = row["model"]
+    model = reference_shape(sizes["dim"], sizes["layers"], sizes["heads"], sizes["kv_heads"],
+                            sizes["vocab"])
+    layout = ScaleLayout(tp=1, pp=1, vpp=1, cp=1, dp=1, microbatch_size=sizes["microbatch_size"],
+                         microbatches=sizes["microbatches"], schedule="none")
+    measured = PlanRequest(model, request.cluster, 1, sizes["seq_len"],
+                           sizes["microbatches"] * sizes["microbatch_size"],
+                           efficiency=request.efficiency, runtime=request.runtime)
+    before = predict(measured, layout).step_s
+    efficiency, factor = fit_efficiency(measured, layout, row["seconds"])
+    note = (f"efficiency fitted to {path}'s step ({row.get('device', 'one GPU')}): measured "
+            f"{1000 * row['seconds']:.1f} ms, predicted {1000 * before:.1f} ms by the default "
+            f"curve; its fractions scaled by {factor:.3f}")
+    return replace(request, efficiency=efficiency), note
