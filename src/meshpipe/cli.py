@@ -289,6 +289,22 @@ def _add_tune_parser(commands) -> None:
     tune.set_defaults(handler=_tune)
 
 
+def _refuse_layout_flags(args: argparse.Namespace, command: str, fields: Sequence[str]) -> None:
+    """``meshpipe tune`` and ``plan`` choose the layout: a layout flag given is an error."""
+    chosen = [f"--{name.replace('_', '-')}" for name in fields if hasattr(args, name)]
+    if chosen:
+        raise CommandLineError(f"meshpipe {command}: error: {command} chooses the layout: "
+                               f"drop {', '.join(chosen)}")
+
+
+def _write_pick(path: Path, config: TrainConfig, out: TextIO) -> None:
+    """The chosen layout as a TOML file for ``meshpipe train --config``."""
+    from meshpipe.train.run.toml_config import to_toml
+
+    _write(path, lambda: to_toml(config))
+    out.write(f"\nwrote {path}: meshpipe train --config {path}\n")
+
+
 def _add_plan_parser(commands) -> None:
     plan = commands.add_parser(
         "plan", help="predict and rank the layouts of a model on a cluster of GPUs, from a "
@@ -322,16 +338,12 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     from meshpipe.schedules.cluster import cluster_named, describe
     from meshpipe.schedules.plan_space import PlanRequest
     from meshpipe.schedules.planner import plan, table
-    from meshpipe.train.run.toml_config import to_toml
     from meshpipe.train.tune.planning import (PLANNED_FIELDS, config_for_layout,
                                               efficiency_from_gpu_bench, model_shape,
                                               runnable_by_meshpipe)
     from meshpipe.train.tune.tuner import global_batch_of
 
-    chosen = [f"--{name.replace('_', '-')}" for name in PLANNED_FIELDS if hasattr(args, name)]
-    if chosen:
-        raise CommandLineError(f"meshpipe plan: error: plan chooses the layout: drop "
-                               f"{', '.join(chosen)}")
+    _refuse_layout_flags(args, "plan", PLANNED_FIELDS)
     config = train_config_from_arguments(args)
     model, cluster = model_shape(config), cluster_named(args.cluster)
     batch = args.global_batch or global_batch_of(config)
@@ -352,9 +364,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
               f"schedules simulated in {time.perf_counter() - started:.1f} s\n\n")
     out.write(table(result.predictions, args.top))
     if args.write:
-        best = config_for_layout(result.predictions[0].layout, config)
-        _write(args.write, lambda: to_toml(best))
-        out.write(f"\nwrote {args.write}: meshpipe train --config {args.write}\n")
+        _write_pick(args.write, config_for_layout(result.predictions[0].layout, config), out)
     return 0
 
 
@@ -362,14 +372,10 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     """Tune, print the table; exit status 1 if the measuring run failed."""
     from meshpipe.schedules.ranking import table
     from meshpipe.train.supervisor.launch import LaunchError, reports_for_the_job
-    from meshpipe.train.run.toml_config import to_toml
     from meshpipe.train.tune.measure import config_for
     from meshpipe.train.tune.tuner import tune
 
-    chosen = [f"--{name.replace('_', '-')}" for name in _TUNED_FIELDS if hasattr(args, name)]
-    if chosen:
-        raise CommandLineError(f"meshpipe tune: error: tune chooses the layout: drop "
-                               f"{', '.join(chosen)}")
+    _refuse_layout_flags(args, "tune", _TUNED_FIELDS)
     config = train_config_from_arguments(args)
     try:
         result = tune(config, args.world_size, args.memory_budget, args.global_batch)
@@ -385,9 +391,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
               f"{'' if args.memory_budget is None else ' the budget'}\n\n")
     out.write(table(result.predictions, args.top))
     if args.write:
-        best = config_for(result.predictions[0].layout, config)
-        _write(args.write, lambda: to_toml(best))
-        out.write(f"\nwrote {args.write}: meshpipe train --config {args.write}\n")
+        _write_pick(args.write, config_for(result.predictions[0].layout, config), out)
     return 0
 
 

@@ -29,11 +29,10 @@ OWN_TESTS = ("kill during a checkpoint save", "non-finite loss, skipped")
 SHARED = [c for c in CASES if c.name not in OWN_TESTS]
 # Bad input needs no process to be refused: run in this process, it takes no process start.
 REFUSED = [c for c in SHARED if c.status == 2 and c.before is None]
-# One fault of each way a rank can end (an exception, a death, a hang, a value, a signal):
+# One fault of each way a rank can end (an exception, a death, a hang, a value):
 # make test runs these; the rest of the catalogue is marked slow (make test-slow, CI).
-CORE = ("rank raises in forward", "rank runs out of memory", "rank killed (SIGKILL)",
-        "rank hangs in forward",
-        "non-finite loss", "SIGINT to the launcher")
+CORE = ("rank raises in forward", "rank killed (SIGKILL)", "rank hangs in forward",
+        "non-finite loss")
 RUN = [c for c in SHARED if c not in REFUSED and c.name in CORE]
 RUN_SLOW = [c for c in SHARED if c not in REFUSED and c.name not in CORE]
 
