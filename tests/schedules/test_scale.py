@@ -206,6 +206,7 @@ def test_a_cluster_file_starts_from_a_built_in_one(tmp_path):
     ("[nodes]\n", "no \\[cluster\\] table"),
     ("[cluster\n", "cannot read it as TOML"),
     ("[cluster]\nbase = \"h100\"\nreserved_gib = 100\n", "leaves no memory"),
+    ("[cluster]\nbase = \"h100\"\ngpus_per_node = 4.5\n", "must be a whole number"),
 ])
 def test_a_bad_cluster_file_is_one_line_naming_what_to_change(tmp_path, text, message):
     path = tmp_path / "bad.toml"

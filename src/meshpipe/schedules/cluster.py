@@ -123,6 +123,9 @@ def _cluster_of(table: dict, path: Path) -> Cluster:
             current.bytes_per_s if bandwidth is None else _positive(
                 bandwidth, f"{link}_gb_per_s", path) * 1e9)
     if "gpus_per_node" in changes:
+        if not isinstance(table["gpus_per_node"], int):
+            raise ClusterError(f"{path}: gpus_per_node = {table['gpus_per_node']!r} must be a "
+                               f"whole number of GPUs")
         changes["gpus_per_node"] = int(changes["gpus_per_node"])
     template = base or Cluster("", 1, 1.0, 1.0, 1.0, Link(0.0, 1.0), Link(0.0, 1.0))
     cluster = replace(template, **changes)

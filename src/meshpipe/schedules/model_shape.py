@@ -131,7 +131,8 @@ def _first(config: Mapping[str, Any], *names: str, default: Any = None) -> Any:
 def shape_from_hf_config(config: Mapping[str, Any], name: str = "model") -> ModelShape:
     """The shape of a Hugging Face decoder's ``config.json`` (a vision-language model's
     ``text_config``): Llama, Qwen2/3, Mistral, Gemma, Phi-3 and the MoE families (Mixtral,
-    Qwen2/3-MoE, DeepSeek-style ``n_routed_experts``, dense first layers)."""
+    Qwen2/3-MoE, DeepSeek-style ``n_routed_experts``, dense first layers), whose MLPs are all
+    gated (SwiGLU or GeGLU: three matrices)."""
     config = config.get("text_config") or config
     try:
         hidden = int(config["hidden_size"])
@@ -145,15 +146,12 @@ def shape_from_hf_config(config: Mapping[str, Any], name: str = "model") -> Mode
     experts = int(_first(config, "num_local_experts", "num_experts", "n_routed_experts",
                          default=0) or 0)
     moe_layers = _moe_layers(config, layers) if experts else 0
-    activation = str(_first(config, "hidden_act", "hidden_activation", default="silu"))
     return ModelShape(
         name=name, layers=layers, hidden=hidden,
         ffn_hidden=int(_first(config, "intermediate_size", default=4 * hidden)),
         heads=heads, kv_heads=int(_first(config, "num_key_value_heads", default=heads)),
         head_dim=int(_first(config, "head_dim", default=hidden // heads)), vocab=vocab,
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        gated=not activation.startswith("gelu") or "pytorch_tanh" in activation
-        or config.get("model_type", "").startswith("gemma"),
         experts=experts,
         top_k=int(_first(config, "num_experts_per_tok", "moe_top_k", default=2 if experts else 0)),
         moe_ffn_hidden=int(_first(config, "moe_intermediate_size",

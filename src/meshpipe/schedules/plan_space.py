@@ -15,7 +15,7 @@ from meshpipe.schedules.builders import SCHEDULES, schedule_spec
 from meshpipe.schedules.cluster import Cluster
 from meshpipe.schedules.costs import RECOMPUTE_MODES
 from meshpipe.schedules.model_shape import ModelShape
-from meshpipe.schedules.ranking import ZERO_LEVELS, vpp_choices
+from meshpipe.schedules.ranking import ZERO_LEVELS, divisors, vpp_choices
 from meshpipe.schedules.scale import CP_KINDS, MESHPIPE, Efficiency, Runtime, ScaleLayout
 
 MICROBATCH_SIZES = (1, 2, 4, 8)
@@ -41,22 +41,18 @@ class PlanRequest:
     cp_kinds: tuple[str, ...] = CP_KINDS
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def layouts(request: PlanRequest) -> Iterator[ScaleLayout]:
     """Every layout of the request's search (see the module docstring)."""
     model, gpus = request.model, request.gpus
-    for tp in _divisors(min(gpus, request.cluster.gpus_per_node)):
+    for tp in divisors(min(gpus, request.cluster.gpus_per_node)):
         if gpus % tp or any(size % tp for size in (model.heads, model.kv_heads,
                                                      model.ffn_hidden, model.vocab)):
             continue
-        for cp in _divisors(gpus // tp):
+        for cp in divisors(gpus // tp):
             if cp > MAX_CP or request.seq_len % (2 * cp if cp > 1 else 1):
                 continue
             for kind in _cp_kinds(request, tp, cp):
-                for pp in _divisors(gpus // (tp * cp)):
+                for pp in divisors(gpus // (tp * cp)):
                     dp = gpus // (tp * cp * pp)
                     if pp > model.layers or request.global_batch % dp:
                         continue
@@ -74,7 +70,7 @@ def _cp_kinds(request: PlanRequest, tp: int, cp: int) -> tuple[str, ...]:
 def _inner(request: PlanRequest, tp: int, cp: int, kind: str, pp: int,
            dp: int) -> Iterator[ScaleLayout]:
     model = request.model
-    experts = [ep for ep in _divisors(dp * cp) if model.experts % ep == 0] if model.experts \
+    experts = [ep for ep in divisors(dp * cp) if model.experts % ep == 0] if model.experts \
         else [1]
     per_replica = request.global_batch // dp
     for size in request.microbatch_sizes:

@@ -221,14 +221,14 @@ def layouts(world_size: int, profile: Profile, global_batch: int,
 
 def _layouts(world_size: int, profile: Profile, global_batch: int,
              schedules: Sequence[str]) -> Iterable[Layout]:
-    for cp in _divisors(world_size):
+    for cp in divisors(world_size):
         if profile.heads % cp or profile.seq_len % cp:
             continue
-        for pp in _divisors(world_size // cp):
+        for pp in divisors(world_size // cp):
             dp = world_size // (cp * pp)
             if pp > profile.layers or global_batch % dp:
                 continue
-            for microbatches in _divisors(global_batch // dp):
+            for microbatches in divisors(global_batch // dp):
                 size = global_batch // (dp * microbatches)
                 for schedule in schedules:
                     for vpp in vpp_choices(schedule, pp, profile.layers):
@@ -238,7 +238,8 @@ def _layouts(world_size: int, profile: Profile, global_batch: int,
                                 yield replace(layout, zero=zero)
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """``n``'s divisors, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
