@@ -136,3 +136,30 @@ def test_a_step_faster_than_any_efficiency_makes_it_stops_at_the_whole_peak():
                          schedule="none")
     efficiency, _ = fit_efficiency(asked, layout, predict(asked, layout).step_s / 100)
     assert max(efficiency.matmul, efficiency.memory) == pytest.approx(1.0)
+
+
+def test_an_overlap_hides_each_all_to_all_only_behind_the_other_microbatchs_layer():
+    from meshpipe.schedules.planner import _unhidden_all_to_all
+    from meshpipe.schedules.scale import LayerCosts
+
+    short = LayerCosts(forward=1.0, backward_input=1.0, backward_weight=1.0, exposed_comm=0.0,
+                       a2a=0.5, activation_bytes=0.0)
+    assert _unhidden_all_to_all(short) == 0.0
+    # 3 s of all-to-all: 1 s shows behind the 2 s backward, 2 s behind the 1 s forward
+    assert _unhidden_all_to_all(replace(short, a2a=3.0)) == pytest.approx(3.0)
+
+
+def test_combined_1f1b_is_priced_with_what_its_overlaps_leave_unhidden(monkeypatch):
+    import meshpipe.schedules.planner as planner
+
+    slow_network = replace(H100, gpus_per_node=2, network=replace(H100.network,
+                                                                  bytes_per_s=10e9))
+    asked = request(MOE, gpus=8, global_batch=16, cluster=slow_network)
+    layout = ScaleLayout(tp=1, pp=2, vpp=2, cp=1, dp=4, microbatch_size=1, microbatches=8,
+                         schedule="combined-1f1b", ep=4)
+    priced = predict(asked, layout)
+    monkeypatch.setattr(planner, "_unhidden_all_to_all", lambda layer: 0.0)
+    perfect = predict(asked, layout)
+    waiting = predict(asked, replace(layout, schedule="interleaved"))
+    assert perfect.step_s < priced.step_s < waiting.step_s
+    assert perfect.exposed_comm_s < priced.exposed_comm_s

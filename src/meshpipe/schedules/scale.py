@@ -23,8 +23,9 @@ Pure Python like the rest of ``schedules``. Per microbatch and GPU (``layer_cost
   it is shorter; Ulysses four all-to-alls of q, k, v and the output a layer, each way,
   exposed.
 - experts: each MoE layer's dispatch and combine all-to-alls of the routed tokens, given to
-  the simulator as ``CostModel.a2a`` (combined 1F1B hides them behind the other microbatch's
-  compute; other schedules wait for them).
+  the simulator as ``CostModel.a2a``: other schedules wait for them; combined 1F1B hides each
+  behind the other microbatch's layer as far as that layer's compute lasts (the planner's
+  ``CostModel.overlap``).
 - the pipeline: stage messages (a microbatch's activations, sharded over tp) over the network
   unless the whole pipeline sits in a node; the bubble is the simulated schedule's own.
 - data parallelism: the gradients' all-reduce (``--zero 1/2``: a reduce-scatter, then an
