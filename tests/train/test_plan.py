@@ -116,7 +116,7 @@ def test_the_efficiency_is_fitted_to_a_measured_gpu_step(config_only, tmp_path, 
     measured = _gpu_bench_json(tmp_path / "gpu_bench.json", seconds=0.5)
     assert cli.main([*argv, "--efficiency-from", str(measured)]) == 0
     printed = capsys.readouterr().out
-    assert "measured 500.0 ms" in printed and "scaled by 0." in printed
+    assert "step (a GPU): measured 500.0 ms" in printed and "scaled by 0." in printed
     assert float(_rows(printed)[0][12]) > default_step  # a slower GPU than the curve's
 
 

@@ -94,7 +94,8 @@ class ModelShape:
 
     def active_parameters(self) -> int:
         """What one token's forward multiplies by (its top-k experts only)."""
-        routed = self.moe_layers * self.top_k * self.mlp_matrices * self.hidden * self.moe_ffn_hidden
+        routed = (self.moe_layers * self.top_k * self.mlp_matrices * self.hidden
+                  * self.moe_ffn_hidden)
         return (self.parameters() - self.moe_layers * self.expert_parameters() + routed)
 
     def attention_flops_per_token(self, seq_len: int, attention: str = "causal") -> float:

@@ -149,7 +149,7 @@ class _Planner:
             out.exposed.append(count * mix["exposed_comm"])
         return out
 
-    # -- schedules -------------------------------------------------------------------------------
+    # -- schedules -----------------------------------------------------------------------------
     def schedule(self, layout: ScaleLayout):
         key = (layout.schedule, layout.pp, layout.vpp, layout.microbatches)
         if key not in self._schedules:
@@ -173,7 +173,7 @@ class _Planner:
         makespan, bubble, peaks = self._simulations[key]
         return makespan * unit, bubble, tuple(p * unit_bytes for p in peaks)
 
-    # -- one layout ---------------------------------------------------------------------------------
+    # -- one layout ----------------------------------------------------------------------------
     def placement(self, layout: ScaleLayout) -> tuple[int, ...]:
         """Stage -> rank of the layout's schedule, without building it."""
         key = (layout.schedule, layout.pp, layout.vpp)

@@ -39,8 +39,9 @@ def model_shape(config: TrainConfig) -> ModelShape:
     from meshpipe.train.run.sources import vocab_size
 
     return reference_shape(config.dim, config.layers, config.heads,
-                           config.kv_heads or config.heads, vocab_size(config), config.moe_experts, config.moe_top_k,
-                           config.moe_every, config.tie_embeddings)
+                           config.kv_heads or config.heads, vocab_size(config),
+                           config.moe_experts, config.moe_top_k, config.moe_every,
+                           config.tie_embeddings)
 
 
 def config_for_layout(layout: ScaleLayout, config: TrainConfig) -> TrainConfig:
@@ -92,14 +93,15 @@ def efficiency_from_gpu_bench(path: Path, request: PlanRequest) -> tuple[PlanReq
     except (OSError, ValueError) as error:
         raise PlanError(f"{path}: cannot read it as gpu_bench's JSON: {error}") from None
     results = [run.get("result", run) for run in document.get("runs", [document])]
-    rows = [row for result in results for row in result.get("train", [])
+    rows = [(result.get("device", "one GPU"), row) for result in results
+            for row in result.get("train", [])
             if row.get("status") == "ok" and row.get("model")
             and row.get("runner", "").startswith("meshpipe Trainer (1F1B, 1 stage) --compile")]
     if not rows:
         raise PlanError(f"{path}: no compiled meshpipe training step with its model's sizes "
                         f"(rows written by benchmarks/gpu_bench.py with --modes compile since "
                         f"it records them); run it on the GPU to fit")
-    row = rows[-1]
+    device, row = rows[-1]
     sizes = row["model"]
     model = reference_shape(sizes["dim"], sizes["layers"], sizes["heads"], sizes["kv_heads"],
                             sizes["vocab"])
@@ -110,7 +112,7 @@ def efficiency_from_gpu_bench(path: Path, request: PlanRequest) -> tuple[PlanReq
                            efficiency=request.efficiency, runtime=request.runtime)
     before = predict(measured, layout).step_s
     efficiency, factor = fit_efficiency(measured, layout, row["seconds"])
-    note = (f"efficiency fitted to {path}'s step ({row.get('device', 'one GPU')}): measured "
+    note = (f"efficiency fitted to {path}'s step ({device}): measured "
             f"{1000 * row['seconds']:.1f} ms, predicted {1000 * before:.1f} ms by the default "
             f"curve; its fractions scaled by {factor:.3f}")
     return replace(request, efficiency=efficiency), note
