@@ -278,15 +278,22 @@ def _add_tune_parser(commands) -> None:
     tune.add_argument("--memory-budget", type=_memory_size, default=None,
                       help="memory per rank: bytes or a size such as 2GB or 512MiB (default: "
                       "no limit)")
-    tune.add_argument("--top", type=_positive_int, default=10,
-                      help="layouts to print (default 10)")
-    tune.add_argument("--global-batch", type=_positive_int, default=None,
-                      help="sequences per step (default: dp x microbatches x microbatch-size "
-                      "of the train flags)")
-    tune.add_argument("--write", type=Path, metavar="RUN.toml",
-                      help="save the fastest layout as a TOML file for meshpipe train --config")
+    _add_ranking_arguments(tune)
     add_train_arguments(tune)
     tune.set_defaults(handler=_tune)
+
+
+def _add_ranking_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``meshpipe tune`` and ``plan`` share: the batch to lay out, how many layouts to
+    print, where to save the pick."""
+    parser.add_argument("--top", type=_positive_int, default=10,
+                        help="layouts to print (default 10)")
+    parser.add_argument("--global-batch", type=_positive_int, default=None,
+                        help="sequences per step (default: dp x microbatches x "
+                        "microbatch-size of the train flags)")
+    parser.add_argument("--write", type=Path, metavar="RUN.toml",
+                        help="save the fastest layout as a TOML file for meshpipe train "
+                        "--config")
 
 
 def _refuse_layout_flags(args: argparse.Namespace, command: str, fields: Sequence[str]) -> None:
@@ -319,13 +326,7 @@ def _add_plan_parser(commands) -> None:
     plan.add_argument("--cluster", default="h100",
                       help="h100, h200, a100 (nodes of 8) or a TOML file describing one "
                       "(default h100)")
-    plan.add_argument("--global-batch", type=_positive_int, default=None,
-                      help="sequences per step (default: dp x microbatches x microbatch-size "
-                      "of the train flags)")
-    plan.add_argument("--top", type=_positive_int, default=10,
-                      help="layouts to print (default 10)")
-    plan.add_argument("--write", type=Path, metavar="RUN.toml",
-                      help="save the fastest layout as a TOML file for meshpipe train --config")
+    _add_ranking_arguments(plan)
     plan.add_argument("--efficiency-from", type=Path, metavar="GPU_BENCH.json",
                       help="fit the GPU's efficiency to a step benchmarks/gpu_bench.py measured "
                       "on one of its GPUs (default: the curve measured on an H100)")

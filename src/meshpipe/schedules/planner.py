@@ -100,10 +100,13 @@ class _Planner:
                layout.recompute, split)
         if key not in self._layers:
             request = self.request
-            dense, moe = (layer_costs(self.model, request.cluster, layout, request.seq_len,
-                                      request.efficiency, request.runtime, kind, split)
-                          for kind in (False, self.model.experts > 0))
-            self._layers[key] = (dense, moe)
+
+            def costs(moe: bool) -> LayerCosts:
+                return layer_costs(self.model, request.cluster, layout, request.seq_len,
+                                   request.efficiency, request.runtime, moe, split)
+
+            dense = costs(False)
+            self._layers[key] = (dense, costs(True) if self.model.experts else dense)
         return self._layers[key]
 
     def stages(self, layout: ScaleLayout, num_stages: int, split: bool) -> _Stages:
