@@ -342,6 +342,82 @@ def test_a_packs_microbatch_never_waits_for_the_gpu(compiled):
     assert all(p.grad.isfinite().all() for p in chunk.parameters())
 
 
+def _grouped_and_apart(few_experts: bool):
+    """A bf16 expert layer on CUDA and its copy laid out for grouped products; with
+    ``few_experts`` every token picks experts 0-3, so the other 12 get no rows."""
+    from meshpipe.models import grouped_experts
+    from meshpipe.models.moe import MoE
+
+    torch.manual_seed(0)
+    apart = MoE(256, 512, 16, top_k=4)
+    with torch.no_grad():
+        for param in apart.parameters():
+            param.normal_(0.0, 0.05)
+        if few_experts:
+            apart.router.weight[:4].abs_().add_(0.1)
+            apart.router.weight[4:].zero_()
+    apart = apart.to("cuda", torch.bfloat16)
+    grouped = copy.deepcopy(apart)
+    assert grouped_experts.lay_out([grouped]) == 1
+    return apart, grouped
+
+
+@pytest.mark.parametrize("few_experts", [False, True], ids=["spread", "12-experts-idle"])
+def test_grouped_experts_on_cuda_give_the_one_by_one_values_in_bf16(few_experts):
+    from meshpipe.models import grouped_experts
+
+    apart, grouped = _grouped_and_apart(few_experts)
+    x = torch.randn(4, 256, 256, device="cuda")
+    if few_experts:
+        x = x.abs()
+    x = x.to(torch.bfloat16)
+    upstream = torch.randn(4, 256, 256, device="cuda")
+    results = []
+    for layer in (apart, grouped):
+        rows = x.detach().clone().requires_grad_()
+        y, aux = layer(rows)
+        (y.float() * upstream).sum().add(aux).backward()
+        results.append((y, rows.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    assert grouped_experts.ready(grouped, x.reshape(-1, 256)) is not None
+    (y, grad_x, grads), (got_y, got_grad_x, got_grads) = results
+    torch.testing.assert_close(got_y, y, **low_precision_tolerance("bf16", y))
+    torch.testing.assert_close(got_grad_x, grad_x, **low_precision_tolerance("bf16", grad_x))
+    for name, grad in grads.items():
+        torch.testing.assert_close(got_grads[name], grad,
+                                   **low_precision_tolerance("bf16", grad), msg=name)
+    if few_experts:
+        assert all(got_grads[f"experts.{e}.w_down.weight"].abs().sum() == 0
+                   for e in range(4, 16))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
+def test_an_expert_layer_on_cuda_waits_for_the_gpu_once_per_microbatch(grouped):
+    """The dispatch's split sizes are the one read of the device per layer and microbatch
+    (``set_sync_debug_mode`` warns at each synchronizing call); the first microbatch, with
+    cuBLAS's set-up, runs before the count."""
+    import warnings
+
+    apart, laid_out = _grouped_and_apart(False)
+    layer = laid_out if grouped else apart
+
+    def microbatch():
+        x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y, aux = layer(x)
+        (y.float().square().mean() + aux).backward()
+
+    microbatch()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            microbatch()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    synchronizing = [w for w in caught if "synchronizing" in str(w.message)]
+    assert len(synchronizing) == 1, [str(w.message) for w in synchronizing]
+
+
 def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -129,12 +129,12 @@ def test_the_trainer_lays_out_the_projections_as_asked(mode, laid):
     ("auto", "zb-v", False, "cuda", False), ("auto", "1f1b", True, "cuda", False),
     ("on", "1f1b", False, "cpu", True), ("off", "1f1b", False, "cuda", False)])
 def test_when_a_run_projects_jointly(mode, schedule, compiled, device, joint_run):
-    from meshpipe.train.run import sources
+    from meshpipe.train.run import weight_layout
     from meshpipe.train.config import TrainConfig
 
     config = TrainConfig(pp=2, vpp=2 if schedule == "zb-v" else 1, schedule=schedule,
                          compile=compiled, joint_projections=mode)
-    assert sources.joint_projections(config, torch.device(device)) == joint_run
+    assert weight_layout.joint_projections(config, torch.device(device)) == joint_run
 
 
 def test_joint_projections_on_under_a_split_backward_or_compile_is_refused_before_the_run():

@@ -42,7 +42,8 @@ LAYOUTS = {
     # the routers' gradients check it too.
     "mixtral-dp2-ep2-combined": ("mixtral", {}, dict(pp=1, dp=2, ep=2,
                                                      schedule="combined-1f1b")),
-    "qwen3_moe-pp2-dp2-ep2": ("qwen3_moe", {}, dict(pp=2, dp=2, ep=2)),
+    "qwen3_moe-pp2-dp2-ep2-grouped": ("qwen3_moe", {}, dict(pp=2, dp=2, ep=2,
+                                                            grouped_experts="on")),
     "qwen2_moe-shared-pp2-ring2-packed": ("qwen2_moe", {}, dict(pp=2, cp_ring=2, pack=True)),
 }
 

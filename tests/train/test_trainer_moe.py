@@ -22,6 +22,11 @@ LAYOUTS = {
     "pp2-dp2-ep2-capacity-dualpipev": dict(pp=2, dp=2, ep=2, moe_capacity_factor=1.0,
                                            schedule="dualpipe-v"),
     "pp2-dp2-ep2-every2-recompute": dict(pp=2, dp=2, ep=2, moe_every=2, recompute="full"),
+    # The experts as grouped products (models.grouped_experts; auto is off on a CPU).
+    "dp2-ep2-combined-grouped": dict(pp=1, dp=2, ep=2, moe_top_k=2, schedule="combined-1f1b",
+                                     grouped_experts="on"),
+    "pp2-dp2-ep2-capacity-grouped": dict(pp=2, dp=2, ep=2, moe_capacity_factor=1.0,
+                                         grouped_experts="on"),
 }
 
 
@@ -34,9 +39,10 @@ def test_moe_step_matches_single_process(layout):
     assert report["max_grad_difference"] < 1e-5
 
 
-def test_bf16_combined_step_matches_single_process_in_bf16():
+@pytest.mark.parametrize("grouped", ["off", "on"])
+def test_bf16_combined_step_matches_single_process_in_bf16(grouped):
     config = TrainConfig(**{**MOE, "pp": 1, "dp": 2, "ep": 2, "schedule": "combined-1f1b",
-                            "dtype": "bf16"})
+                            "dtype": "bf16", "grouped_experts": grouped})
     report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["passed"], report
 
@@ -62,9 +68,12 @@ def test_metrics_report_load_balance_and_dropped_tokens(tmp_path):
 
 
 @pytest.mark.slow
-def test_expert_shards_resume_exactly(tmp_path):
+@pytest.mark.parametrize("grouped", ["off", "on"])
+def test_expert_shards_resume_exactly(tmp_path, grouped):
+    """Laid out for grouped products, the experts' weights are views of one storage each
+    projection: saved and loaded as the parameters they are."""
     base = dict(MOE, pp=1, dp=2, ep=2, schedule="combined-1f1b", out_dir=str(tmp_path),
-                checkpoint_every=2)
+                checkpoint_every=2, grouped_experts=grouped)
     straight = run_distributed(2, train, TrainConfig(**base))[0]
     resumed = run_distributed(2, train, TrainConfig(**base, resume=True),
                               rewind_to="step-000002")[0]

@@ -88,9 +88,12 @@ class HFExpert(nn.Module):
         self.add_module(up, nn.Linear(dim, width, bias=False))
         self.add_module(down, nn.Linear(width, dim, bias=False))
 
+    def gated(self, gate: Tensor, up: Tensor) -> Tensor:
+        return self.activation(gate) * up
+
     def forward(self, rows: Tensor) -> Tensor:
         gate, up, down = (getattr(self, name) for name in self.projections)
-        return down(self.activation(gate(rows)) * up(rows))
+        return down(self.gated(gate(rows), up(rows)))
 
 
 class HFExperts(ExpertLayer):

@@ -18,7 +18,7 @@ multiplies by each weight: the same values, computed apart.
 A split backward (ZB-H1, ZB-V, DualPipeV) takes each weight's product apart from the input's
 (``runtime.split_backward``), which one node computing both cannot give: the trainer lays
 out only under schedules without one, without ``--compile``, and by default on CUDA only
-(``train.sources.joint_projections``).
+(``train.run.weight_layout``).
 """
 
 from __future__ import annotations
@@ -64,14 +64,14 @@ def project(module: nn.Module, x: Tensor) -> list[Tensor]:
     linears = [getattr(module, name) for name in getattr(module, JOINT_ATTRIBUTE)]
     weights = [linear.weight for linear in linears]
     if not (getattr(module, "joint", False) and not torch.compiler.is_compiling()
-            and _in_one_storage(weights) and _computes_in(x, weights[0].dtype)):
+            and in_one_storage(weights) and computes_in(x, weights[0].dtype)):
         return [linear(x) for linear in linears]
     joint = _rows_of(weights)
     out = _JointLinear.apply(x, joint, *weights)
     return list(out.split([w.shape[0] for w in weights], dim=-1))
 
 
-def _computes_in(x: Tensor, dtype: torch.dtype) -> bool:
+def computes_in(x: Tensor, dtype: torch.dtype) -> bool:
     """Whether a product of ``x`` by a ``dtype`` weight computes in ``dtype`` with no cast
     (autocast would cast inside the forward, and not in the backward)."""
     device = x.device.type
@@ -79,7 +79,7 @@ def _computes_in(x: Tensor, dtype: torch.dtype) -> bool:
                                  or torch.get_autocast_dtype(device) == dtype)
 
 
-def _in_one_storage(weights: Sequence[Tensor]) -> bool:
+def in_one_storage(weights: Sequence[Tensor]) -> bool:
     """Whether ``weights`` are still the rows ``lay_out`` made of one storage, one after
     another (a weight given new data since has another storage)."""
     first = weights[0]

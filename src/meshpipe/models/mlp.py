@@ -24,6 +24,7 @@ class GatedActivation(nn.Module):
 
 class SwiGLU(nn.Module):
     JOINT_LINEARS = ("w_gate", "w_up")  # one product once laid out (``models.joint``)
+    projections = ("w_gate", "w_up", "w_down")  # as an expert (``models.grouped_experts``)
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -40,7 +41,10 @@ class SwiGLU(nn.Module):
         self.w_up = shard_linear(self.w_up, 0, tp.group)
         self.w_down = shard_linear(self.w_down, 1, tp.group)
 
+    def gated(self, gate: Tensor, up: Tensor) -> Tensor:
+        return self.activation(gate, up)
+
     def forward(self, x: Tensor) -> Tensor:
         x = self.tp.enter(x)
         gate, up = joint.project(self, x)
-        return self.tp.leave(self.w_down(self.activation(gate, up)))
+        return self.tp.leave(self.w_down(self.gated(gate, up)))

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from meshpipe.comm import ops
 from meshpipe.comm.collectives import exchange_counts, exchange_rows
+from meshpipe.models import grouped_experts
 from meshpipe.models.mlp import SwiGLU, linear
 from meshpipe.runtime.substeps import Exchange, run_steps
 
@@ -62,7 +63,7 @@ class MoEStats:
                    torch.zeros((), dtype=torch.int64, device=device),
                    torch.zeros((), dtype=torch.float64, device=device))
 
-    def add(self, picks: Tensor, dropped: int, aux_loss: Tensor) -> None:
+    def add(self, picks: Tensor, dropped: Tensor, aux_loss: Tensor) -> None:
         """Count one microbatch (on the device of its tensors: no host sync)."""
         self.tokens_per_expert = self.tokens_per_expert.to(picks.device) + picks
         self.dropped = self.dropped.to(picks.device) + dropped
@@ -72,30 +73,47 @@ class MoEStats:
 
 @dataclass
 class _Dispatch:
-    """The row counts of one microbatch's dispatch, known once its counts were exchanged;
+    """The row counts of one microbatch's dispatch, read to the host once its counts were
+    exchanged (the all-to-all's split sizes: the one host read of the layer's microbatch);
     the combine and both reverses reuse them."""
 
     send_counts: Tensor
     group: dist.ProcessGroup | None
     token_group: dist.ProcessGroup | None
     picks: Tensor
-    send_rows: list[int] = field(default_factory=list)
-    receive_rows: list[int] = field(default_factory=list)
+    sent: int = 0  # rows given to send: every pick, the dropped ones last
+    send_rows: list[int] = field(default_factory=list)  # per ep rank
+    receive_rows: list[int] = field(default_factory=list)  # per ep rank
+    expert_rows: list[int] = field(default_factory=list)  # received per local expert
+
+    @property
+    def kept(self) -> int:
+        """The rows this rank sends: its picks that were not dropped."""
+        return sum(self.send_rows)
 
     def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Counts, then rows, then the microbatch's pick counts over the token group."""
         receive_counts = (self.send_counts if self.group is None
                           else exchange_counts(self.send_counts, self.group))
-        self.send_rows = self.send_counts.sum(1).tolist()
-        self.receive_rows = receive_counts.sum(1).tolist()
-        received = self._to_experts(tokens)
+        self._read_counts(receive_counts)
+        self.sent = tokens.shape[0]
+        received = self._to_experts(tokens[:self.kept])
         picks = self.picks.clone()
         if self.token_group is not None and dist.get_world_size(self.token_group) > 1:
             ops.all_reduce(picks, group=self.token_group)
         return received, receive_counts, picks
 
+    def _read_counts(self, receive_counts: Tensor) -> None:
+        send, receive = torch.stack([self.send_counts,
+                                     receive_counts.to(self.send_counts.device)]).tolist()
+        self.send_rows = [sum(row) for row in send]
+        self.receive_rows = [sum(row) for row in receive]
+        self.expert_rows = [sum(column) for column in zip(*receive)]
+
     def backward(self, grads: tuple[Tensor, Tensor | None, Tensor | None]) -> Tensor:
-        return self._from_experts(grads[0])
+        """The sent rows' gradient; the dropped picks' rows, never sent, get zeros."""
+        grad = self._from_experts(grads[0])
+        return F.pad(grad, (0, 0, 0, self.sent - grad.shape[0]))
 
     def combine(self, rows: Tensor) -> Tensor:
         return self._from_experts(rows)
@@ -211,13 +229,14 @@ class ExpertLayer(nn.Module):
                      communicate=dispatch.forward, communicate_backward=dispatch.backward,
                      name="dispatch"))
         aux = self._load_balancing_loss(picks, probability_sums, tokens.shape[0])
-        outputs = self._run_experts(received, receive_counts)
+        outputs = self._run_experts(received, receive_counts, dispatch.expert_rows)
         combined, (gates, aux, shared, keep) = yield Exchange(
             send=outputs, keep=(gates, aux, shared, keep), communicate=dispatch.combine,
             communicate_backward=dispatch.combine_backward, name="combine")
-        weighted = combined * gates.unsqueeze(-1).to(combined.dtype)
+        kept = dispatch.kept
+        weighted = combined * gates[:kept].unsqueeze(-1).to(combined.dtype)
         y = torch.zeros(tokens.shape[0], dim, dtype=weighted.dtype, device=x.device)
-        y = y.index_add(0, route.token_of_row, weighted)
+        y = y.index_add(0, route.token_of_row[:kept], weighted)
         if shared is not None:
             y = y + shared
         self._count(route, aux)
@@ -231,26 +250,29 @@ class ExpertLayer(nn.Module):
                  if self.normalize else top_probabilities)
         expert_of_pick = experts.reshape(-1)
         picks = torch.bincount(expert_of_pick, minlength=self.num_experts)
-        kept = self._within_capacity(expert_of_pick, tokens.shape[0])
-        order = torch.argsort(expert_of_pick[kept], stable=True)
-        pick_index = kept.nonzero().squeeze(1)[order]
-        counts = torch.bincount(expert_of_pick[pick_index], minlength=self.num_experts)
+        destination = self._within_capacity(expert_of_pick, tokens.shape[0])
+        pick_index = torch.argsort(destination, stable=True)
+        counts = torch.bincount(destination, minlength=self.num_experts + 1)[:-1]
         total_picks = torch.cat([picks, picks.new_tensor([tokens.shape[0]])])
         return _Route(token_of_row=pick_index // self.top_k,
                       gate_of_row=gates.reshape(-1)[pick_index],
                       send_counts=counts.view(self.ep_size, -1),
                       picks=total_picks, probability_sums=probabilities.sum(dim=0),
-                      dropped=int(expert_of_pick.numel() - pick_index.numel()),
+                      dropped=expert_of_pick.numel() - counts.sum(),
                       local_picks=picks)
 
     def _within_capacity(self, expert_of_pick: Tensor, num_tokens: int) -> Tensor:
-        """Which picks an expert takes: all, or the first ``capacity`` in token order."""
+        """Each pick's expert, or ``num_experts`` for a pick beyond its expert's capacity
+        (the first ``capacity`` in token order are taken): sorted by it, the dropped picks
+        come last, and no host read is needed to leave them out."""
         if self.capacity_factor <= 0:
-            return torch.ones_like(expert_of_pick, dtype=torch.bool)
+            return expert_of_pick
         capacity = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
-        one_hot = F.one_hot(expert_of_pick, self.num_experts)
-        position_in_expert = (one_hot.cumsum(dim=0) * one_hot).sum(dim=1)
-        return position_in_expert <= capacity
+        chose = expert_of_pick.unsqueeze(1) == torch.arange(self.num_experts,
+                                                             device=expert_of_pick.device)
+        position_in_expert = chose.long().cumsum(dim=0).gather(
+            1, expert_of_pick.unsqueeze(1)).squeeze(1)
+        return torch.where(position_in_expert <= capacity, expert_of_pick, self.num_experts)
 
     def _load_balancing_loss(self, picks: Tensor, probability_sums: Tensor,
                              local_tokens: int) -> Tensor:
@@ -260,16 +282,27 @@ class ExpertLayer(nn.Module):
         share_of_picks = picks[:-1].to(torch.float32) / (tokens * self.top_k)
         return self.num_experts * (share_of_picks * probability_sums).sum() / tokens
 
-    def _run_experts(self, received: Tensor, receive_counts: Tensor) -> Tensor:
-        """Each local expert on its rows; rows arrive grouped by source rank, then expert."""
-        per_rank = len(self.local_experts)
-        expert_of_row = torch.arange(per_rank, device=received.device).repeat(
-            self.ep_size).repeat_interleave(receive_counts.reshape(-1).to(received.device))
-        order = torch.argsort(expert_of_row, stable=True)
-        by_expert = received[order].split(receive_counts.sum(dim=0).tolist())
-        outputs = torch.cat([self.experts[str(e)](rows)
-                             for e, rows in zip(self.local_experts, by_expert)])
-        return outputs[torch.argsort(order)]
+    def _run_experts(self, received: Tensor, receive_counts: Tensor,
+                     expert_rows: list[int]) -> Tensor:
+        """Each local expert on its rows (``expert_rows`` of each), as grouped products where
+        the layer is laid out for them (``models.grouped_experts``), else one by one. Rows
+        arrive grouped by source rank, then expert: from several ranks, they are sorted by
+        expert first (on the device: the counts are not read again)."""
+        receive_counts = receive_counts.to(received.device)
+        order = None
+        if self.ep_size > 1:
+            expert_of_row = torch.arange(len(self.local_experts), device=received.device).repeat(
+                self.ep_size).repeat_interleave(receive_counts.reshape(-1),
+                                                output_size=received.shape[0])
+            order = torch.argsort(expert_of_row, stable=True)
+            received = received[order]
+        weights = grouped_experts.ready(self, received)
+        if weights is not None:
+            outputs = grouped_experts.run(self, received, receive_counts.sum(dim=0), weights)
+        else:
+            outputs = torch.cat([self.experts[str(e)](rows) for e, rows in zip(
+                self.local_experts, received.split(expert_rows))])
+        return outputs if order is None else outputs[torch.argsort(order)]
 
     def _count(self, route: _Route, aux: Tensor) -> None:
         self.stats.add(route.local_picks, route.dropped, aux.detach())
@@ -298,5 +331,5 @@ class _Route:
     send_counts: Tensor
     picks: Tensor
     probability_sums: Tensor
-    dropped: int
+    dropped: Tensor
     local_picks: Tensor

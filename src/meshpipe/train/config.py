@@ -14,7 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from meshpipe.comm.p2p import MODES as P2P_MODES
+from meshpipe.models import grouped_experts
 from meshpipe.models.hf_vision import parse_lr_scales, parse_parts
 from meshpipe.runtime.precision import DTYPES
 from meshpipe.schedules import SCHEDULES
@@ -28,12 +31,15 @@ from meshpipe.train.run.devices import BACKENDS, DEVICES
 STAGE_LINKS = ("root", "fanout")
 # --joint-projections: q/k/v and gate/up as one product each (meshpipe.models.joint).
 JOINT_PROJECTION_MODES = ("auto", "on", "off")
+# --grouped-experts: a layer's local experts as grouped products (meshpipe.models.grouped_experts).
+GROUPED_EXPERT_MODES = ("auto", "on", "off")
 # Flags that describe the reference transformer: a --model directory's config.json says them.
 _REFERENCE_MODEL_FLAGS = ("dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts",
                           "moe_top_k", "moe_every", "moe_aux_coef")
 # Flags that only mean something with --moe-experts > 0 (or a --model with experts, which
 # the launcher checks once it has read the model's config).
-_EXPERT_FLAGS = ("moe_top_k", "moe_every", "moe_aux_coef", "moe_capacity_factor", "ep")
+_EXPERT_FLAGS = ("moe_top_k", "moe_every", "moe_aux_coef", "moe_capacity_factor", "ep",
+                 "grouped_experts")
 # The cosine decay ends at the peak learning rate over this unless --min-lr says.
 MIN_LR_DIVISOR = 10
 # The step whose timeline is drawn unless --timeline-step says (the first is warm-up).
@@ -98,6 +104,7 @@ class TrainConfig:
     zero: int = 0
     compile: bool = False
     joint_projections: str = "auto"
+    grouped_experts: str = "auto"
     # optimisation
     steps: int = 30
     lr: float = 3e-3
@@ -144,7 +151,8 @@ class TrainConfig:
         for name, choices in (("dtype", DTYPES), ("p2p", P2P_MODES),
                               ("recompute", RECOMPUTE_MODES), ("device", DEVICES),
                               ("backend", BACKENDS), ("loss_on", LOSS_ON),
-                              ("joint_projections", JOINT_PROJECTION_MODES)):
+                              ("joint_projections", JOINT_PROJECTION_MODES),
+                              ("grouped_experts", GROUPED_EXPERT_MODES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"unknown --{flag_name(name)} {getattr(self, name)!r}; choose one "
                                  f"of {', '.join(choices)}")
@@ -159,6 +167,7 @@ class TrainConfig:
         if self.joint_projections == "on" and self.compile:
             raise ValueError("--joint-projections on is for eager blocks; a --compile'd "
                              "block takes its products as they are: drop one of them")
+        self._check_grouped_experts()
         if schedule_spec(self.schedule).v_shaped:
             if self.vpp not in (1, 2):
                 raise ValueError(f"--schedule {self.schedule} places 2 stages per pipeline rank "
@@ -238,6 +247,22 @@ class TrainConfig:
             from meshpipe.models.compile import check_mode
 
             check_mode()
+
+    def _check_grouped_experts(self) -> None:
+        if self.grouped_experts != "on":
+            return
+        if schedule_spec(self.schedule).split_backward:
+            raise ValueError(f"--grouped-experts on computes a layer's expert weight gradients "
+                             f"with their inputs', which --schedule {self.schedule} takes apart "
+                             f"(a split backward); use auto or off")
+        if self.dtype == "fp16":
+            raise ValueError("--grouped-experts on needs the experts' weights in the dtype "
+                             "they compute in; under --dtype fp16 they are float32 (autocast "
+                             "casts each product): use bf16 or fp32, or --grouped-experts auto")
+        if not grouped_experts.available():
+            raise ValueError(f"--grouped-experts on needs a torch with a grouped matrix "
+                             f"product (torch._grouped_mm, torch >= 2.8); this is "
+                             f"{torch.__version__}: use auto or off")
 
     def _check_experts(self) -> None:
         if self.model:
@@ -476,6 +501,10 @@ FIELD_HELP = {
                          "(on CUDA, where kernel launches bound an eager step; not on a CPU), "
                          "on or off; never under a split backward (zb-h1, zb-v, dualpipe-v) or "
                          "--compile",
+    "grouped_experts": "a mixture-of-experts layer's local experts as grouped matrix "
+                       "products (two forward, four backward): auto (on CUDA in bf16), on "
+                       "(also on a CPU, as a loop inside one call) or off (one expert at a "
+                       "time); never under a split backward (zb-h1, zb-v, dualpipe-v)",
     "zero": "shard over the replicas of each weight (dp x cp ranks of a stage; experts: their "
             "expert-data-parallel ranks): 0 nothing, 1 the optimizer states (AdamW moments), "
             "2 also the reduced gradients",

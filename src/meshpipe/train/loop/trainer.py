@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from meshpipe.comm import ops
 from meshpipe.context import make_attention
-from meshpipe.models import causal_lm_loss, joint
+from meshpipe.models import causal_lm_loss
 from meshpipe.parallel import vocab_parallel_cross_entropy
 from meshpipe.runtime import (AutocastChunk, DynamicLossScaler, Executor, MasterWeights, Stage,
                               StageHooks, StepResult, activity, weights_cast_once,
@@ -60,7 +60,7 @@ from meshpipe.train.loop.source_losses import SourceLosses, SourcedTargets
 from meshpipe.train.loop.transports import pipeline_transport
 from meshpipe.train.outputs import reporting
 from meshpipe.train.outputs.metrics import MetricsLog
-from meshpipe.train.run import data_sources, sources
+from meshpipe.train.run import data_sources, sources, weight_layout
 from meshpipe.train.run.devices import DevicePlan, local_rank
 from meshpipe.train.run.plan import CHECK_TIMEOUT_S, RunPlan, plan_for_rank, plan_run
 from meshpipe.train.supervisor import faults
@@ -194,8 +194,8 @@ class Trainer:
             id(param): (parts.names[id(param)], param) for stage in self.stages.values()
             for param in stage.module.parameters()}.values(), weights_dtype(config.dtype))
         self.parameters = self.masters.named
-        if sources.joint_projections(config, self.device):  # once weights have their dtype
-            joint.lay_out(stage.module for stage in self.stages.values())
+        weight_layout.lay_out(config, self.device,  # once weights have their dtype
+                              [stage.module for stage in self.stages.values()])
         tied = tied_groups(parts.shared, parts.chunks, self.stages, self.schedule.placement,
                            config, self.rank)
         self.gradients = Gradients(

@@ -255,19 +255,6 @@ def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
     return parts
 
 
-def joint_projections(config: TrainConfig, device: torch.device) -> bool:
-    """Whether the run projects q/k/v and gate/up jointly (``--joint-projections``, see
-    ``meshpipe.models.joint``). ``auto``: on CUDA, where launches bound an eager step. Not on a
-    CPU, where the backward's concatenation of the projections' gradients costs more than
-    the fewer products save (a 4-layer model's step 5-11 % slower, dim 256-64). Never under a
-    split backward, which needs each weight's product apart, nor with ``--compile``, whose
-    blocks take the products as they are (their weights then need not alias each other)."""
-    if (SCHEDULE_SPECS[config.schedule].split_backward or config.compile
-            or config.joint_projections == "off"):
-        return False
-    return config.joint_projections == "on" or device.type == "cuda"
-
-
 def _reference_parts(config: TrainConfig, layers: list[int], attention,
                      **groups: Any) -> ModelParts:
     model = Transformer(model_config(config), attention=attention,

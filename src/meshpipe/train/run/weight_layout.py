@@ -1,0 +1,50 @@
+"""Which of a run's weights are laid out for fewer, larger matrix products, decided once per
+run: q/k/v and gate/up projected jointly (``--joint-projections``, ``meshpipe.models.joint``)
+and a layer's experts as grouped products (``--grouped-experts``,
+``meshpipe.models.grouped_experts``). Both need each weight's gradient computed with its
+input's in one node, so neither lays out under a split backward (ZB-H1, ZB-V, DualPipeV).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshpipe.models import joint
+from meshpipe.models.grouped_experts import available as grouped_product_available
+from meshpipe.models.grouped_experts import lay_out as lay_out_experts
+from meshpipe.schedules.builders import SCHEDULE_SPECS
+from meshpipe.train.config import TrainConfig
+
+
+def joint_projections(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the run projects q/k/v and gate/up jointly. ``auto``: on CUDA, where launches
+    bound an eager step. Not on a CPU, where the backward's concatenation of the
+    projections' gradients costs more than the fewer products save (a 4-layer model's step
+    5-11 % slower, dim 256-64). Not with ``--compile``, whose blocks take the products as
+    they are (their weights then need not alias each other)."""
+    if (SCHEDULE_SPECS[config.schedule].split_backward or config.compile
+            or config.joint_projections == "off"):
+        return False
+    return config.joint_projections == "on" or device.type == "cuda"
+
+
+def grouped_experts(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the run lays out its expert layers for grouped products. ``auto``: on CUDA in
+    bf16, where the kernel is (float32 and fp16 runs' expert weights are float32); ``on``
+    wherever this torch has a grouped product (the config refuses it under fp16, whose
+    weights are not in the dtype autocast computes in). The experts are eager also under
+    ``--compile``, so it does not matter here."""
+    if (SCHEDULE_SPECS[config.schedule].split_backward or config.grouped_experts == "off"
+            or config.dtype == "fp16" or not grouped_product_available()):
+        return False
+    return config.grouped_experts == "on" or (device.type == "cuda" and config.dtype == "bf16")
+
+
+def lay_out(config: TrainConfig, device: torch.device, modules: list[nn.Module]) -> None:
+    """Lay out the weights of ``modules`` as the run asks, once they have their dtype; the
+    experts last, as their layout keeps each expert's joint gate and up rows together."""
+    if joint_projections(config, device):
+        joint.lay_out(modules)
+    if grouped_experts(config, device):
+        lay_out_experts(modules)
