@@ -41,7 +41,8 @@ clean:
 # itself is never installed: the source tree goes on PYTHONPATH, so no package index is
 # touched on a machine that has what it needs (a missing package is one line naming it).
 # Then pytest -m gpu, benchmarks/gpu_check.py $(GPU_CHECK_ARGS) and, with GPU_BENCH=1 (the
-# default), benchmarks/gpu_bench.py $(GPU_BENCH_ARGS) and benchmarks/gpu_bench_vision.py.
+# default), benchmarks/gpu_bench.py $(GPU_BENCH_ARGS), benchmarks/gpu_bench_vision.py and
+# benchmarks/moe_layer.py.
 # Exit status 1 if any of them failed.
 GPU_VENV ?= .venv-gpu
 TORCH_INDEX_URL ?= https://pypi.org/simple
@@ -87,5 +88,6 @@ gpu-check:
 	$$py -m pytest -q -m gpu -rs -p no:cacheprovider || status=1; \
 	$$py benchmarks/gpu_check.py $(GPU_CHECK_ARGS) || status=1; \
 	if [ "$(GPU_BENCH)" = 1 ]; then $$py benchmarks/gpu_bench.py $(GPU_BENCH_ARGS) || status=1; \
-		$$py benchmarks/gpu_bench_vision.py || status=1; fi; \
+		$$py benchmarks/gpu_bench_vision.py || status=1; \
+		$$py benchmarks/moe_layer.py || status=1; fi; \
 	exit $$status
