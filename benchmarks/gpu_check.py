@@ -21,6 +21,13 @@ the layouts of up to N ranks. Runs go ``--jobs`` at a time (their step times the
 machine; ``--jobs 1`` for clean times). A failing run is recorded with the lines that
 explain it and the others still run.
 
+Among the layouts are ``--zero`` 0, 1 and 2 at dp 2, and Hugging Face decoders (``--model``:
+Qwen3, Gemma 3 with sliding-window layers, Phi-3, Mixtral with ``--ep 2``) and
+vision-language models from tiny random checkpoints the check writes itself (``made_input``:
+nothing is downloaded). A closing line for each way they ran compares the bytes a rank's
+optimizer state takes under ``--zero 1`` and ``2`` with ``--zero 0`` (``metrics.json``'s
+``memory``: read from the CUDA allocator; on a CPU rehearsal, the state tensors' sizes).
+
 Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (default ``benchmarks/results``);
 a ``--cpu-rehearsal`` (the one-rank layouts under torchrun, the others local, all on CPU
 processes with gloo) writes nothing unless ``--out`` is given. Exit status 1 if any run
@@ -37,6 +44,7 @@ import os
 import platform
 import re
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -51,11 +59,16 @@ from harness import write_results
 from meshpipe.train.run.arguments import add_arguments, from_arguments
 
 RESULTS = Path(__file__).parent / "results"
+TESTS = Path(__file__).resolve().parent.parent / "tests"
 COMMON = ["--no-progress", "--eval-every", "0", "--timeline-step", "0"]
 # The shipped corpus, whose paragraphs are the documents that --pack packs.
 CORPUS = str(resources.files("meshpipe.train").joinpath("data/shakespeare.txt"))
 PACKED = ("--data", CORPUS, "--pack", "--seq-len", "128")
 VISION = ("--data", "{shapes}", "--seq-len", "128")
+# The transformers architecture of each decoder placeholder (``made_input``).
+DECODERS = {"qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3", "mixtral": "mixtral"}
+VISION_MODELS = ("qwen2_vl", "llava")
+ZERO_LAYOUTS = {level: f"dp2-zero{level}-bf16" for level in (0, 1, 2)}
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,20 @@ LAYOUTS = [
     Layout("tp2-sequence-parallel", ("--pp", "1", "--tp", "2", "--sequence-parallel")),
     Layout("ep2-dp2-combined-1f1b", ("--pp", "1", "--dp", "2", "--moe-experts", "4", "--ep",
                                      "2", "--schedule", "combined-1f1b")),
+    # A layer's experts as grouped products (torch._grouped_mm: bf16 on CUDA).
+    Layout("pp1-moe4-bf16-grouped", ("--pp", "1", "--moe-experts", "4", "--moe-top-k", "2",
+                                     "--dtype", "bf16", "--grouped-experts", "on")),
+    Layout("ep2-dp2-bf16-grouped-combined", ("--pp", "1", "--dp", "2", "--moe-experts", "4",
+                                             "--ep", "2", "--moe-top-k", "2", "--dtype", "bf16",
+                                             "--grouped-experts", "on", "--schedule",
+                                             "combined-1f1b")),
+    # ZeRO in bf16: float32 masters and moments whole on each rank, or sharded over dp.
+    Layout(ZERO_LAYOUTS[0], ("--pp", "1", "--dp", "2", "--zero", "0", "--dtype", "bf16"),
+           "optimizer state whole on each rank"),
+    Layout(ZERO_LAYOUTS[1], ("--pp", "1", "--dp", "2", "--zero", "1", "--dtype", "bf16"),
+           "moments and masters sharded, shards all-gathered in bf16"),
+    Layout(ZERO_LAYOUTS[2], ("--pp", "1", "--dp", "2", "--zero", "2", "--dtype", "bf16"),
+           "as --zero 1, the reduced gradients sharded too"),
     Layout("pp2-stage-tp-2,1", ("--pp", "2", "--stage-tp", "2,1"),
            "VTP: stages of different tp sizes"),
     Layout("pp2-cp-ring2", ("--pp", "2", "--cp-ring", "2"), "the demo layout"),
@@ -126,7 +153,16 @@ LAYOUTS = [
            "a block one graph, the variable-length call inside"),
     Layout("pp2-vpp2-zb-v-compile", ("--pp", "2", "--vpp", "2", "--schedule", "zb-v",
                                      "--compile")),
-    # Vision-language models (tiny random ones, made on the spot: ``vision_inputs``).
+    # Hugging Face decoders (tiny random checkpoints, made on the spot: ``made_input``).
+    Layout("hf-qwen3-pp2", ("--pp", "2", "--model", "{qwen3}"), "per-head q/k norms"),
+    Layout("hf-gemma3-window-pp2-bf16", ("--pp", "2", "--model", "{gemma3}", "--seq-len", "64",
+                                         "--dtype", "bf16"),
+           "sliding window of 6 (variable-length flash) and full layers, tied head"),
+    Layout("hf-phi3-pp2-tp2", ("--pp", "2", "--tp", "2", "--model", "{phi3}"),
+           "fused q/k/v and gate/up projections split over tp"),
+    Layout("hf-mixtral-dp2-ep2", ("--pp", "1", "--dp", "2", "--ep", "2", "--model", "{mixtral}"),
+           "4 experts a layer over 2 ranks (fp32: bf16 moves near-tie picks, docs/limits.md)"),
+    # Vision-language models (tiny random ones, made on the spot: ``made_input``).
     Layout("vl-qwen2-vl-pp2", ("--pp", "2", "--model", "{qwen2_vl}", *VISION),
            "the tower on stage 0, each microbatch at its own length"),
     Layout("vl-qwen2-vl-pp2-bf16", ("--pp", "2", "--model", "{qwen2_vl}", "--dtype", "bf16",
@@ -173,26 +209,35 @@ def planned_runs(layouts: list[Layout], gpus: int) -> list[Run]:
     return runs
 
 
+def placeholders(args: tuple[str, ...]) -> set[str]:
+    """The ``{name}`` placeholders of a layout's arguments."""
+    return {field for arg in args for _, field, _, _ in string.Formatter().parse(arg) if field}
+
+
 @functools.lru_cache(maxsize=None)
-def vision_inputs() -> dict[str, str]:
-    """Tiny random Qwen2-VL and LLaVA directories and the shapes corpus, made once in a
-    temporary directory (as the tests make them: nothing is downloaded)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from hf_models import save_tiny_vision_model
+def made_input(name: str) -> str:
+    """What the placeholder ``{name}`` stands for, made once in a temporary directory as the
+    tests make it (nothing is downloaded): a tiny random decoder of ``DECODERS`` (Gemma 3's
+    with sliding-window and full layers, ``hf_models.GEMMA3``), a vision-language model of
+    ``VISION_MODELS``, or ``shapes``, the shapes corpus."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    from hf_models import save_tiny_model, save_tiny_vision_model
 
     from meshpipe.train.data.shapes import write_shapes_corpus
 
-    work = Path(tempfile.mkdtemp(prefix="meshpipe-gpu-check-vision-"))
-    return {"qwen2_vl": str(save_tiny_vision_model(work / "qwen2_vl", "qwen2_vl")),
-            "llava": str(save_tiny_vision_model(work / "llava", "llava")),
-            "shapes": str(write_shapes_corpus(work / "shapes", 64))}
+    where = Path(tempfile.mkdtemp(prefix=f"meshpipe-gpu-check-{name}-")) / name
+    if name == "shapes":
+        return str(write_shapes_corpus(where, 64))
+    if name in VISION_MODELS:
+        return str(save_tiny_vision_model(where, name))
+    return str(save_tiny_model(where, DECODERS[name]))
 
 
 def _filled(args: tuple[str, ...]) -> list[str]:
-    """A layout's arguments with ``{name}`` placeholders made real (``vision_inputs``)."""
-    if not any("{" in arg for arg in args):
-        return list(args)
-    return [arg.format(**vision_inputs()) for arg in args]
+    """A layout's arguments with ``{name}`` placeholders made real (``made_input``)."""
+    made = {name: made_input(name) for name in placeholders(args)}
+    return [arg.format(**made) for arg in args]
 
 
 def command(run: Run, steps: int, out_dir: str, rehearsal: bool) -> list[str]:
@@ -220,6 +265,7 @@ def run_layout(run: Run, steps: int, timeout: float, rehearsal: bool) -> dict:
             return row
         metrics_file = Path(out_dir) / "metrics.json"
         metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+        row["memory"] = metrics.get("memory")
     check = metrics.get("check") or {}
     if check:
         row["loss_difference"] = check["loss_difference"]
@@ -275,6 +321,34 @@ def pipeline_throughput(rows: list[dict]) -> list[str]:
                 f"same batch: {step['pp1-1f1b'] / step['pp2-1f1b']:.2f}x."]
 
 
+def state_bytes(records: list[dict]) -> tuple[list[int], str]:
+    """Each rank's optimizer-state bytes (``metrics.json``'s ``memory`` records) and where
+    they were read: the allocator on CUDA, else the state tensors."""
+    if all(record["optimizer_state_allocator_bytes"] is not None for record in records):
+        return [record["optimizer_state_allocator_bytes"] for record in records], "allocator"
+    return [record["optimizer_state_bytes"] for record in records], "state tensors"
+
+
+def optimizer_state_comparison(rows: list[dict], how: dict[str, str]) -> list[str]:
+    """Each rank's optimizer state under --zero 1 and 2 against --zero 0 (``ZERO_LAYOUTS``),
+    for each way they ran; the ratio is of the largest rank's (0.5 is the whole state
+    sharded over dp 2)."""
+    lines = []
+    for way, label in how.items():
+        states = {row["layout"]: row.get("memory") for row in rows if row["how"] == way}
+        if not all(states.get(name) for name in ZERO_LAYOUTS.values()):
+            continue
+        measured = {level: state_bytes(states[name]) for level, name in ZERO_LAYOUTS.items()}
+        whole = max(measured[0][0])
+        parts = [f"--zero {level} " + " / ".join(f"{size / 2**20:.3f}" for size in per_rank)
+                 + " MiB" + (f" ({max(per_rank) / whole:.2f}x)" if level else "")
+                 for level, (per_rank, _) in measured.items()]
+        sources = " and ".join(sorted({source for _, source in measured.values()}))
+        lines += ["", f"Optimizer state per rank at dp 2, bf16 ({label}; read from the "
+                      f"{sources}): " + "; ".join(parts) + "."]
+    return lines
+
+
 def to_markdown(result: dict) -> str:
     lines = [f"# GPU check: {result['device']}", "",
              f"torch {result['torch']}, CUDA {result['cuda']}, NCCL {result['nccl']}, "
@@ -290,6 +364,7 @@ def to_markdown(result: dict) -> str:
                      f"{_figure(row['max_grad_difference'], '.1e')} | "
                      f"{_figure(row['median_step_seconds'], '.4f')} | {row['note']} |")
     lines += pipeline_throughput(result["rows"])
+    lines += optimizer_state_comparison(result["rows"], how)
     for row in result["rows"]:
         if row["status"] == "FAIL":
             lines += ["", f"FAIL {row['layout']} ({row['how']}): `{row.get('command', '')}`",
@@ -301,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     layouts = [l for l in LAYOUTS if not args.only or l.name in args.only]
     if importlib.util.find_spec("transformers") is None:
-        print("gpu_check: transformers is not installed: the vision-language layouts are left "
-              "out (pip install 'meshpipe[hf]')")
-        layouts = [l for l in layouts if not any("{" in arg for arg in l.args)]
+        print("gpu_check: transformers is not installed: the --model layouts are left out "
+              "(pip install 'meshpipe[hf]')")
+        layouts = [l for l in layouts if not placeholders(l.args)]
     if args.cpu_rehearsal:
         gpus, device = 0, f"CPU rehearsal on {platform.processor() or 'cpu'} (gloo)"
         layouts = [l for l in layouts if l.ranks <= args.max_ranks]
@@ -319,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
             if torch.cuda.is_available() and not args.cpu_rehearsal else "-")
     print(f"gpu_check: {len(runs)} runs of {len(layouts)} layouts, {args.jobs} at a time",
           flush=True)
+    for layout in layouts:  # the tiny checkpoints, made before the runs' threads start
+        _filled(layout.args)
 
     def one(run: Run) -> dict:
         row = run_layout(run, args.steps, args.timeout, args.cpu_rehearsal)
