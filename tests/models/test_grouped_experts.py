@@ -98,6 +98,18 @@ def test_laying_out_keeps_the_parameters_and_a_weight_given_new_data_goes_one_by
     assert calls.count == EXPERTS
 
 
+def test_a_layer_given_no_rows_runs_its_experts_one_by_one():
+    moe = _moe(2)
+    grouped_experts.lay_out([moe])
+    assert grouped_experts.ready(moe, torch.randn(0, DIM)) is None
+    x = torch.randn(1, 0, DIM, requires_grad=True)
+    y, _ = moe(x)
+    y.sum().backward()
+    assert y.shape == (1, 0, DIM)
+    assert all(p.grad is None or not p.grad.any() for n, p in moe.named_parameters()
+               if n.startswith("experts."))
+
+
 def test_a_layer_the_kernels_cannot_take_is_left_as_it_is():
     odd = MoE(DIM, 42, EXPERTS, 2)  # 42 float32 columns: 168 bytes, not a multiple of 16
     assert grouped_experts.lay_out([odd]) == 0

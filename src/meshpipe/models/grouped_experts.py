@@ -71,8 +71,10 @@ def lay_out(modules: Iterable[nn.Module]) -> int:
 
 def ready(layer: nn.Module, rows: Tensor) -> tuple[Tensor, Tensor] | None:
     """The layer's gate-and-up and down weights as ``[E, out, in]`` views of their storages,
-    where ``run`` can compute ``rows`` through them; else None."""
-    if not getattr(layer, "grouped", False):
+    where ``run`` can compute ``rows`` through them; else None. Not for no rows at all (an
+    expert-parallel rank all of whose tokens went elsewhere): a grouped product over a
+    contraction of length 0 is refused or leaves its output unwritten."""
+    if not getattr(layer, "grouped", False) or rows.shape[0] == 0:
         return None
     gate_up, down = _projections(layer)
     dtype = gate_up[0].dtype
