@@ -29,10 +29,9 @@ from meshpipe.topology import ParallelLayout
 from meshpipe.train.run.devices import BACKENDS, DEVICES
 
 STAGE_LINKS = ("root", "fanout")
-# --joint-projections: q/k/v and gate/up as one product each (meshpipe.models.joint).
-JOINT_PROJECTION_MODES = ("auto", "on", "off")
-# --grouped-experts: a layer's local experts as grouped products (meshpipe.models.grouped_experts).
-GROUPED_EXPERT_MODES = ("auto", "on", "off")
+# --joint-projections and --grouped-experts (weights laid out for fewer, larger products):
+# auto lets the run decide (meshpipe.train.run.weight_layout).
+WEIGHT_LAYOUT_MODES = ("auto", "on", "off")
 # Flags that describe the reference transformer: a --model directory's config.json says them.
 _REFERENCE_MODEL_FLAGS = ("dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts",
                           "moe_top_k", "moe_every", "moe_aux_coef")
@@ -151,8 +150,8 @@ class TrainConfig:
         for name, choices in (("dtype", DTYPES), ("p2p", P2P_MODES),
                               ("recompute", RECOMPUTE_MODES), ("device", DEVICES),
                               ("backend", BACKENDS), ("loss_on", LOSS_ON),
-                              ("joint_projections", JOINT_PROJECTION_MODES),
-                              ("grouped_experts", GROUPED_EXPERT_MODES)):
+                              ("joint_projections", WEIGHT_LAYOUT_MODES),
+                              ("grouped_experts", WEIGHT_LAYOUT_MODES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"unknown --{flag_name(name)} {getattr(self, name)!r}; choose one "
                                  f"of {', '.join(choices)}")
