@@ -113,7 +113,8 @@ class _Dispatch:
     def backward(self, grads: tuple[Tensor, Tensor | None, Tensor | None]) -> Tensor:
         """The sent rows' gradient; the dropped picks' rows, never sent, get zeros."""
         grad = self._from_experts(grads[0])
-        return F.pad(grad, (0, 0, 0, self.sent - grad.shape[0]))
+        dropped = self.sent - grad.shape[0]
+        return F.pad(grad, (0, 0, 0, dropped)) if dropped else grad
 
     def combine(self, rows: Tensor) -> Tensor:
         return self._from_experts(rows)
