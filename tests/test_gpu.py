@@ -378,7 +378,7 @@ def test_grouped_experts_on_cuda_give_the_one_by_one_values_in_bf16(few_experts)
         y, aux = layer(rows)
         (y.float() * upstream).sum().add(aux).backward()
         results.append((y, rows.grad, {n: p.grad for n, p in layer.named_parameters()}))
-    assert grouped_experts.ready(grouped, x.reshape(-1, 256)) is not None
+    assert grouped_experts.ready(grouped, x.reshape(-1, 256))
     (y, grad_x, grads), (got_y, got_grad_x, got_grads) = results
     torch.testing.assert_close(got_y, y, **low_precision_tolerance("bf16", y))
     torch.testing.assert_close(got_grad_x, grad_x, **low_precision_tolerance("bf16", grad_x))

@@ -100,6 +100,33 @@ def test_a_frozen_input_and_frozen_weights_get_no_gradient_products():
     assert frozen.w_gate.weight.grad is None and frozen.w_up.weight.grad is None
 
 
+def test_a_split_backward_takes_the_joint_products_apart():
+    """The input half runs the input's products only, the weight half the weights' only,
+    and together they give the full backward's gradients."""
+    from meshpipe.models import split
+    from meshpipe.runtime import Stage
+
+    whole, halves = _model(), _model()
+    stages = [Stage(split(model, 2)[1], 1, 2) for model in (whole, halves)]
+    assert joint.lay_out([stage.module for stage in stages]) == 2 * 2  # a layer each
+    hidden, upstream = torch.randn(2, 8, 32), torch.randn(2, 8, 64)
+    for stage in stages:
+        stage.forward(0, (hidden.clone(), None, None))
+    with DispatchedOps() as full:
+        stages[0].backward(0, upstream)
+    with DispatchedOps() as input_half:
+        stages[1].backward_input(0, upstream)
+    assert all(p.grad is None for p in halves.parameters())
+    with DispatchedOps() as weight_half:
+        stages[1].backward_weight(0)
+    # The layer's 4 products (q/k/v, output, gate/up, down) and the head's: 5 each way.
+    counts = [_products(ops.called) for ops in (full, input_half, weight_half)]
+    assert counts == [10, 5, 5]
+    for (name, want), got in zip(whole.named_parameters(), halves.parameters()):
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, msg=name)
+
+
 def _joint_modules(rank, world_size, config):
     from meshpipe.train.loop.trainer import Trainer
 
@@ -126,7 +153,7 @@ def test_the_trainer_lays_out_the_projections_as_asked(mode, laid):
 
 @pytest.mark.parametrize("mode, schedule, compiled, device, joint_run", [
     ("auto", "1f1b", False, "cuda", True), ("auto", "1f1b", False, "cpu", False),
-    ("auto", "zb-v", False, "cuda", False), ("auto", "1f1b", True, "cuda", False),
+    ("auto", "zb-v", False, "cuda", True), ("auto", "1f1b", True, "cuda", False),
     ("on", "1f1b", False, "cpu", True), ("off", "1f1b", False, "cuda", False)])
 def test_when_a_run_projects_jointly(mode, schedule, compiled, device, joint_run):
     from meshpipe.train.run import weight_layout
@@ -137,11 +164,9 @@ def test_when_a_run_projects_jointly(mode, schedule, compiled, device, joint_run
     assert weight_layout.joint_projections(config, torch.device(device)) == joint_run
 
 
-def test_joint_projections_on_under_a_split_backward_or_compile_is_refused_before_the_run():
+def test_joint_projections_on_with_compile_is_refused_before_the_run():
     from meshpipe.train.config import TrainConfig
 
-    with pytest.raises(ValueError, match="--schedule zb-h1 takes apart"):
-        TrainConfig(pp=2, schedule="zb-h1", joint_projections="on")
     with pytest.raises(ValueError, match="is for eager blocks"):
         TrainConfig(pp=2, compile=True, joint_projections="on")
 
@@ -151,6 +176,7 @@ JOINT_LAYOUTS = {  # each forced on (auto is off on a CPU), against one process
     "cp2x2-hybrid": dict(pp=1, schedule="none", cp_ring=2, cp_ulysses=2),
     "ep2-dp2-moe": dict(pp=1, schedule="none", dp=2, ep=2, moe_experts=4, moe_top_k=2),
     "pp2-dp2-zero2-bf16": dict(pp=2, dp=2, zero=2, dtype="bf16"),
+    "pp2-vpp2-zb-v": dict(pp=2, vpp=2, schedule="zb-v"),
 }
 
 

@@ -25,8 +25,11 @@ LAYOUTS = {
     # The experts as grouped products (models.grouped_experts; auto is off on a CPU).
     "dp2-ep2-combined-grouped": dict(pp=1, dp=2, ep=2, moe_top_k=2, schedule="combined-1f1b",
                                      grouped_experts="on"),
-    "pp2-dp2-ep2-capacity-grouped": dict(pp=2, dp=2, ep=2, moe_capacity_factor=1.0,
-                                         grouped_experts="on"),
+    "pp2-dp2-ep2-capacity-dualpipev-grouped": dict(pp=2, dp=2, ep=2, moe_capacity_factor=1.0,
+                                                   schedule="dualpipe-v",
+                                                   grouped_experts="on"),
+    "pp2-vpp2-dp2-ep2-top2-zbv-grouped": dict(pp=2, vpp=2, dp=2, ep=2, moe_top_k=2,
+                                              schedule="zb-v", grouped_experts="on"),
 }
 
 

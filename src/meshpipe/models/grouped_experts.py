@@ -17,10 +17,13 @@ Where the weights are not (or no longer) laid out so, or the rows' dtype differs
 weights' without autocast to it, or the device cannot (``supported``), the layer runs its
 experts one by one: the same values.
 
+Under a split backward (ZB-H1, ZB-V, DualPipeV) the input half runs only the inputs' grouped
+products and the weight half only the weights': each product asks the autograd engine
+whether the gradient it would compute is used in the pass that runs it.
+
 Which runs lay out (``train.run.weight_layout``): ``auto`` on CUDA in bf16 (the kernel
 there is bf16 only), ``on`` wherever this torch has a grouped product (on CPU a loop of
-products inside one call: for tests and comparisons), never under a split backward (ZB-H1,
-ZB-V, DualPipeV), which needs each weight's product apart from the input's.
+products inside one call: for tests and comparisons).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from meshpipe.models.joint import computes_in, in_one_storage
+from meshpipe.models.joint import computes_in, in_one_storage, used
 
 # The kernels need every row and column stride to be a multiple of 16 bytes.
 _ALIGNMENT_BYTES = 16
@@ -69,34 +72,31 @@ def lay_out(modules: Iterable[nn.Module]) -> int:
     return laid
 
 
-def ready(layer: nn.Module, rows: Tensor) -> tuple[Tensor, Tensor] | None:
-    """The layer's gate-and-up and down weights as ``[E, out, in]`` views of their storages,
-    where ``run`` can compute ``rows`` through them; else None. Not for no rows at all (an
-    expert-parallel rank all of whose tokens went elsewhere): a grouped product over a
-    contraction of length 0 is refused or leaves its output unwritten."""
+def ready(layer: nn.Module, rows: Tensor) -> bool:
+    """Whether ``run`` can compute ``rows`` through the layer's laid-out weights. Not for no
+    rows at all (an expert-parallel rank all of whose tokens went elsewhere): a grouped
+    product over a contraction of length 0 is refused or leaves its output unwritten."""
     if not getattr(layer, "grouped", False) or rows.shape[0] == 0:
-        return None
+        return False
     gate_up, down = _projections(layer)
     dtype = gate_up[0].dtype
-    if not (supported(rows.device, dtype) and computes_in(rows, dtype)
-            and in_one_storage(gate_up) and in_one_storage(down)):
-        return None
-    experts = len(down)
-    return _stacked(gate_up, experts), _stacked(down, experts)
+    return (supported(rows.device, dtype) and computes_in(rows, dtype)
+            and in_one_storage(gate_up) and in_one_storage(down))
 
 
-def run(layer: nn.Module, rows: Tensor, rows_per_expert: Tensor,
-        weights: tuple[Tensor, Tensor]) -> Tensor:
+def run(layer: nn.Module, rows: Tensor, rows_per_expert: Tensor) -> Tensor:
     """The local experts on ``rows`` (sorted by expert, ``rows_per_expert`` of each, a
-    device tensor: no host read) by grouped products through ``weights`` (``ready``)."""
+    device tensor: no host read) by grouped products through the laid-out weights
+    (``ready``)."""
     gate_up_weights, down_weights = _projections(layer)
-    gate_up, down = weights
+    experts = len(down_weights)
     ends = rows_per_expert.cumsum(0).to(torch.int32)
-    rows = rows.to(gate_up.dtype)
-    hidden = _GroupedLinear.apply(rows, ends, gate_up, *gate_up_weights)
+    rows = rows.to(gate_up_weights[0].dtype)
+    hidden = _GroupedLinear.apply(rows, ends, _Stacked.apply(experts, *gate_up_weights))
     gate, up = hidden.chunk(2, dim=-1)
     first = layer.experts[str(layer.local_experts[0])]
-    return _GroupedLinear.apply(first.gated(gate, up), ends, down, *down_weights)
+    return _GroupedLinear.apply(first.gated(gate, up), ends,
+                                _Stacked.apply(experts, *down_weights))
 
 
 def _projections(layer: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
@@ -136,24 +136,35 @@ def _stacked(weights: Sequence[Tensor], experts: int) -> Tensor:
     return first.as_strided((experts, rows, columns), (rows * columns, columns, 1))
 
 
-class _GroupedLinear(torch.autograd.Function):
-    """``x @ stacked[e].T`` for each expert e's rows of ``x`` (``ends``: where each expert's
-    rows end), whose weight gradient goes to ``weights`` (the row blocks of ``stacked``)."""
+class _Stacked(torch.autograd.Function):
+    """``weights`` (laid out by ``_stack``) as one ``[experts, out, in]`` view of their
+    storage, no copy; the view's gradient reaches each weight as its rows."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, ends: Tensor, stacked: Tensor, *weights: Tensor) -> Tensor:
-        ctx.save_for_backward(x, ends, stacked)
+    def forward(ctx, experts: int, *weights: Tensor) -> Tensor:
         ctx.rows = [w.shape[0] for w in weights]
+        return _stacked(weights, experts)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (None, *grad.reshape(-1, grad.shape[-1]).split(ctx.rows))
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``x @ stacked[e].T`` for each expert e's rows of ``x`` (``ends``: where each expert's
+    rows end); backward, the input's gradient and the weights' where ``joint.used`` (a split
+    backward asks for them in two passes, the weights' through ``_Stacked``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, ends: Tensor, stacked: Tensor) -> Tensor:
+        ctx.save_for_backward(x, ends, stacked)
         return torch._grouped_mm(x, stacked.transpose(-2, -1), offs=ends)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, ends, stacked = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = (torch._grouped_mm(grad, stacked, offs=ends) if ctx.needs_input_grad[0]
-                  else None)
-        if not any(ctx.needs_input_grad[3:]):
-            return (grad_x, None, None, *(None for _ in ctx.rows))
-        grad_stacked = torch._grouped_mm(grad.t(), x, offs=ends)
-        return (grad_x, None, None,
-                *grad_stacked.reshape(-1, grad_stacked.shape[-1]).split(ctx.rows))
+        grad_x = torch._grouped_mm(grad, stacked, offs=ends) if used(ctx, 0) else None
+        grad_stacked = torch._grouped_mm(grad.t(), x, offs=ends) if used(ctx, 2) else None
+        return grad_x, None, grad_stacked
+

@@ -16,9 +16,10 @@ or the call is being compiled (inductor takes separate products as they are), ``
 multiplies by each weight: the same values, computed apart.
 
 A split backward (ZB-H1, ZB-V, DualPipeV) takes each weight's product apart from the input's
-(``runtime.split_backward``), which one node computing both cannot give: the trainer lays
-out only under schedules without one, without ``--compile``, and by default on CUDA only
-(``train.run.weight_layout``).
+(``runtime.split_backward``): the joint product computes only the gradient the pass running
+it uses (``used``: the input's in the input half, the weights' in the weight half), the
+weights' reaching them through one more node (``_Rows``). The trainer lays out without
+``--compile``, and by default on CUDA only (``train.run.weight_layout``).
 """
 
 from __future__ import annotations
@@ -66,8 +67,7 @@ def project(module: nn.Module, x: Tensor) -> list[Tensor]:
     if not (getattr(module, "joint", False) and not torch.compiler.is_compiling()
             and in_one_storage(weights) and computes_in(x, weights[0].dtype)):
         return [linear(x) for linear in linears]
-    joint = _rows_of(weights)
-    out = _JointLinear.apply(x, joint, *weights)
+    out = _JointLinear.apply(x, _Rows.apply(*weights))
     return list(out.split([w.shape[0] for w in weights], dim=-1))
 
 
@@ -98,20 +98,47 @@ def _rows_of(weights: Sequence[Tensor]) -> Tensor:
     return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), first.stride())
 
 
-class _JointLinear(torch.autograd.Function):
-    """``x @ joint.T``, whose gradient goes to ``weights`` (the row blocks of ``joint``)."""
+class _Rows(torch.autograd.Function):
+    """``weights`` (laid out by ``lay_out``) as one matrix, a view of their storage; its
+    gradient reaches each weight as its rows."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, joint: Tensor, *weights: Tensor) -> Tensor:
-        ctx.save_for_backward(x, joint)
+    def forward(ctx, *weights: Tensor) -> Tensor:
         ctx.rows = [w.shape[0] for w in weights]
+        return _rows_of(weights)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.split(ctx.rows)
+
+
+class _JointLinear(torch.autograd.Function):
+    """``x @ joint.T``; backward, the input's gradient and the weights' where ``used``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, joint: Tensor) -> Tensor:
+        ctx.save_for_backward(x, joint)
         return F.linear(x, joint)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, joint = ctx.saved_tensors
-        grad_x = grad.matmul(joint) if ctx.needs_input_grad[0] else None
-        if not any(ctx.needs_input_grad[2:]):
-            return (grad_x, None, *(None for _ in ctx.rows))
-        grad_joint = grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-        return (grad_x, None, *grad_joint.split(ctx.rows))
+        grad_x = grad.matmul(joint) if used(ctx, 0) else None
+        grad_joint = (grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+                      if used(ctx, 1) else None)
+        return grad_x, grad_joint
+
+
+def used(ctx, index: int) -> bool:
+    """Whether the autograd engine running a custom function's backward will use its
+    gradient for input ``index``: the input half of a split backward does not use the
+    weights', its weight half not the input's. Which nodes a pass runs is known for every
+    node but a leaf under ``autograd.grad`` (the input half's call), for which torch cannot
+    tell: computed."""
+    node = ctx.next_functions[index][0]
+    if not ctx.needs_input_grad[index] or node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return True

@@ -297,9 +297,8 @@ class ExpertLayer(nn.Module):
                                                 output_size=received.shape[0])
             order = torch.argsort(expert_of_row, stable=True)
             received = received[order]
-        weights = grouped_experts.ready(self, received)
-        if weights is not None:
-            outputs = grouped_experts.run(self, received, receive_counts.sum(dim=0), weights)
+        if grouped_experts.ready(self, received):
+            outputs = grouped_experts.run(self, received, receive_counts.sum(dim=0))
         else:
             outputs = torch.cat([self.experts[str(e)](rows) for e, rows in zip(
                 self.local_experts, received.split(expert_rows))])

@@ -159,10 +159,6 @@ class TrainConfig:
             value = getattr(self, field.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"--{flag_name(field.name)} must be a finite number, got {value}")
-        if self.joint_projections == "on" and schedule_spec(self.schedule).split_backward:
-            raise ValueError(f"--joint-projections on computes a layer's weight gradients "
-                             f"with its input's, which --schedule {self.schedule} takes apart "
-                             f"(a split backward); use auto or off")
         if self.joint_projections == "on" and self.compile:
             raise ValueError("--joint-projections on is for eager blocks; a --compile'd "
                              "block takes its products as they are: drop one of them")
@@ -250,10 +246,6 @@ class TrainConfig:
     def _check_grouped_experts(self) -> None:
         if self.grouped_experts != "on":
             return
-        if schedule_spec(self.schedule).split_backward:
-            raise ValueError(f"--grouped-experts on computes a layer's expert weight gradients "
-                             f"with their inputs', which --schedule {self.schedule} takes apart "
-                             f"(a split backward); use auto or off")
         if self.dtype == "fp16":
             raise ValueError("--grouped-experts on needs the experts' weights in the dtype "
                              "they compute in; under --dtype fp16 they are float32 (autocast "
@@ -498,12 +490,11 @@ FIELD_HELP = {
                "blocks; attention cores and communication stay eager: docs/parallelism.md)",
     "joint_projections": "q/k/v and gate/up projections as one matrix product each: auto "
                          "(on CUDA, where kernel launches bound an eager step; not on a CPU), "
-                         "on or off; never under a split backward (zb-h1, zb-v, dualpipe-v) or "
-                         "--compile",
+                         "on or off; never with --compile",
     "grouped_experts": "a mixture-of-experts layer's local experts as grouped matrix "
                        "products (two forward, four backward): auto (on CUDA in bf16), on "
                        "(also on a CPU, as a loop inside one call) or off (one expert at a "
-                       "time); never under a split backward (zb-h1, zb-v, dualpipe-v)",
+                       "time)",
     "zero": "shard over the replicas of each weight (dp x cp ranks of a stage; experts: their "
             "expert-data-parallel ranks): 0 nothing, 1 the optimizer states (AdamW moments), "
             "2 also the reduced gradients",

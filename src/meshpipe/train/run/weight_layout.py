@@ -1,8 +1,9 @@
 """Which of a run's weights are laid out for fewer, larger matrix products, decided once per
 run: q/k/v and gate/up projected jointly (``--joint-projections``, ``meshpipe.models.joint``)
 and a layer's experts as grouped products (``--grouped-experts``,
-``meshpipe.models.grouped_experts``). Both need each weight's gradient computed with its
-input's in one node, so neither lays out under a split backward (ZB-H1, ZB-V, DualPipeV).
+``meshpipe.models.grouped_experts``). Both also run under a split backward (ZB-H1, ZB-V,
+DualPipeV): their products compute the input's gradient and the weights' apart where a pass
+asks for one of them (``joint.used``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from torch import nn
 from meshpipe.models import joint
 from meshpipe.models.grouped_experts import available as grouped_product_available
 from meshpipe.models.grouped_experts import lay_out as lay_out_experts
-from meshpipe.schedules.builders import SCHEDULE_SPECS
 from meshpipe.train.config import TrainConfig
 
 
@@ -23,8 +23,7 @@ def joint_projections(config: TrainConfig, device: torch.device) -> bool:
     projections' gradients costs more than the fewer products save (a 4-layer model's step
     5-11 % slower, dim 256-64). Not with ``--compile``, whose blocks take the products as
     they are (their weights then need not alias each other)."""
-    if (SCHEDULE_SPECS[config.schedule].split_backward or config.compile
-            or config.joint_projections == "off"):
+    if config.compile or config.joint_projections == "off":
         return False
     return config.joint_projections == "on" or device.type == "cuda"
 
@@ -35,8 +34,8 @@ def grouped_experts(config: TrainConfig, device: torch.device) -> bool:
     wherever this torch has a grouped product (the config refuses it under fp16, whose
     weights are not in the dtype autocast computes in). The experts are eager also under
     ``--compile``, so it does not matter here."""
-    if (SCHEDULE_SPECS[config.schedule].split_backward or config.grouped_experts == "off"
-            or config.dtype == "fp16" or not grouped_product_available()):
+    if (config.grouped_experts == "off" or config.dtype == "fp16"
+            or not grouped_product_available()):
         return False
     return config.grouped_experts == "on" or (device.type == "cuda" and config.dtype == "bf16")
 
