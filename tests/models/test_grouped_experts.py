@@ -199,8 +199,16 @@ def test_where_a_grouped_product_runs(device, dtype, runs):
     assert grouped_experts.supported(torch.device(device), dtype) == runs
 
 
+# Operators that make the host wait for the GPU on CUDA: a scalar read, an output sized by
+# the values (``nonzero``; ``bincount`` by the largest; ``repeat_interleave`` without its
+# output size), and a tensor made from host values (``lift_fresh``: copied to the GPU).
+_WAITING_ON_CUDA = {"aten._local_scalar_dense", "aten.nonzero", "aten.bincount",
+                    "aten.masked_select", "aten.unique", "aten.lift_fresh"}
+
+
 class _HostReads(TorchDispatchMode):
-    """Every read of a tensor's values to the host: a scalar, a ``nonzero``, a ``tolist``."""
+    """Every read of a tensor's values to the host (a ``tolist``, or an operator that waits
+    for the GPU on CUDA: ``_WAITING_ON_CUDA``)."""
 
     def __init__(self, monkeypatch):
         super().__init__()
@@ -214,8 +222,10 @@ class _HostReads(TorchDispatchMode):
         monkeypatch.setattr(torch.Tensor, "tolist", counted)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
-            self.reads.append(str(func))
+        name = str(func.overloadpacket)
+        if name in _WAITING_ON_CUDA or (name == "aten.repeat_interleave"
+                                         and (kwargs or {}).get("output_size") is None):
+            self.reads.append(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -223,7 +233,7 @@ class _HostReads(TorchDispatchMode):
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.75])
 def test_a_layer_reads_the_host_once_per_microbatch(grouped, capacity_factor, monkeypatch):
     """The dispatch's split sizes, read once; the routing, capacity, expert split, combine and
-    backward read nothing more (on CUDA each read waits for the GPU)."""
+    backward read nothing more, and call nothing that waits for the GPU on CUDA."""
     moe = _moe(2, capacity_factor)
     if grouped:
         grouped_experts.lay_out([moe])

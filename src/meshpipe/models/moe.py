@@ -250,11 +250,11 @@ class ExpertLayer(nn.Module):
         gates = (top_probabilities / top_probabilities.sum(dim=-1, keepdim=True)
                  if self.normalize else top_probabilities)
         expert_of_pick = experts.reshape(-1)
-        picks = torch.bincount(expert_of_pick, minlength=self.num_experts)
+        picks = _counts(expert_of_pick, self.num_experts)
         destination = self._within_capacity(expert_of_pick, tokens.shape[0])
         pick_index = torch.argsort(destination, stable=True)
-        counts = torch.bincount(destination, minlength=self.num_experts + 1)[:-1]
-        total_picks = torch.cat([picks, picks.new_tensor([tokens.shape[0]])])
+        counts = _counts(destination, self.num_experts + 1)[:-1]
+        total_picks = torch.cat([picks, torch.full((1,), tokens.shape[0], device=picks.device)])
         return _Route(token_of_row=pick_index // self.top_k,
                       gate_of_row=gates.reshape(-1)[pick_index],
                       send_counts=counts.view(self.ep_size, -1),
@@ -306,6 +306,14 @@ class ExpertLayer(nn.Module):
 
     def _count(self, route: _Route, aux: Tensor) -> None:
         self.stats.add(route.local_picks, route.dropped, aux.detach())
+
+
+def _counts(values: Tensor, size: int) -> Tensor:
+    """How often each of ``0 .. size-1`` occurs in ``values``: ``bincount``, which on CUDA
+    reads the largest value to the host (a wait for the GPU) where this adds on the device."""
+    return torch.zeros(size, dtype=torch.int64, device=values.device).index_add_(
+        0, values, torch.ones_like(values))
+
 
 class MoE(ExpertLayer):
     """The reference mixture-of-experts MLP: a linear router and SwiGLU experts;
