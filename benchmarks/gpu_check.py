@@ -123,6 +123,10 @@ LAYOUTS = [
                                              "--ep", "2", "--moe-top-k", "2", "--dtype", "bf16",
                                              "--grouped-experts", "on", "--schedule",
                                              "combined-1f1b")),
+    Layout("pp2-dualpipe-v-moe4-bf16-grouped", ("--pp", "2", "--schedule", "dualpipe-v",
+                                                "--moe-experts", "4", "--moe-top-k", "2",
+                                                "--dtype", "bf16", "--grouped-experts", "on"),
+           "a split backward: each half runs its own grouped products (joint ones too)"),
     # ZeRO in bf16: float32 masters and moments whole on each rank, or sharded over dp.
     Layout(ZERO_LAYOUTS[0], ("--pp", "1", "--dp", "2", "--zero", "0", "--dtype", "bf16"),
            "optimizer state whole on each rank"),
