@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dispatched_ops import DispatchedOps
 from meshpipe.models import grouped_experts
 from meshpipe.models.mlp import SwiGLU
 from meshpipe.models.moe import MoE
@@ -67,27 +68,15 @@ def test_grouped_products_give_the_one_by_one_values(top_k, capacity_factor, mon
     assert any(g.abs().sum() > 0 for name, g in got[3].items() if ".w_down." in name)
 
 
-class _ComputingOps(TorchDispatchMode):
-    """How many operators that compute (not views) a region dispatches: on CUDA, launches."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += not func.is_view
-        return func(*args, **(kwargs or {}))
-
-
 def _ops_of_a_microbatch(experts: int, grouped: bool) -> int:
     moe = MoE(DIM, HIDDEN, experts, top_k=4)
     if grouped:
         grouped_experts.lay_out([moe])
     x = torch.randn(1, 64, DIM, requires_grad=True)
-    with _ComputingOps() as ops:
+    with DispatchedOps() as ops:
         y, aux = moe(x)
         (y.square().sum() + aux).backward()
-    return ops.count
+    return len(ops.computing)
 
 
 def test_a_grouped_layer_computes_in_as_many_operators_whatever_its_experts():
@@ -149,20 +138,10 @@ def test_a_layer_the_kernels_cannot_take_is_left_as_it_is():
     assert not getattr(odd, "grouped", False)
 
 
-class _GroupedProducts(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._grouped_mm.default
-        return func(*args, **(kwargs or {}))
-
-
 def _grouped_products(call) -> int:
-    with _GroupedProducts() as products:
+    with DispatchedOps() as ops:
         call()
-    return products.count
+    return ops.called.count("aten._grouped_mm")
 
 
 def test_a_split_backward_takes_the_grouped_products_apart():
