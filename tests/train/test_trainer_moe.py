@@ -84,13 +84,14 @@ def test_expert_shards_resume_exactly(tmp_path, grouped):
 
 
 def _expert_runs(rank, world_size, config, rewind_to=None):
-    """Train (resumed from ``rewind_to`` if given), counting how the experts ran."""
+    """Train (resumed from ``rewind_to`` if given), counting how the experts ran and the
+    attentions' joint q/k/v products."""
     from _pytest.monkeypatch import MonkeyPatch
 
-    from meshpipe.models import grouped_experts
+    from meshpipe.models import grouped_experts, joint
     from meshpipe.models.mlp import SwiGLU
 
-    runs = {"grouped": 0, "one by one": 0}
+    runs = {"grouped": 0, "one by one": 0, "joint q/k/v": 0}
 
     def counted(original, key):
         def call(*args):
@@ -101,23 +102,25 @@ def _expert_runs(rank, world_size, config, rewind_to=None):
     with MonkeyPatch.context() as patch:
         patch.setattr(grouped_experts, "run", counted(grouped_experts.run, "grouped"))
         patch.setattr(SwiGLU, "forward", counted(SwiGLU.forward, "one by one"))
+        patch.setattr(joint, "_rows_of", counted(joint._rows_of, "joint q/k/v"))
         train(rank, world_size, config, rewind_to)
     return runs
 
 
-def test_the_experts_stay_grouped_through_sharded_steps_and_a_resume(tmp_path):
-    """Nothing that writes the weights (the masters' refresh, --zero 2's gathers into the
-    experts, sharded over their 2 expert-data-parallel ranks, a checkpoint's load) takes
-    them out of their grouped layout: every expert layer of every microbatch runs as grouped
-    products, none falls back to one by one."""
+def test_laid_out_weights_stay_so_through_sharded_steps_and_a_resume(tmp_path):
+    """Nothing that writes the weights (the masters' refresh, --zero 2's gathers, into the
+    experts sharded over their 2 expert-data-parallel ranks too, a checkpoint's load) takes
+    them out of their layout: every expert layer of every microbatch runs as grouped
+    products, none one by one, and every attention projects q/k/v jointly."""
     base = dict(MOE, pp=1, dp=4, ep=2, zero=2, dtype="bf16", grouped_experts="on",
-                checkpoint_every=2, out_dir=str(tmp_path))
-    per_step = 4 * SMALL["layers"]  # microbatches x expert layers
+                joint_projections="on", checkpoint_every=2, out_dir=str(tmp_path))
+    per_step = 4 * SMALL["layers"]  # microbatches x (expert) layers
     first = run_distributed(4, _expert_runs, TrainConfig(**{**base, "steps": 2}))
     resumed = run_distributed(4, _expert_runs, TrainConfig(**{**base, "steps": 3}, resume=True),
                               rewind_to="step-000002")
-    assert first == [{"grouped": 2 * per_step, "one by one": 0}] * 4
-    assert resumed == [{"grouped": per_step, "one by one": 0}] * 4
+    for runs, steps in ((first, 2), (resumed, 1)):
+        want = steps * per_step
+        assert runs == [{"grouped": want, "one by one": 0, "joint q/k/v": want}] * 4
 
 
 BAD = {
