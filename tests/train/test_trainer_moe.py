@@ -102,7 +102,7 @@ def _expert_runs(rank, world_size, config, rewind_to=None):
     with MonkeyPatch.context() as patch:
         patch.setattr(grouped_experts, "run", counted(grouped_experts.run, "grouped"))
         patch.setattr(SwiGLU, "forward", counted(SwiGLU.forward, "one by one"))
-        patch.setattr(joint, "_rows_of", counted(joint._rows_of, "joint q/k/v"))
+        patch.setattr(joint._JointLinear, "apply", counted(joint._JointLinear.apply, "joint q/k/v"))
         train(rank, world_size, config, rewind_to)
     return runs
 

@@ -29,11 +29,12 @@ products inside one call: for tests and comparisons).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from meshpipe.models.joint import computes_in, in_one_storage, used
+from meshpipe.models.joint import computes_in, lay_out_rows, one_matrix, used
 
 # The kernels need every row and column stride to be a multiple of 16 bytes.
 _ALIGNMENT_BYTES = 16
@@ -54,20 +55,42 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype.is_floating_point
 
 
+@dataclass(frozen=True)
+class LaidOut:
+    """A layer's local experts' weights as ``lay_out`` made them (gate and up of each
+    expert, then every down: the parameters themselves) and where each then began. Kept
+    on the layer (``grouped_weights``) so that a microbatch neither collects 3E weights
+    again nor asks each for its storage (0.5 ms of host time for 128 experts)."""
+
+    gate_up: list[Tensor]
+    down: list[Tensor]
+    addresses: tuple[int, ...]
+
+    @classmethod
+    def of(cls, gate_up: list[Tensor], down: list[Tensor]) -> LaidOut:
+        return cls(gate_up, down, tuple(w.data_ptr() for w in (*gate_up, *down)))
+
+    def intact(self) -> bool:
+        """Whether every weight still starts where it was laid out (a weight given new
+        data since starts elsewhere)."""
+        return tuple(w.data_ptr() for w in (*self.gate_up, *self.down)) == self.addresses
+
+
 def lay_out(modules: Iterable[nn.Module]) -> int:
     """Lay out the local experts of every expert layer in ``modules`` (see the module's
-    note) and mark the layer ``grouped``; how many layers. A layer whose experts differ in
-    device, dtype or shape, or whose widths the kernels cannot take, is left as it is."""
+    note), kept as the layer's ``grouped_weights``; how many layers. A layer whose experts
+    differ in device, dtype or shape, or whose widths the kernels cannot take, is left as
+    it is."""
     laid = 0
     for module in {id(m): m for root in modules for m in root.modules()}.values():
-        if not hasattr(module, "local_experts"):  # a ``models.moe.ExpertLayer``
+        if not hasattr(module, "grouped_weights"):  # a ``models.moe.ExpertLayer``
             continue
         gate_up, down = _projections(module)
         if not _can_lay_out(gate_up, down):
             continue
-        _stack(gate_up)
-        _stack(down)
-        module.grouped = True
+        lay_out_rows(gate_up)
+        lay_out_rows(down)
+        module.grouped_weights = LaidOut.of(gate_up, down)
         laid += 1
     return laid
 
@@ -76,27 +99,25 @@ def ready(layer: nn.Module, rows: Tensor) -> bool:
     """Whether ``run`` can compute ``rows`` through the layer's laid-out weights. Not for no
     rows at all (an expert-parallel rank all of whose tokens went elsewhere): a grouped
     product over a contraction of length 0 is refused or leaves its output unwritten."""
-    if not getattr(layer, "grouped", False) or rows.shape[0] == 0:
+    weights = layer.grouped_weights
+    if weights is None or rows.shape[0] == 0:
         return False
-    gate_up, down = _projections(layer)
-    dtype = gate_up[0].dtype
-    return (supported(rows.device, dtype) and computes_in(rows, dtype)
-            and in_one_storage(gate_up) and in_one_storage(down))
+    dtype = weights.down[0].dtype
+    return supported(rows.device, dtype) and computes_in(rows, dtype) and weights.intact()
 
 
 def run(layer: nn.Module, rows: Tensor, rows_per_expert: Tensor) -> Tensor:
     """The local experts on ``rows`` (sorted by expert, ``rows_per_expert`` of each, a
     device tensor: no host read) by grouped products through the laid-out weights
     (``ready``)."""
-    gate_up_weights, down_weights = _projections(layer)
+    gate_up_weights, down_weights = layer.grouped_weights.gate_up, layer.grouped_weights.down
     experts = len(down_weights)
     ends = rows_per_expert.cumsum(0).to(torch.int32)
     rows = rows.to(gate_up_weights[0].dtype)
-    hidden = _GroupedLinear.apply(rows, ends, _Stacked.apply(experts, *gate_up_weights))
+    hidden = _GroupedLinear.apply(rows, ends, _stacked(gate_up_weights, experts))
     gate, up = hidden.chunk(2, dim=-1)
     first = layer.experts[str(layer.local_experts[0])]
-    return _GroupedLinear.apply(first.gated(gate, up), ends,
-                                _Stacked.apply(experts, *down_weights))
+    return _GroupedLinear.apply(first.gated(gate, up), ends, _stacked(down_weights, experts))
 
 
 def _projections(layer: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
@@ -118,42 +139,16 @@ def _can_lay_out(gate_up: Sequence[Tensor], down: Sequence[Tensor]) -> bool:
                     for size in (*first.shape, *down[0].shape)))
 
 
-def _stack(weights: Sequence[Tensor]) -> None:
-    """Make ``weights`` rows of one storage, one after another."""
-    with torch.no_grad():
-        storage = torch.cat([w.detach().reshape(-1) for w in weights])
-    start = 0
-    for weight in weights:
-        weight.data = storage[start:start + weight.numel()].view(weight.shape)
-        start += weight.numel()
-
-
 def _stacked(weights: Sequence[Tensor], experts: int) -> Tensor:
-    """``weights`` (laid out by ``_stack``) as one ``[experts, out, in]`` view, no copy."""
-    first = weights[0].detach()
-    rows = sum(w.shape[0] for w in weights) // experts
-    columns = first.shape[1]
-    return first.as_strided((experts, rows, columns), (rows * columns, columns, 1))
-
-
-class _Stacked(torch.autograd.Function):
-    """``weights`` (laid out by ``_stack``) as one ``[experts, out, in]`` view of their
-    storage, no copy; the view's gradient reaches each weight as its rows."""
-
-    @staticmethod
-    def forward(ctx, experts: int, *weights: Tensor) -> Tensor:
-        ctx.rows = [w.shape[0] for w in weights]
-        return _stacked(weights, experts)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return (None, *grad.reshape(-1, grad.shape[-1]).split(ctx.rows))
+    """``weights`` (laid out one after another) as one ``[experts, out, in]`` view, no copy,
+    differentiable to each weight."""
+    return one_matrix(weights).view(experts, -1, weights[0].shape[1])
 
 
 class _GroupedLinear(torch.autograd.Function):
     """``x @ stacked[e].T`` for each expert e's rows of ``x`` (``ends``: where each expert's
     rows end); backward, the input's gradient and the weights' where ``joint.used`` (a split
-    backward asks for them in two passes, the weights' through ``_Stacked``)."""
+    backward asks for them in two passes, the weights' through ``joint.one_matrix``)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, ends: Tensor, stacked: Tensor) -> Tensor:

@@ -48,15 +48,27 @@ def lay_out(modules: Iterable[nn.Module]) -> int:
         if first.is_meta or any((w.device, w.dtype, w.shape[1]) != (
                 first.device, first.dtype, first.shape[1]) for w in weights):
             continue
-        with torch.no_grad():
-            rows = torch.cat([w.detach() for w in weights])
-        start = 0
-        for weight in weights:
-            weight.data = rows[start:start + weight.shape[0]]
-            start += weight.shape[0]
+        lay_out_rows(weights)
         module.joint = True
         laid += 1
     return laid
+
+
+def lay_out_rows(weights: Sequence[Tensor]) -> None:
+    """Make ``weights`` (of one width, device and dtype) rows of one storage, one after
+    another; each stays its parameter."""
+    with torch.no_grad():
+        rows = torch.cat([w.detach() for w in weights])
+    start = 0
+    for weight in weights:
+        weight.data = rows[start:start + weight.shape[0]]
+        start += weight.shape[0]
+
+
+def one_matrix(weights: Sequence[Tensor]) -> Tensor:
+    """``weights`` laid out by ``lay_out_rows`` as one matrix, a view of their storage (no
+    copy) whose gradient reaches each weight as its rows."""
+    return _Rows.apply(*weights)
 
 
 def project(module: nn.Module, x: Tensor) -> list[Tensor]:
@@ -67,7 +79,7 @@ def project(module: nn.Module, x: Tensor) -> list[Tensor]:
     if not (getattr(module, "joint", False) and not torch.compiler.is_compiling()
             and in_one_storage(weights) and computes_in(x, weights[0].dtype)):
         return [linear(x) for linear in linears]
-    out = _JointLinear.apply(x, _Rows.apply(*weights))
+    out = _JointLinear.apply(x, one_matrix(weights))
     return list(out.split([w.shape[0] for w in weights], dim=-1))
 
 
@@ -99,8 +111,7 @@ def _rows_of(weights: Sequence[Tensor]) -> Tensor:
 
 
 class _Rows(torch.autograd.Function):
-    """``weights`` (laid out by ``lay_out``) as one matrix, a view of their storage; its
-    gradient reaches each weight as its rows."""
+    """``one_matrix``: a view of the weights' storage; backward, each weight its rows."""
 
     @staticmethod
     def forward(ctx, *weights: Tensor) -> Tensor:

@@ -179,6 +179,12 @@ class ExpertLayer(nn.Module):
         self.token_group: dist.ProcessGroup | None = None
         self.ep_size, self.ep_rank = 1, 0
         self.stats = MoEStats.empty(experts)
+        self.grouped_weights: grouped_experts.LaidOut | None = None  # grouped_experts.lay_out
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the local experts run as grouped products (``grouped_experts.lay_out``)."""
+        return self.grouped_weights is not None
 
     def router_logits(self, tokens: Tensor) -> Tensor:
         raise NotImplementedError
