@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_attention import attention_rows, measure
-from harness import write_results
+from harness import RESULTS, publish
 from meshpipe.models import Transformer, causal_lm_loss
 from meshpipe.runtime import autocast
 from meshpipe.train.config import TrainConfig
@@ -65,7 +65,6 @@ from meshpipe.train.data.corpus import load_corpus
 from meshpipe.train.loop.trainer import Trainer
 from meshpipe.train.run.sources import model_config
 
-RESULTS = Path(__file__).parent / "results"
 # Dense bf16 tensor-core peaks (TFLOP/s, SXM parts) by a name in torch's device name.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 PARTS = ("attention", "train")
@@ -460,12 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                   "train": train_rows(args, device) if "train" in args.parts else []}
     finally:
         dist.destroy_process_group()
-    table = to_markdown(result)
-    print(table)
-    out = args.out or (None if args.cpu_rehearsal else RESULTS)
-    if out is not None:
-        json_path, md_path = write_results(out, "gpu_bench", result, table)
-        print(f"wrote {json_path} and {md_path}")
+    publish("gpu_bench", result, to_markdown(result), args.out, args.cpu_rehearsal)
     return 0
 
 

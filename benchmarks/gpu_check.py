@@ -55,10 +55,9 @@ from pathlib import Path
 
 import torch
 
-from harness import write_results
+from harness import RESULTS, publish
 from meshpipe.train.run.arguments import add_arguments, from_arguments
 
-RESULTS = Path(__file__).parent / "results"
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 COMMON = ["--no-progress", "--eval-every", "0", "--timeline-step", "0"]
 # The shipped corpus, whose paragraphs are the documents that --pack packs.
@@ -412,12 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device": device, "gpus": gpus, "torch": torch.__version__,
               "cuda": torch.version.cuda, "nccl": nccl, "steps": args.steps,
               "jobs": args.jobs, "rows": rows}
-    table = to_markdown(result)
-    print(table)
-    out = args.out or (None if args.cpu_rehearsal else RESULTS)
-    if out is not None:
-        json_path, md_path = write_results(out, "gpu_check", result, table)
-        print(f"wrote {json_path} and {md_path}")
+    publish("gpu_check", result, to_markdown(result), args.out, args.cpu_rehearsal)
     failed = [f"{row['layout']} ({row['how']})" for row in rows if row["status"] == "FAIL"]
     print(f"gpu_check: {len(rows) - len(failed)} passed, {len(failed)} failed"
           + (f" ({', '.join(failed)})" if failed else ""))

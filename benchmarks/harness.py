@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=5)
+RESULTS = Path(__file__).parent / "results"
 
 
 def load_average() -> list[float] | None:
@@ -54,6 +55,16 @@ def join_ranks(rank: int, world_size: int, init_file: str) -> None:
 def report(result_file: str, result: Any) -> None:
     """Rank 0's measurement, for ``spawn_ranks`` to return."""
     Path(result_file).write_text(json.dumps(result))
+
+
+def publish(name: str, result: Any, table: str, out: Path | None, rehearsal: bool) -> None:
+    """Print a GPU benchmark's ``table`` and write it with ``result`` into ``out``, by default
+    ``benchmarks/results``; a CPU rehearsal's figures only where ``out`` is given."""
+    print(table)
+    out = out or (None if rehearsal else RESULTS)
+    if out is not None:
+        json_path, md_path = write_results(out, name, result, table)
+        print(f"wrote {json_path} and {md_path}")
 
 
 def write_results(out: Path, name: str, result: Any, table: str) -> tuple[Path, Path]:

@@ -31,12 +31,11 @@ from pathlib import Path
 
 import torch
 
-from harness import load_average, paired_ratios, write_results
+from harness import RESULTS, load_average, paired_ratios, publish
 from meshpipe.models import grouped_experts, joint
 from meshpipe.models.mlp import SwiGLU
 from meshpipe.models.moe import MoE
 
-RESULTS = Path(__file__).parent / "results"
 # name: (dim, an expert's hidden width, experts, top-k)
 SHAPES = {
     "64-experts-top-8": (2048, 1408, 64, 8),
@@ -171,12 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device": name, "torch": torch.__version__, "dtype": str(dtype).split(".")[-1],
               "rounds": args.rounds, "iters": args.iters, "load_before": load_before,
               "load_after": load_average(), "rows": rows}
-    table = to_markdown(result)
-    print(table)
-    out = args.out or (None if args.cpu_rehearsal else RESULTS)
-    if out is not None:
-        json_path, md_path = write_results(out, "moe_layer", result, table)
-        print(f"wrote {json_path} and {md_path}")
+    publish("moe_layer", result, to_markdown(result), args.out, args.cpu_rehearsal)
     return 0
 
 
