@@ -68,9 +68,14 @@ from meshpipe.train.run.sources import model_config
 # Dense bf16 tensor-core peaks (TFLOP/s, SXM parts) by a name in torch's device name.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 PARTS = ("attention", "train")
-# eager-apart: eager with --joint-projections off (q/k/v and gate/up as separate products,
-# what eager ran before they were joined on CUDA), until a GPU has timed the two.
-MODES = ("eager", "compile", "eager-apart")
+# A training step's modes: the flags each adds to the trainer's run. eager-apart: q/k/v and
+# gate/up as separate products, eager-unfused: the weight gradients through bf16 .grad into
+# the masters (what eager ran before each was made the default on CUDA), until a GPU has
+# timed them in isolated rounds.
+MODE_FLAGS = {"eager": {}, "compile": {"compile": True},
+              "eager-apart": {"joint_projections": "off"},
+              "eager-unfused": {"grad_accumulation_fusion": "off"}}
+MODES = tuple(MODE_FLAGS)
 DATA = ("random", "pack")
 
 
@@ -102,7 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="which parts to run (default both)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="training step: the trainer eager, with --compile, eager with "
-                             "--joint-projections off (default: all)")
+                             "--joint-projections off, eager with --grad-accumulation-fusion "
+                             "off (default: all)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="training step: rounds over the runners, alternating their order "
                              "(the median of the rounds is reported)")
@@ -127,18 +133,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train_config(args, out_dir: str, device: torch.device, seq_len: int,
                  compiled: bool = False, model: str = "", packed_from: str = "",
-                 joint_projections: str = "auto") -> TrainConfig:
+                 **flags) -> TrainConfig:
     """The benchmark's run at ``seq_len`` tokens per sequence: the reference transformer of
     the arguments' sizes, or the Hugging Face directory ``model`` (which has those sizes:
-    ``llama_of``); on random tokens, or ``--pack``ed from the text file ``packed_from``."""
+    ``llama_of``); on random tokens, or ``--pack``ed from the text file ``packed_from``;
+    ``flags``: a mode's (``MODE_FLAGS``)."""
     sizes = {} if model else dict(dim=args.dim, layers=args.layers, heads=args.model_heads,
                                   kv_heads=args.kv_heads)
     return TrainConfig(pp=1, device=device.type, **sizes, model=model, seq_len=seq_len,
                        microbatches=args.microbatches, microbatch_size=args.microbatch_size,
                        dtype="bf16", steps=args.warmup + args.iters, warmup_steps=1,
                        eval_every=0, timeline_step=0, progress=False, out_dir=out_dir,
-                       compile=compiled, data=packed_from, pack=bool(packed_from),
-                       joint_projections=joint_projections)
+                       data=packed_from, pack=bool(packed_from), **{"compile": compiled, **flags})
 
 
 def llama_of(config: TrainConfig, directory: str) -> str:
@@ -276,18 +282,22 @@ def _runners_at(seq_len: int, args, device: torch.device, scratch: str, corpus: 
     plain loop's configuration."""
     data = [source for kind, source in (("random", ""), ("pack", corpus)) if kind in args.data]
     models = [("", "")] + ([(llama, ", --model Llama")] if llama else [])
-    # mode: (compiled, --joint-projections, what the row's name adds)
-    modes = {"eager": (False, "auto", ""), "compile": (True, "auto", " --compile"),
-             "eager-apart": (False, "off", " --joint-projections off")}
     runners = {
-        "meshpipe Trainer (1F1B, 1 stage)" + what + (", --pack" if packed_from else "") + how:
-        _trainer_runner(train_config(args, scratch, device, seq_len, compiled, model,
-                                     packed_from, joint_projections))
-        for model, what in models for packed_from in data
-        for mode, (compiled, joint_projections, how) in modes.items() if mode in args.modes}
+        "meshpipe Trainer (1F1B, 1 stage)" + what + (", --pack" if packed_from else "")
+        + _flags_named(MODE_FLAGS[mode]):
+        _trainer_runner(train_config(args, scratch, device, seq_len, model=model,
+                                     packed_from=packed_from, **MODE_FLAGS[mode]))
+        for model, what in models for packed_from in data for mode in args.modes}
     config = train_config(args, scratch, device, seq_len)
     runners["plain PyTorch (same model and batch)"] = _plain_runner(config, device)
     return runners, config
+
+
+def _flags_named(flags: dict) -> str:
+    """What a mode's flags add to its row's name: `` --compile``, `` --joint-projections
+    off``."""
+    return "".join(f" --{name.replace('_', '-')}" + ("" if value is True else f" {value}")
+                   for name, value in flags.items())
 
 
 def _measured_model(config: TrainConfig) -> dict:

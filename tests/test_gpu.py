@@ -418,6 +418,62 @@ def test_an_expert_layer_on_cuda_waits_for_the_gpu_once_per_microbatch(grouped):
     assert len(synchronizing) == 1, [str(w.message) for w in synchronizing]
 
 
+def test_a_fused_linear_on_cuda_adds_one_float32_output_product_into_its_master():
+    """``--grad-accumulation-fusion``'s kernel: the master's gradient is the float32 sum of
+    the bf16 operands' products (the unfused path rounds each microbatch's to bf16 first)."""
+    from meshpipe.models import joint
+    from meshpipe.runtime import MasterWeights
+
+    assert joint.fused_kernel(torch.device("cuda"))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    results = {}
+    for fused in (True, False):
+        linear = torch.nn.Linear(512, 256, bias=False, device="cuda")
+        torch.nn.init.normal_(linear.weight, generator=generator)
+        masters = MasterWeights(linear.named_parameters(), torch.bfloat16)
+        if fused:
+            assert joint.fuse_linears([linear], masters.own_masters) == 1
+        expected = torch.zeros(256, 512, device="cuda")
+        for microbatch in range(3):
+            seeded = torch.Generator(device="cuda").manual_seed(microbatch)
+            x = torch.randn(4, 128, 512, device="cuda", generator=seeded).bfloat16()
+            upstream = torch.randn(4, 128, 256, device="cuda", generator=seeded).bfloat16()
+            linear(x).backward(upstream)
+            expected += upstream.float().reshape(-1, 256).t() @ x.float().reshape(-1, 512)
+        assert linear.weight.grad is None
+        results[fused] = (masters.master_of(linear.weight).grad, expected)
+    got, expected = results[True]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+    unfused, _ = results[False]
+    assert (unfused - expected).abs().max() > (got - expected).abs().max()
+
+
+def test_a_fused_model_on_cuda_matches_the_unfused_one():
+    """The reference model with q/k/v and gate/up joint: every master's gradient as the
+    unfused model's within bf16's tolerance, and no weight of a linear gets a ``.grad``."""
+    from meshpipe.models import joint
+    from meshpipe.runtime import MasterWeights
+
+    torch.manual_seed(0)
+    fused = Transformer(TransformerConfig(**SMALL)).cuda()
+    unfused = copy.deepcopy(fused)
+    masters = MasterWeights(fused.named_parameters(), torch.bfloat16)
+    plain_masters = MasterWeights(unfused.named_parameters(), torch.bfloat16)
+    joint.lay_out([fused, unfused])
+    assert joint.fuse_linears([fused], masters.own_masters) == 9 * SMALL["n_layers"] + 1
+    for seed in range(3):
+        tokens, _ = _batch(seed=seed)
+        upstream = torch.randn(2, 32, SMALL["vocab_size"], device="cuda",
+                               generator=torch.Generator(device="cuda").manual_seed(seed))
+        for model in (fused, unfused):
+            model(tokens.cuda()).float().backward(upstream)
+    assert all(p.grad is None for p in fused.parameters()
+               if p.dim() == 2 and p is not fused.embedding.weight)
+    for (name, got), (_, want) in zip(masters.named, plain_masters.named):
+        torch.testing.assert_close(got.grad, want.grad,
+                                   **low_precision_tolerance("bf16", want.grad), msg=name)
+
+
 def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

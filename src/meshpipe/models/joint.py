@@ -20,6 +20,15 @@ A split backward (ZB-H1, ZB-V, DualPipeV) takes each weight's product apart from
 it uses (``used``: the input's in the input half, the weights' in the weight half), the
 weights' reaching them through one more node (``_Rows``). The trainer lays out without
 ``--compile``, and by default on CUDA only (``train.run.weight_layout``).
+
+The same product can add its weights' gradient straight into their float32 masters'
+gradients (``--grad-accumulation-fusion``, Megatron's gradient-accumulation fusion): a
+module's ``grads_into`` (a ``GradInto``) then takes the product, and the weights get no
+``.grad`` of their own. With bfloat16 weights that spares, per weight and microbatch, the
+bfloat16 gradient written and read back by the master's hook (a launch and a pass over the
+gradient) and its rounding; ``fuse_linears`` does it for every other linear layer, one
+weight a product. On CUDA the product is one ``addmm`` with a float32 output; elsewhere
+(the CPU, for tests) the same sum from operands cast to float32 (``add_product``).
 """
 
 from __future__ import annotations
@@ -79,7 +88,7 @@ def project(module: nn.Module, x: Tensor) -> list[Tensor]:
     if not (getattr(module, "joint", False) and not torch.compiler.is_compiling()
             and in_one_storage(weights) and computes_in(x, weights[0].dtype)):
         return [linear(x) for linear in linears]
-    out = _JointLinear.apply(x, one_matrix(weights))
+    out = _JointLinear.apply(x, one_matrix(weights), None, getattr(module, "grads_into", None))
     return list(out.split([w.shape[0] for w in weights], dim=-1))
 
 
@@ -98,7 +107,8 @@ def in_one_storage(weights: Sequence[Tensor]) -> bool:
     storage = first.untyped_storage().data_ptr()
     expected = first.data_ptr()
     for weight in weights:
-        if weight.untyped_storage().data_ptr() != storage or weight.data_ptr() != expected:
+        if (weight.untyped_storage().data_ptr() != storage or weight.data_ptr() != expected
+                or not weight.is_contiguous()):
             return False
         expected += weight.numel() * weight.element_size()
     return True
@@ -116,28 +126,39 @@ class _Rows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *weights: Tensor) -> Tensor:
         ctx.rows = [w.shape[0] for w in weights]
+        ctx.set_materialize_grads(False)  # none where the product added into the masters
         return _rows_of(weights)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad.split(ctx.rows)
+    def backward(ctx, grad: Tensor | None):
+        return (None,) * len(ctx.rows) if grad is None else grad.split(ctx.rows)
 
 
 class _JointLinear(torch.autograd.Function):
-    """``x @ joint.T``; backward, the input's gradient and the weights' where ``used``."""
+    """``x @ joint.T + bias``; backward, the input's gradient and the weights' where
+    ``used``, the weights' added into their masters' by ``into`` where given."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, joint: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, joint: Tensor, bias: Tensor | None,
+                into: GradInto | None) -> Tensor:
         ctx.save_for_backward(x, joint)
-        return F.linear(x, joint)
+        ctx.into = into
+        return F.linear(x, joint, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, joint = ctx.saved_tensors
         grad_x = grad.matmul(joint) if used(ctx, 0) else None
-        grad_joint = (grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-                      if used(ctx, 1) else None)
-        return grad_x, grad_joint
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_joint = None
+        if used(ctx, 1):
+            columns = x.reshape(-1, x.shape[-1])
+            if ctx.into is None:
+                grad_joint = rows.t().mm(columns)
+            else:
+                ctx.into(rows.t(), columns)
+        grad_bias = rows.sum(0) if used(ctx, 2) else None
+        return grad_x, grad_joint, grad_bias, None
 
 
 def used(ctx, index: int) -> bool:
@@ -146,10 +167,110 @@ def used(ctx, index: int) -> bool:
     weights', its weight half not the input's. Which nodes a pass runs is known for every
     node but a leaf under ``autograd.grad`` (the input half's call), for which torch cannot
     tell: computed."""
+    if not ctx.needs_input_grad[index]:
+        return False
     node = ctx.next_functions[index][0]
-    if not ctx.needs_input_grad[index] or node is None:
+    if node is None:
         return False
     try:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:
         return True
+
+
+def fused_kernel(device: torch.device) -> bool:
+    """Whether ``device`` has a matrix product of bfloat16 operands into a float32 output
+    (``addmm`` with ``out_dtype``: CUDA, torch 2.8 on)."""
+    return device.type == "cuda" and hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def add_product(into: Tensor, a: Tensor, b: Tensor) -> None:
+    """``into += a @ b``: ``into`` float32, ``a`` and ``b`` of a lower precision, summed in
+    float32 (on CUDA one ``addmm``, else from ``a`` and ``b`` cast to float32)."""
+    if fused_kernel(into.device):
+        torch.addmm(into, a, b, out_dtype=torch.float32, out=into)
+    else:
+        into.addmm_(a.to(into.dtype), b.to(into.dtype))
+
+
+class GradInto:
+    """Adds ``a @ b``, the gradient of weights stacked as rows (``one_matrix``), into the
+    float32 gradients of ``masters``, one master per weight, in order. The masters'
+    gradients are made rows of one matrix (zeros) when none has one yet, so one product adds
+    into them all; where they are not such rows (another gradient reached a master first:
+    a tied embedding's, through its hook), the product is computed apart and added into
+    each."""
+
+    def __init__(self, masters: Sequence[nn.Parameter]):
+        self.masters = list(masters)
+        self.rows = [master.shape[0] for master in self.masters]
+
+    def __call__(self, a: Tensor, b: Tensor) -> None:
+        into = self._gradients()
+        if into is not None:
+            add_product(into, a, b)
+            return
+        product = torch.zeros((sum(self.rows), b.shape[1]), dtype=torch.float32,
+                              device=b.device)
+        add_product(product, a, b)
+        for master, part in zip(self.masters, product.split(self.rows)):
+            if master.grad is None:
+                master.grad = part
+            else:
+                master.grad.add_(part)
+
+    def _gradients(self) -> Tensor | None:
+        """The masters' gradients as one matrix, or None where they are not its rows."""
+        if len(self.masters) == 1:  # a plain linear's: the host's cost per call matters
+            master = self.masters[0]
+            if master.grad is None:
+                master.grad = torch.zeros_like(master, dtype=torch.float32,
+                                               memory_format=torch.contiguous_format)
+            return master.grad if master.grad.is_contiguous() else None
+        grads = [master.grad for master in self.masters]
+        if all(grad is None for grad in grads):
+            first = self.masters[0]
+            matrix = torch.zeros((sum(self.rows), first.shape[1]), dtype=torch.float32,
+                                 device=first.device)
+            for master, part in zip(self.masters, matrix.split(self.rows)):
+                master.grad = part
+            return matrix
+        if any(grad is None for grad in grads) or not in_one_storage(grads):
+            return None
+        return _rows_of(grads)
+
+
+class FusedLinear(nn.Linear):
+    """An ``nn.Linear`` (``fuse_linears`` makes one of a module in place: names, state and
+    ``isinstance`` stay) whose product adds its weight's gradient into ``grads_into``'s
+    master where it computes in the weight's dtype, eagerly."""
+
+    grads_into: GradInto
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (not torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or not computes_in(x, self.weight.dtype)):
+            return super().forward(x)
+        return _JointLinear.apply(x, one_matrix([self.weight]), self.bias, self.grads_into)
+
+
+def fuse_linears(modules: Iterable[nn.Module], masters_of) -> int:
+    """Give every ``nn.Linear`` of ``modules`` whose weight has a float32 master of its own
+    (``masters_of(weights)``: their masters, or None) a product that adds its gradient into
+    the master's, and every joint module (``lay_out``) one for its weights; how many
+    products."""
+    fused = 0
+    for module in {id(m): m for root in modules for m in root.modules()}.values():
+        if getattr(module, "joint", False):
+            weights = [getattr(module, name).weight for name in getattr(module, JOINT_ATTRIBUTE)]
+            masters = masters_of(weights)
+            if masters is not None:
+                module.grads_into = GradInto(masters)
+                fused += 1
+        if type(module) is nn.Linear and module.weight.requires_grad:
+            masters = masters_of([module.weight])
+            if masters is not None:
+                module.__class__ = FusedLinear
+                module.grads_into = GradInto(masters)
+                fused += 1
+    return fused

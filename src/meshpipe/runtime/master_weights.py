@@ -33,8 +33,12 @@ from torch import nn
 
 
 def _into_master(master: nn.Parameter, param: nn.Parameter) -> None:
-    """The hook after ``param.grad`` was accumulated: move it into ``master.grad``."""
+    """The hook after ``param.grad`` was accumulated: move it into ``master.grad``. A
+    product that added the gradient into the master itself (``--grad-accumulation-fusion``)
+    leaves ``param.grad`` None."""
     grad, param.grad = param.grad, None
+    if grad is None:
+        return
     if master.grad is None:
         master.grad = grad.to(torch.float32)
     else:
@@ -90,6 +94,17 @@ class MasterWeights:
         """``model_of`` where the masters are not the model's own parameters, else None:
         what a sharded bucket writes its gathered shards into (``parallel.zero``)."""
         return self.model_of if self.dtype != torch.float32 else None
+
+    def own_masters(self, weights: Iterable[nn.Parameter]) -> list[nn.Parameter] | None:
+        """The float32 masters of ``weights``, in order, where each has one of its own (not
+        itself) and trains; else None: what a product adding its weights' gradient into
+        their masters' needs (``models.joint.fuse_linears``)."""
+        weights = list(weights)
+        masters = [self._master_of.get(id(weight)) for weight in weights]
+        if any(master is None or master is weight or not weight.requires_grad
+               for master, weight in zip(masters, weights)):
+            return None
+        return masters
 
     def masters_of(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """The masters of ``params`` in their order, each once."""

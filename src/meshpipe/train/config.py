@@ -29,8 +29,8 @@ from meshpipe.topology import ParallelLayout
 from meshpipe.train.run.devices import BACKENDS, DEVICES
 
 STAGE_LINKS = ("root", "fanout")
-# --joint-projections and --grouped-experts (weights laid out for fewer, larger products):
-# auto lets the run decide (meshpipe.train.run.weight_layout).
+# --joint-projections and --grouped-experts (weights laid out for fewer, larger products) and
+# --grad-accumulation-fusion: auto lets the run decide (meshpipe.train.run.weight_layout).
 WEIGHT_LAYOUT_MODES = ("auto", "on", "off")
 # Flags that describe the reference transformer: a --model directory's config.json says them.
 _REFERENCE_MODEL_FLAGS = ("dim", "layers", "heads", "kv_heads", "tie_embeddings", "moe_experts",
@@ -104,6 +104,7 @@ class TrainConfig:
     compile: bool = False
     joint_projections: str = "auto"
     grouped_experts: str = "auto"
+    grad_accumulation_fusion: str = "auto"
     # optimisation
     steps: int = 30
     lr: float = 3e-3
@@ -151,7 +152,8 @@ class TrainConfig:
                               ("recompute", RECOMPUTE_MODES), ("device", DEVICES),
                               ("backend", BACKENDS), ("loss_on", LOSS_ON),
                               ("joint_projections", WEIGHT_LAYOUT_MODES),
-                              ("grouped_experts", WEIGHT_LAYOUT_MODES)):
+                              ("grouped_experts", WEIGHT_LAYOUT_MODES),
+                              ("grad_accumulation_fusion", WEIGHT_LAYOUT_MODES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"unknown --{flag_name(name)} {getattr(self, name)!r}; choose one "
                                  f"of {', '.join(choices)}")
@@ -163,6 +165,7 @@ class TrainConfig:
             raise ValueError("--joint-projections on is for eager blocks; a --compile'd "
                              "block takes its products as they are: drop one of them")
         self._check_grouped_experts()
+        self._check_grad_accumulation_fusion()
         if schedule_spec(self.schedule).v_shaped:
             if self.vpp not in (1, 2):
                 raise ValueError(f"--schedule {self.schedule} places 2 stages per pipeline rank "
@@ -254,6 +257,17 @@ class TrainConfig:
             raise ValueError(f"--grouped-experts on needs a torch with a grouped matrix "
                              f"product (torch._grouped_mm, torch >= 2.8); this is "
                              f"{torch.__version__}: use auto or off")
+
+    def _check_grad_accumulation_fusion(self) -> None:
+        if self.grad_accumulation_fusion != "on":
+            return
+        if self.dtype != "bf16":
+            raise ValueError(f"--grad-accumulation-fusion on adds bf16 weights' gradients into "
+                             f"their float32 masters, which only --dtype bf16 has (this run: "
+                             f"{self.dtype}): add --dtype bf16 or drop the flag")
+        if self.compile:
+            raise ValueError("--grad-accumulation-fusion on is for eager blocks; a --compile'd "
+                             "block computes its gradients in its graph: drop one of them")
 
     def _check_experts(self) -> None:
         if self.model:
@@ -495,6 +509,10 @@ FIELD_HELP = {
                        "products (two forward, four backward): auto (on CUDA in bf16), on "
                        "(also on a CPU, as a loop inside one call) or off (one expert at a "
                        "time)",
+    "grad_accumulation_fusion": "under --dtype bf16, each linear layer's product adds its "
+                                "weight's gradient straight into the float32 master's: auto "
+                                "(on CUDA, one addmm into float32), on (also on a CPU) or "
+                                "off; never with --compile",
     "zero": "shard over the replicas of each weight (dp x cp ranks of a stage; experts: their "
             "expert-data-parallel ranks): 0 nothing, 1 the optimizer states (AdamW moments), "
             "2 also the reduced gradients",

@@ -194,7 +194,7 @@ class Trainer:
             for param in stage.module.parameters()}.values(), weights_dtype(config.dtype))
         self.parameters = self.masters.named
         weight_layout.lay_out(config, self.device,  # once weights have their dtype
-                              [stage.module for stage in self.stages.values()])
+                              [stage.module for stage in self.stages.values()], self.masters)
         tied = tied_groups(parts.shared, parts.chunks, self.stages, self.schedule.placement,
                            config, self.rank)
         self.gradients = Gradients(

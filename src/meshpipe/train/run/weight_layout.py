@@ -3,7 +3,8 @@ run: q/k/v and gate/up projected jointly (``--joint-projections``, ``meshpipe.mo
 and a layer's experts as grouped products (``--grouped-experts``,
 ``meshpipe.models.grouped_experts``). Both also run under a split backward (ZB-H1, ZB-V,
 DualPipeV): their products compute the input's gradient and the weights' apart where a pass
-asks for one of them (``joint.used``).
+asks for one of them (``joint.used``). And whether the linear layers' products add their
+weights' gradients straight into the float32 masters' (``--grad-accumulation-fusion``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from meshpipe.models import joint
 from meshpipe.models.grouped_experts import available as grouped_product_available
 from meshpipe.models.grouped_experts import lay_out as lay_out_experts
+from meshpipe.runtime import MasterWeights
 from meshpipe.train.config import TrainConfig
 
 
@@ -40,10 +42,26 @@ def grouped_experts(config: TrainConfig, device: torch.device) -> bool:
     return config.grouped_experts == "on" or (device.type == "cuda" and config.dtype == "bf16")
 
 
-def lay_out(config: TrainConfig, device: torch.device, modules: list[nn.Module]) -> None:
-    """Lay out the weights of ``modules`` as the run asks, once they have their dtype; the
-    experts last, as their layout keeps each expert's joint gate and up rows together."""
+def grad_accumulation_fusion(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the linear layers' products add their weights' gradients into the float32
+    masters' themselves. Only bf16 runs have masters of their own. ``auto``: on CUDA, which
+    has the kernel (one ``addmm`` of bfloat16 operands into float32: 0.36 against 0.48 ms a
+    layer and microbatch of the 740M model on an H100, ``benchmarks/wgrad_accum.py``);
+    ``on`` also elsewhere, from operands cast to float32 (for tests). Not with
+    ``--compile``, whose blocks compute the gradients in their graphs."""
+    if config.grad_accumulation_fusion == "off" or config.dtype != "bf16" or config.compile:
+        return False
+    return config.grad_accumulation_fusion == "on" or joint.fused_kernel(device)
+
+
+def lay_out(config: TrainConfig, device: torch.device, modules: list[nn.Module],
+            masters: MasterWeights) -> None:
+    """Lay out the weights of ``modules`` as the run asks, once they have their dtype (the
+    experts last, as their layout keeps each expert's joint gate and up rows together), and
+    fuse their products' gradient accumulation into ``masters`` where it asks."""
     if joint_projections(config, device):
         joint.lay_out(modules)
     if grouped_experts(config, device):
         lay_out_experts(modules)
+    if grad_accumulation_fusion(config, device):
+        joint.fuse_linears(modules, masters.own_masters)

@@ -1,0 +1,255 @@
+"""Gradient-accumulation fusion (``--grad-accumulation-fusion``, ``models.joint.fuse_linears``):
+under bf16 weights with float32 masters, a linear layer's product adds its weight's gradient
+straight into the master's gradient, summed in float32, and the weight gets no ``.grad``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from meshpipe.models import Transformer, TransformerConfig, joint
+from meshpipe.models.mlp import SwiGLU
+from meshpipe.runtime import MasterWeights
+
+CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                           max_seq_len=16)
+
+
+def _masters_of(module: nn.Module) -> MasterWeights:
+    return MasterWeights(module.named_parameters(), torch.bfloat16)
+
+
+def _float32_gradient(inputs, upstreams) -> torch.Tensor:
+    """A linear weight's gradient over microbatches, from bf16 operands summed in float32."""
+    return sum(g.float().reshape(-1, g.shape[-1]).t() @ x.float().reshape(-1, x.shape[-1])
+               for x, g in zip(inputs, upstreams))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_fused_linear_adds_its_gradient_into_the_master_in_float32(fused):
+    """Without fusion the bf16 gradient of each microbatch is rounded before the master
+    sums it: the float32 sum of the operands then differs by more than fusion's rounding."""
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 24, bias=True)
+    masters = _masters_of(linear)
+    if fused:
+        assert joint.fuse_linears([linear], masters.own_masters) == 1
+        assert isinstance(linear, nn.Linear) and type(linear) is joint.FusedLinear
+    inputs = [torch.randn(3, 5, 48, dtype=torch.bfloat16) for _ in range(2)]
+    upstreams = [torch.randn(3, 5, 24, dtype=torch.bfloat16) for _ in range(2)]
+    for x, g in zip(inputs, upstreams):
+        x.requires_grad_(True)
+        out = linear(x)
+        out.backward(g)
+        torch.testing.assert_close(x.grad, g @ linear.weight)
+    master = masters.master_of(linear.weight)
+    expected = _float32_gradient(inputs, upstreams)
+    assert linear.weight.grad is None and linear.bias.grad is None  # moved into the masters
+    torch.testing.assert_close(masters.master_of(linear.bias).grad,
+                               sum(g.float().sum((0, 1)) for g in upstreams),
+                               rtol=2e-2, atol=1e-1)
+    if fused:
+        torch.testing.assert_close(master.grad, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert not torch.allclose(master.grad, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_joint_product_adds_into_its_masters_as_rows_of_one_matrix():
+    """q/k/v laid out as one product: their masters' gradients become rows of one float32
+    matrix, which the one weight-gradient product adds into."""
+    torch.manual_seed(0)
+    model = Transformer(CONFIG)
+    masters = _masters_of(model)
+    joint.lay_out([model])
+    # per layer: the joint q/k/v and gate/up, and seven linears; the head
+    assert joint.fuse_linears([model], masters.own_masters) == CONFIG.n_layers * 9 + 1
+    reference = Transformer(CONFIG)
+    reference_masters = _masters_of(reference)
+    reference.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 64, (2, 16))
+    for module in (model, reference):
+        for _ in range(2):
+            module(tokens).float().square().mean().backward()
+    attention = model.layers[0].attention
+    q, k, v = (masters.master_of(getattr(attention, name).weight).grad
+               for name in ("wq", "wk", "wv"))
+    assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
+    assert v.data_ptr() == k.data_ptr() + k.numel() * k.element_size()
+    assert all(p.grad is None for p in model.parameters() if p.dim() == 2 and
+               p is not model.embedding.weight)
+    for (name, master), (_, want) in zip(masters.named, reference_masters.named):
+        # the unfused reference rounds each microbatch's gradient to bf16 first
+        torch.testing.assert_close(master.grad, want.grad, rtol=2e-2,
+                                   atol=2e-2 * want.grad.abs().max().item(), msg=name)
+
+
+def test_a_master_holding_another_gradient_gets_the_product_added_apart():
+    """A tied embedding's hook may give the head's master its gradient first: the product
+    is then computed apart and added into it."""
+    weights = [nn.Parameter(torch.randn(4, 8)), nn.Parameter(torch.randn(2, 8))]
+    earlier = torch.randn(2, 8)
+    weights[1].grad = earlier.clone()
+    into = joint.GradInto(weights)
+    a, b = torch.randn(6, 5, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
+    into(a, b)
+    product = a.float() @ b.float()
+    torch.testing.assert_close(weights[0].grad, product[:4])
+    torch.testing.assert_close(weights[1].grad, earlier + product[4:])
+    into(a, b)  # no longer rows of one matrix: apart again
+    torch.testing.assert_close(weights[0].grad, 2 * product[:4])
+
+
+def test_frozen_or_float32_weights_are_not_fused():
+    mlp = SwiGLU(8, 16)
+    mlp.w_up.weight.requires_grad_(False)
+    masters = _masters_of(mlp)
+    joint.lay_out([mlp])
+    # the gate/up pair has a frozen weight, and so has w_up: w_gate and w_down only
+    assert joint.fuse_linears([mlp], masters.own_masters) == 2
+    assert not hasattr(mlp, "grads_into")
+    float32 = nn.Linear(8, 8)
+    assert joint.fuse_linears([float32], _float32_masters(float32).own_masters) == 0
+
+
+def _float32_masters(module: nn.Module) -> MasterWeights:
+    return MasterWeights(module.named_parameters(), torch.float32)
+
+
+def test_a_split_backward_adds_into_the_masters_in_its_weight_half_only():
+    from meshpipe.models import split
+    from meshpipe.runtime import Stage
+
+    torch.manual_seed(0)
+    whole, halves = Transformer(CONFIG), Transformer(CONFIG)
+    halves.load_state_dict(whole.state_dict())
+    stages, all_masters = [], []
+    for model in (whole, halves):
+        stage = Stage(split(model, 2)[1], 1, 2)
+        masters = _masters_of(stage.module)
+        joint.lay_out([stage.module])
+        joint.fuse_linears([stage.module], masters.own_masters)
+        stages.append(stage)
+        all_masters.append(masters)
+    hidden = torch.randn(2, 8, 32, dtype=torch.bfloat16)
+    upstream = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    for stage in stages:
+        stage.forward(0, (hidden.clone(), None, None))
+    stages[0].backward(0, upstream)
+    stages[1].backward_input(0, upstream)
+    assert all(master.grad is None for master in all_masters[1].params
+               if master.dim() == 2)
+    stages[1].backward_weight(0)
+    for (name, want), (_, got) in zip(all_masters[0].named, all_masters[1].named):
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, msg=name)
+
+
+@pytest.mark.parametrize("mode, dtype, compiled, device, fused", [
+    ("auto", "bf16", False, "cpu", False), ("auto", "bf16", True, "cuda", False),
+    ("auto", "fp32", False, "cuda", False), ("auto", "fp16", False, "cuda", False),
+    ("on", "bf16", False, "cpu", True), ("off", "bf16", False, "cuda", False)])
+def test_when_a_run_fuses_the_gradient_accumulation(mode, dtype, compiled, device, fused):
+    from meshpipe.train.config import TrainConfig
+    from meshpipe.train.run import weight_layout
+
+    config = TrainConfig(pp=2, dtype=dtype, compile=compiled,
+                         grad_accumulation_fusion=mode if not (mode == "on" and compiled)
+                         else "auto")
+    assert weight_layout.grad_accumulation_fusion(config, torch.device(device)) == fused
+
+
+def test_auto_fuses_on_cuda_where_torch_has_the_float32_output_product():
+    from meshpipe.train.config import TrainConfig
+    from meshpipe.train.run import weight_layout
+
+    config = TrainConfig(pp=2, dtype="bf16")
+    has_kernel = hasattr(torch.ops.aten.addmm, "dtype_out")
+    assert joint.fused_kernel(torch.device("cuda")) == has_kernel
+    assert weight_layout.grad_accumulation_fusion(config, torch.device("cuda")) == has_kernel
+    assert not joint.fused_kernel(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(dtype="fp32"), "only --dtype bf16 has"), (dict(dtype="fp16"), "only --dtype bf16"),
+    (dict(dtype="bf16", compile=True), "is for eager blocks")])
+def test_fusion_on_without_masters_or_with_compile_is_refused_before_the_run(flags, message):
+    from meshpipe.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(pp=2, grad_accumulation_fusion="on", **flags)
+
+
+def _fused_step(rank, world_size, config):
+    """The ``--check`` report of the first step, with how many products added into the
+    masters on this rank and how many linear weights got a bf16 ``.grad`` of their own."""
+    from meshpipe.train.loop.trainer import Trainer
+
+    trainer = Trainer(config)
+    modules = [m for stage in trainer.stages.values() for m in stage.module.modules()]
+    linears = [m for m in modules if isinstance(m, nn.Linear)]
+    embeddings = {id(m.weight) for m in modules if isinstance(m, nn.Embedding)}
+    own_grads = []
+    for linear in linears:  # a tied head's weight gets the embedding's gradient
+        if id(linear.weight) not in embeddings:
+            linear.weight.register_hook(lambda grad: own_grads.append(grad is not None))
+    added = []
+    original = joint.add_product
+    joint.add_product = lambda *args: (added.append(1), original(*args))[1]
+    try:
+        report = trainer.check_first_step()
+    finally:
+        joint.add_product = original
+    fused = sum(isinstance(m, joint.FusedLinear) for m in linears)
+    return report, fused, len(added), sum(own_grads)
+
+
+FUSED_LAYOUTS = {
+    "pp2-dp2-zero2-recompute-full": dict(pp=2, dp=2, zero=2, recompute="full"),
+    "pp2-vpp2-zb-v": dict(pp=2, vpp=2, schedule="zb-v"),
+    "pp1-tied-joint": dict(pp=1, schedule="none", tie_embeddings=True, joint_projections="on"),
+    "tp2-sequence-parallel": dict(pp=1, schedule="none", tp=2, sequence_parallel=True),
+    "ep2-dp2-experts-one-by-one": dict(pp=1, schedule="none", dp=2, ep=2, moe_experts=4,
+                                       moe_top_k=2, grouped_experts="off"),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", FUSED_LAYOUTS.values(), ids=FUSED_LAYOUTS.keys())
+def test_a_fused_step_matches_one_process(layout):
+    """Every linear of every rank adds its gradient into its master once a microbatch (a
+    joint product once for its weights), none reaches its weight, and the step's gradients
+    match one process's."""
+    from meshpipe.testing import run_distributed
+    from meshpipe.train.config import TrainConfig
+    from trainer_cases import SMALL
+
+    config = TrainConfig(**{**SMALL, **layout, "dtype": "bf16",
+                            "grad_accumulation_fusion": "on"})
+    results = run_distributed(config.world_size, _fused_step, config)
+    assert results[0][0]["passed"], results[0][0]
+    for _, fused, added, own_grads in results:
+        assert fused > 0 and own_grads == 0
+        if layout.get("joint_projections") == "on":
+            # a joint product replaces its three (q/k/v) or two (gate/up) linears'
+            assert added == (fused - 3 * config.layers) * config.microbatches
+        elif not config.moe_experts:  # an expert given no rows runs no product
+            assert added == fused * config.microbatches
+
+
+@pytest.mark.distributed
+def test_a_hugging_face_model_with_biases_fuses_at_pp2(tmp_path):
+    """Qwen2's q/k/v have biases, which reach their masters as before."""
+    pytest.importorskip("transformers")
+    from hf_models import save_tiny_model
+    from meshpipe.testing import run_distributed
+    from meshpipe.train.config import TrainConfig
+    from trainer_cases import SMALL, for_a_model
+
+    directory = save_tiny_model(tmp_path / "model", "qwen2")
+    config = TrainConfig(**for_a_model(SMALL), pp=2, dtype="bf16", model=str(directory),
+                         out_dir=str(tmp_path / "run"), grad_accumulation_fusion="on")
+    results = run_distributed(config.world_size, _fused_step, config)
+    assert results[0][0]["passed"], results[0][0]
+    for _, fused, added, own_grads in results:
+        assert fused > 0 and own_grads == 0 and added == fused * config.microbatches
