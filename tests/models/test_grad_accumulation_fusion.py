@@ -100,6 +100,17 @@ def test_a_master_holding_another_gradient_gets_the_product_added_apart():
     torch.testing.assert_close(weights[0].grad, 2 * product[:4])
 
 
+def test_autograd_grad_of_a_fused_weight_returns_its_gradient_and_leaves_the_master():
+    linear = nn.Linear(8, 4, bias=False)
+    masters = _masters_of(linear)
+    joint.fuse_linears([linear], masters.own_masters)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    upstream = torch.randn(3, 4, dtype=torch.bfloat16)
+    (grad,) = torch.autograd.grad(linear(x), [linear.weight], upstream)
+    torch.testing.assert_close(grad, upstream.t() @ x)
+    assert masters.master_of(linear.weight).grad is None
+
+
 def test_frozen_or_float32_weights_are_not_fused():
     mlp = SwiGLU(8, 16)
     mlp.w_up.weight.requires_grad_(False)

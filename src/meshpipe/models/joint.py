@@ -151,9 +151,10 @@ class _JointLinear(torch.autograd.Function):
         grad_x = grad.matmul(joint) if used(ctx, 0) else None
         rows = grad.reshape(-1, grad.shape[-1])
         grad_joint = None
-        if used(ctx, 1):
+        runs = engine_runs(ctx, 1)
+        if runs is not False:
             columns = x.reshape(-1, x.shape[-1])
-            if ctx.into is None:
+            if ctx.into is None or runs is None:  # None: autograd.grad returns it
                 grad_joint = rows.t().mm(columns)
             else:
                 ctx.into(rows.t(), columns)
@@ -164,9 +165,15 @@ class _JointLinear(torch.autograd.Function):
 def used(ctx, index: int) -> bool:
     """Whether the autograd engine running a custom function's backward will use its
     gradient for input ``index``: the input half of a split backward does not use the
-    weights', its weight half not the input's. Which nodes a pass runs is known for every
-    node but a leaf under ``autograd.grad`` (the input half's call), for which torch cannot
-    tell: computed."""
+    weights', its weight half not the input's (``engine_runs``; computed where torch cannot
+    tell)."""
+    return engine_runs(ctx, index) is not False
+
+
+def engine_runs(ctx, index: int) -> bool | None:
+    """Whether the autograd engine running a custom function's backward runs the node its
+    input ``index`` came from. None for a leaf whose gradient an ``autograd.grad`` call
+    returns (one of its inputs), of which torch will not tell."""
     if not ctx.needs_input_grad[index]:
         return False
     node = ctx.next_functions[index][0]
@@ -175,7 +182,7 @@ def used(ctx, index: int) -> bool:
     try:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:
-        return True
+        return None
 
 
 def fused_kernel(device: torch.device) -> bool:
@@ -251,7 +258,8 @@ class FusedLinear(nn.Linear):
         if (not torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or not computes_in(x, self.weight.dtype)):
             return super().forward(x)
-        return _JointLinear.apply(x, one_matrix([self.weight]), self.bias, self.grads_into)
+        # The weight itself, a leaf: a split backward's input half does not run its node.
+        return _JointLinear.apply(x, self.weight, self.bias, self.grads_into)
 
 
 def fuse_linears(modules: Iterable[nn.Module], masters_of) -> int:
