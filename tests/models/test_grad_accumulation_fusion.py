@@ -202,7 +202,7 @@ def _fused_step(rank, world_size, config):
     embeddings = {id(m.weight) for m in modules if isinstance(m, nn.Embedding)}
     own_grads = []
     for linear in linears:  # a tied head's weight gets the embedding's gradient
-        if id(linear.weight) not in embeddings:
+        if id(linear.weight) not in embeddings and linear.weight.requires_grad:
             linear.weight.register_hook(lambda grad: own_grads.append(grad is not None))
     added = []
     original = joint.add_product
