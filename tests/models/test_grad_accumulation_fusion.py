@@ -222,6 +222,8 @@ FUSED_LAYOUTS = {
     "tp2-sequence-parallel": dict(pp=1, schedule="none", tp=2, sequence_parallel=True),
     "ep2-dp2-experts-one-by-one": dict(pp=1, schedule="none", dp=2, ep=2, moe_experts=4,
                                        moe_top_k=2, grouped_experts="off"),
+    "pp2-dp2-ep2-grouped-zb-v": dict(pp=2, vpp=2, schedule="zb-v", dp=2, ep=2, moe_experts=4,
+                                     moe_top_k=2, grouped_experts="on"),
 }
 
 
@@ -264,3 +266,65 @@ def test_a_hugging_face_model_with_biases_fuses_at_pp2(tmp_path):
     assert results[0][0]["passed"], results[0][0]
     for _, fused, added, own_grads in results:
         assert fused > 0 and own_grads == 0 and added == fused * config.microbatches
+
+
+def _bf16_experts(experts: int, fused: bool, seed: int = 0):
+    """A MoE layer in bf16 with float32 masters, laid out for grouped products, fused or
+    not; with its masters."""
+    from meshpipe.models import grouped_experts
+    from meshpipe.models.moe import MoE
+
+    torch.manual_seed(seed)
+    moe = MoE(32, 48, experts, top_k=4)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(0.0, 0.2)
+    masters = _masters_of(moe)
+    assert grouped_experts.lay_out([moe]) == 1
+    if fused:
+        joint.fuse_linears([moe], masters.own_masters)
+    return moe, masters
+
+
+def _experts_microbatch(moe, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 64, 32, generator=generator).bfloat16().requires_grad_()
+    y, aux = moe(x)
+    (y.float().square().sum() + aux).backward()
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="no grouped matrix product")
+def test_grouped_experts_add_each_projections_gradient_into_the_masters_at_once():
+    """Per layer and microbatch the experts' weight gradients reach the float32 masters in
+    one addition per projection, not one hook and addition per weight (3E): the same
+    values, as the grouped product's bf16 gradient is added either way."""
+    from dispatched_ops import DispatchedOps
+
+    results, additions = {}, {}
+    for fused in (False, True):
+        moe, masters = _bf16_experts(8, fused)
+        _experts_microbatch(moe, 0)
+        with DispatchedOps() as ops:
+            _experts_microbatch(moe, 1)
+        additions[fused] = ops.called.count("aten.add_")
+        results[fused] = {name: master.grad for name, master in masters.named}
+    for name, want in results[False].items():
+        if ".experts." in name:
+            torch.testing.assert_close(results[True][name], want, rtol=0, atol=0, msg=name)
+    # unfused: a hook's addition per expert weight (3 x 8) and the router's; fused: one per
+    # projection (the router's product adds itself, by addmm)
+    assert additions[False] - additions[True] == 3 * 8 + 1 - 2
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="no grouped matrix product")
+def test_fused_grouped_experts_take_as_many_operators_whatever_their_count():
+    from dispatched_ops import DispatchedOps
+
+    counts = {}
+    for experts in (8, 32):
+        moe, _ = _bf16_experts(experts, True)
+        _experts_microbatch(moe, 0)
+        with DispatchedOps() as ops:
+            _experts_microbatch(moe, 1)
+        counts[experts] = len(ops.computing)
+    assert counts[8] == counts[32]

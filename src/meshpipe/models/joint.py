@@ -220,9 +220,21 @@ class GradInto:
         product = torch.zeros((sum(self.rows), b.shape[1]), dtype=torch.float32,
                               device=b.device)
         add_product(product, a, b)
-        for master, part in zip(self.masters, product.split(self.rows)):
+        self._add_apart(product)
+
+    def add(self, gradient: Tensor) -> None:
+        """Add ``gradient``, the weights' already computed (any dtype, their rows one after
+        another: a grouped product's ``[experts, out, in]``), in one addition."""
+        into = self._gradients()
+        if into is not None:
+            into.add_(gradient.view(into.shape))
+        else:
+            self._add_apart(gradient.reshape(sum(self.rows), -1))
+
+    def _add_apart(self, gradient: Tensor) -> None:
+        for master, part in zip(self.masters, gradient.split(self.rows)):
             if master.grad is None:
-                master.grad = part
+                master.grad = part.to(torch.float32, copy=True)
             else:
                 master.grad.add_(part)
 
@@ -265,10 +277,17 @@ class FusedLinear(nn.Linear):
 def fuse_linears(modules: Iterable[nn.Module], masters_of) -> int:
     """Give every ``nn.Linear`` of ``modules`` whose weight has a float32 master of its own
     (``masters_of(weights)``: their masters, or None) a product that adds its gradient into
-    the master's, and every joint module (``lay_out``) one for its weights; how many
-    products."""
+    the master's, every joint module (``lay_out``) one for its weights, and every expert
+    layer laid out for grouped products (``grouped_experts``) one for each projection's;
+    how many products."""
     fused = 0
     for module in {id(m): m for root in modules for m in root.modules()}.values():
+        laid_out = getattr(module, "grouped_weights", None)
+        if laid_out is not None:
+            masters = [masters_of(laid_out.gate_up), masters_of(laid_out.down)]
+            if None not in masters:
+                module.grouped_grads_into = tuple(GradInto(each) for each in masters)
+                fused += 2
         if getattr(module, "joint", False):
             weights = [getattr(module, name).weight for name in getattr(module, JOINT_ATTRIBUTE)]
             masters = masters_of(weights)
