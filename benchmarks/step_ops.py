@@ -9,7 +9,10 @@ op that computes is at least one launch. This counts the aten ops of one trainin
 (views and ``detach`` launch nothing), with the ten most frequent, per runner and
 precision. Runners: meshpipe's trainer (one stage, 1F1B, gradient clipping, AdamW;
 ``--dtype bf16`` is bfloat16 weights with float32 masters), with its projections apart and
-joint (``--joint-projections``, what CUDA runs by default), and the plain loop of
+joint (``--joint-projections``, what CUDA runs by default), in bf16 also with the
+gradient accumulation fused (``--grad-accumulation-fusion``, on by default on CUDA: on a
+CPU each fused product casts its two operands to float32, ``_to_copy`` that CUDA's
+``addmm`` into float32 does not make), and the plain loop of
 ``gpu_bench`` (the same model, autocast on float32 weights, ``clip_grad_norm_``, AdamW). It
 also times both, ``--rounds`` rounds in alternating order, median. Writes
 ``<out>/step_ops.json`` and ``.md`` when ``--out`` is given. Single process. A benchmark
@@ -67,21 +70,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def config_for(args, dtype: str, out_dir: str, joint_projections: str = "off") -> TrainConfig:
+def config_for(args, dtype: str, out_dir: str, **flags) -> TrainConfig:
     return TrainConfig(pp=1, device=args.device, dim=args.dim, layers=args.layers,
                        heads=args.heads, kv_heads=args.kv_heads, seq_len=args.seq_len,
                        microbatches=args.microbatches, microbatch_size=1, dtype=dtype,
                        steps=3 + args.rounds, warmup_steps=1, eval_every=0, timeline_step=0,
-                       progress=False, out_dir=out_dir, joint_projections=joint_projections)
+                       progress=False, out_dir=out_dir,
+                       **{"joint_projections": "off", "grad_accumulation_fusion": "off",
+                          **flags})
 
 
 def runners(args, dtype: str, out_dir: str, device: torch.device) -> dict:
-    """The trainer with its projections apart and joint (``--joint-projections``: on by
+    """The trainer with its projections apart and joint (``--joint-projections``), in bf16
+    also with its gradient accumulation fused (``--grad-accumulation-fusion``; both on by
     default on CUDA only), and the plain loop."""
+    variants = {"meshpipe trainer": {},
+                "meshpipe trainer, joint projections": {"joint_projections": "on"}}
+    if dtype == "bf16":
+        variants["meshpipe trainer, joint projections, fused accumulation"] = {
+            "joint_projections": "on", "grad_accumulation_fusion": "on"}
     runs = {}
-    for name, joint in (("meshpipe trainer", "off"), ("meshpipe trainer, joint projections",
-                                                      "on")):
-        trainer = Trainer(config_for(args, dtype, out_dir, joint))
+    for name, flags in variants.items():
+        trainer = Trainer(config_for(args, dtype, out_dir, **flags))
         steps = iter(range(10 ** 6))
         runs[name] = lambda trainer=trainer, steps=steps: trainer.train_step(next(steps))
     runs["plain loop"], _ = gpu_bench._plain_runner(config_for(args, dtype, out_dir),
