@@ -106,7 +106,9 @@ LAYOUTS = [
     Layout("pp2-vpp2-zb-v", ("--pp", "2", "--vpp", "2", "--schedule", "zb-v")),
     Layout("pp2-batched-p2p", ("--pp", "2", "--p2p", "batched"),
            "batch_isend_irecv"),
-    Layout("pp2-bf16", ("--pp", "2", "--dtype", "bf16")),
+    Layout("pp2-bf16", ("--pp", "2", "--dtype", "bf16", "--joint-projections", "on",
+                        "--grad-accumulation-fusion", "on"),
+           "CUDA's eager defaults spelled out, so that a CPU rehearsal runs them too"),
     # Context, data, tensor and expert parallelism.
     Layout("cp-ring2", ("--pp", "1", "--cp-ring", "2")),
     Layout("cp-ulysses2", ("--pp", "1", "--cp-ulysses", "2")),
@@ -117,7 +119,9 @@ LAYOUTS = [
                                      "2", "--schedule", "combined-1f1b")),
     # A layer's experts as grouped products (torch._grouped_mm: bf16 on CUDA).
     Layout("pp1-moe4-bf16-grouped", ("--pp", "1", "--moe-experts", "4", "--moe-top-k", "2",
-                                     "--dtype", "bf16", "--grouped-experts", "on")),
+                                     "--dtype", "bf16", "--grouped-experts", "on",
+                                     "--grad-accumulation-fusion", "on"),
+           "each projection's gradient added into the experts' masters at once"),
     Layout("ep2-dp2-bf16-grouped-combined", ("--pp", "1", "--dp", "2", "--moe-experts", "4",
                                              "--ep", "2", "--moe-top-k", "2", "--dtype", "bf16",
                                              "--grouped-experts", "on", "--schedule",
