@@ -51,6 +51,35 @@ def test_laid_out_projections_are_one_product_with_the_same_results(dtype):
         torch.testing.assert_close(grad, expected_grads[name], msg=name)
 
 
+def test_jointly_projected_queries_and_keys_rotate_as_one(monkeypatch):
+    """One rotation a layer (queries and keys side by side) where apart they take two, with
+    the same values."""
+    from meshpipe.models.rotary import RotaryEmbedding
+
+    rotations = []
+    rotate = RotaryEmbedding.forward
+    monkeypatch.setattr(RotaryEmbedding, "forward",
+                        lambda module, x, positions: rotations.append(x.shape[2])
+                        or rotate(module, x, positions))
+    tokens = torch.randint(0, 64, (2, 16))
+    separate, laid = _model(), _model()
+    joint.lay_out([laid])
+    with DispatchedOps() as apart:
+        expected, expected_grads = _step(separate, tokens)
+    assert rotations == [CONFIG.n_heads, CONFIG.n_kv_heads] * CONFIG.n_layers
+    rotations.clear()
+    with DispatchedOps() as together:
+        out, grads = _step(laid, tokens)
+    assert rotations == [CONFIG.n_heads + CONFIG.n_kv_heads] * CONFIG.n_layers
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], msg=name)
+    # a rotation multiplies twice forward and twice backward; the products take no
+    # multiplication apart or joint
+    assert apart.computing.count("aten.mul") - together.computing.count("aten.mul") == (
+        4 * CONFIG.n_layers)
+
+
 def test_lay_out_keeps_the_parameters_and_makes_them_rows_of_one_storage():
     model = _model()
     before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}

@@ -458,7 +458,7 @@ def test_rotary_embedding_turns_each_pair_in_two_products(dtype):
     precision's rounding of the float32 rotation."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from meshpipe.models.transformer import RotaryEmbedding
+    from meshpipe.models.rotary import RotaryEmbedding
 
     class CountOps(TorchDispatchMode):
         def __init__(self):

@@ -83,13 +83,21 @@ def one_matrix(weights: Sequence[Tensor]) -> Tensor:
 def project(module: nn.Module, x: Tensor) -> list[Tensor]:
     """``x`` through each of ``module``'s ``JOINT_LINEARS`` (bias-free), as one product where
     ``lay_out`` made them one storage and it still is."""
-    linears = [getattr(module, name) for name in getattr(module, JOINT_ATTRIBUTE)]
-    weights = [linear.weight for linear in linears]
+    out = project_together(module, x)
+    if out is None:
+        return [getattr(module, name)(x) for name in getattr(module, JOINT_ATTRIBUTE)]
+    return list(out.split([getattr(module, name).weight.shape[0]
+                           for name in getattr(module, JOINT_ATTRIBUTE)], dim=-1))
+
+
+def project_together(module: nn.Module, x: Tensor) -> Tensor | None:
+    """``x`` through all of ``module``'s ``JOINT_LINEARS`` as one product, their outputs side
+    by side in the last dimension; None where they are to be projected apart (``project``)."""
+    weights = [getattr(module, name).weight for name in getattr(module, JOINT_ATTRIBUTE)]
     if not (getattr(module, "joint", False) and not torch.compiler.is_compiling()
             and in_one_storage(weights) and computes_in(x, weights[0].dtype)):
-        return [linear(x) for linear in linears]
-    out = _JointLinear.apply(x, one_matrix(weights), None, getattr(module, "grads_into", None))
-    return list(out.split([w.shape[0] for w in weights], dim=-1))
+        return None
+    return _JointLinear.apply(x, one_matrix(weights), None, getattr(module, "grads_into", None))
 
 
 def computes_in(x: Tensor, dtype: torch.dtype) -> bool:

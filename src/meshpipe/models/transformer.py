@@ -42,6 +42,7 @@ from meshpipe.context.local import LocalAttention
 from meshpipe.context.routing import GraphPack, attend
 from meshpipe.models import joint
 from meshpipe.models.mlp import SwiGLU, linear
+from meshpipe.models.rotary import RotaryEmbedding
 from meshpipe.models.moe import MoE
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
                                mark_sequence_parallel, shard_linear)
@@ -147,64 +148,6 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, shape, self.weight, self.eps).to(x.dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding on ``[batch, seq, heads, head_dim]`` tensors.
-
-    The rotation of each token is looked up by its position (not by its local offset), so
-    any slice of a sequence (zigzag, packed documents) rotates correctly. The cos/sin table
-    covers ``max_seq_len`` positions; dimension ``i`` is paired with ``i + head_dim / 2``.
-    The rotation computes in the dtype of its input, the table rows rounded to it (as
-    Megatron-Core's unfused path and transformers' Llama do): in bf16 or fp16 an eager
-    step casts no query or key to float32 and back, four kernels a layer and microbatch
-    forward and four backward. The sine table holds its first half negated (``sin_signed``),
-    so the rotation swaps the halves without negating one: a kernel fewer per query and
-    key, forward and backward, bit for bit the same.
-    """
-
-    def __init__(self, head_dim: int, theta: float, max_seq_len: int):
-        super().__init__()
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-        angles = torch.arange(max_seq_len, dtype=torch.float64).unsqueeze(1) / theta**exponents
-        # Each table twice over, one entry per dimension (both halves turn by one angle).
-        sin = angles.sin().float()
-        self.register_buffer("cos", angles.cos().float().repeat(1, 2), persistent=False)
-        self.register_buffer("sin_signed", torch.cat((-sin, sin), dim=1), persistent=False)
-
-    def tables(self, positions: Tensor | None, dtype: torch.dtype,
-               seq: int) -> tuple[Tensor, Tensor]:
-        """The cos and signed sin rows of ``positions`` (None: ``0..seq-1``, the tables' first rows)
-        in ``dtype``, ``[1, seq, 1, head_dim]``: looked up once per positions tensor (or
-        length) and dtype and reused by every query and key of every layer sharing this
-        module (a microbatch's, or a loader's reused tensor's, for the whole run), except
-        inside a compiled graph, which fuses the lookup into the rotation."""
-        if positions is None and seq > self.cos.shape[0]:
-            raise ValueError(f"a sequence of {seq} tokens is longer than the RoPE table of "
-                             f"{self.cos.shape[0]} positions; raise "
-                             f"TransformerConfig.max_seq_len")
-        if torch.compiler.is_compiling():
-            return self._look_up(positions, dtype, seq)
-        return derived(("rotary tables", dtype, seq), (self.cos, self.sin_signed, positions),
-                       lambda: self._look_up(positions, dtype, seq))
-
-    def _look_up(self, positions: Tensor | None, dtype: torch.dtype,
-                 seq: int) -> tuple[Tensor, Tensor]:
-        rows = slice(0, seq) if positions is None else positions
-        try:
-            cos, sin = self.cos[rows], self.sin_signed[rows]
-        except IndexError as exc:
-            raise ValueError(f"a token position is outside the RoPE table of "
-                             f"{self.cos.shape[0]} positions ({exc}); raise "
-                             f"TransformerConfig.max_seq_len") from exc
-        return tuple(row.to(dtype)[None, :, None, :] for row in (cos, sin))
-
-    def forward(self, x: Tensor, positions: Tensor | None) -> Tensor:
-        cos, sin_signed = self.tables(positions, x.dtype, x.shape[1])
-        # (first, second) -> (first cos - second sin, second cos + first sin), in two
-        # products where the pairs written out take four (on GPUs launches bound a step).
-        first, second = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((second, first), dim=-1) * sin_signed
-
-
 _NO_TENSOR_PARALLELISM = TensorParallelRegion()
 
 
@@ -249,14 +192,23 @@ class SelfAttention(nn.Module):
         return self.output(self.core(q, k, v, positions, doc_ids, pack))
 
     def project(self, x: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys and values ``[batch, seq, heads, head_dim]``, rotated."""
+        """Queries, keys and values ``[batch, seq, heads, head_dim]``, rotated. Projected
+        jointly (``models.joint``), the queries and keys are side by side in one tensor and
+        rotate as one: four kernels fewer a layer and microbatch forward, three backward."""
         x = self.tp.enter(x)
         batch, seq, _ = x.shape
-        q, k, v = joint.project(self, x)
-        q = q.view(batch, seq, self.n_heads, self.head_dim)
-        k = k.view(batch, seq, self.n_kv_heads, self.head_dim)
-        v = v.view(batch, seq, self.n_kv_heads, self.head_dim)
-        return self.rope(q, positions), self.rope(k, positions), v
+        heads = (self.n_heads, self.n_kv_heads)
+        out = joint.project_together(self, x)
+        if out is None:
+            q, k, v = (getattr(self, name)(x) for name in self.JOINT_LINEARS)
+            q, k = (self.rope(t.view(batch, seq, h, self.head_dim), positions)
+                    for t, h in zip((q, k), heads))
+        else:
+            qk, v = out.split([sum(heads) * self.head_dim, self.n_kv_heads * self.head_dim],
+                              dim=-1)
+            qk = self.rope(qk.view(batch, seq, sum(heads), self.head_dim), positions)
+            q, k = qk.split(heads, dim=2)
+        return q, k, v.view(batch, seq, self.n_kv_heads, self.head_dim)
 
     def core(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None,
              doc_ids: Tensor | None, pack: GraphPack | None = None) -> Tensor:
