@@ -42,8 +42,8 @@ from meshpipe.context.local import LocalAttention
 from meshpipe.context.routing import GraphPack, attend
 from meshpipe.models import joint
 from meshpipe.models.mlp import SwiGLU, linear
-from meshpipe.models.rotary import RotaryEmbedding
 from meshpipe.models.moe import MoE
+from meshpipe.models.rotary import RotaryEmbedding
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
                                mark_sequence_parallel, shard_linear)
 from meshpipe.runtime.substeps import run_steps
