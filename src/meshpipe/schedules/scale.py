@@ -122,8 +122,9 @@ class Runtime:
     reduction runs behind the last backward (meshpipe's buckets: yes);
     ``weight_gather_overlap`` the fraction of ZeRO's weight all-gather hidden (meshpipe: none;
     it follows the step); ``fused_gradient_accumulation`` whether weight gradients land in
-    their float32 accumulators inside the products (meshpipe: no, one add a parameter and
-    microbatch); ``node_dedup_dispatch`` whether a token crosses to another node once for
+    their float32 accumulators inside the products (meshpipe: eager, with
+    ``--grad-accumulation-fusion``; compiled, as ``meshpipe plan`` writes runs, no: one add a
+    parameter and microbatch); ``node_dedup_dispatch`` whether a token crosses to another node once for
     all its experts there (DeepEP's dispatch; meshpipe: once per expert)."""
 
     host_layer_s: tuple[float, float] = (0.0, 0.0)
