@@ -28,7 +28,8 @@ module's ``grads_into`` (a ``GradInto``) then takes the product, and the weights
 bfloat16 gradient written and read back by the master's hook (a launch and a pass over the
 gradient) and its rounding; ``fuse_linears`` does it for every other linear layer, one
 weight a product. On CUDA the product is one ``addmm`` with a float32 output; elsewhere
-(the CPU, for tests) the same sum from operands cast to float32 (``add_product``).
+(the CPU, for tests) the same sum from operands cast to float32 (``add_product``). Inside a
+compiled graph a ``FusedLinear`` is the plain linear layer.
 """
 
 from __future__ import annotations
@@ -270,7 +271,8 @@ class GradInto:
 class FusedLinear(nn.Linear):
     """An ``nn.Linear`` (``fuse_linears`` makes one of a module in place: names, state and
     ``isinstance`` stay) whose product adds its weight's gradient into ``grads_into``'s
-    master where it computes in the weight's dtype, eagerly."""
+    master where it computes in the weight's dtype, eagerly: inside a compiled graph it is
+    the plain linear layer."""
 
     grads_into: GradInto
 

@@ -265,9 +265,6 @@ class TrainConfig:
             raise ValueError(f"--grad-accumulation-fusion on adds bf16 weights' gradients into "
                              f"their float32 masters, which only --dtype bf16 has (this run: "
                              f"{self.dtype}): add --dtype bf16 or drop the flag")
-        if self.compile:
-            raise ValueError("--grad-accumulation-fusion on is for eager blocks; a --compile'd "
-                             "block computes its gradients in its graph: drop one of them")
 
     def _check_experts(self) -> None:
         if self.model:
@@ -512,7 +509,7 @@ FIELD_HELP = {
     "grad_accumulation_fusion": "under --dtype bf16, each linear layer's product adds its "
                                 "weight's gradient straight into the float32 master's: auto "
                                 "(on CUDA, one addmm into float32), on (also on a CPU) or "
-                                "off; never with --compile",
+                                "off; under --compile the compiled blocks keep theirs",
     "zero": "shard over the replicas of each weight (dp x cp ranks of a stage; experts: their "
             "expert-data-parallel ranks): 0 nothing, 1 the optimizer states (AdamW moments), "
             "2 also the reduced gradients",
