@@ -474,6 +474,30 @@ def test_a_fused_model_on_cuda_matches_the_unfused_one():
                                    **low_precision_tolerance("bf16", want.grad), msg=name)
 
 
+def test_a_hugging_face_norm_on_cuda_is_one_fused_kernel(tmp_path):
+    """``models.hf_norms``: Llama's RMSNorm forward as ``_fused_rms_norm`` alone (one kernel
+    where transformers' formula runs eight), within bf16's rounding of that formula."""
+    pytest.importorskip("transformers")
+    from dispatched_ops import DispatchedOps
+    from hf_models import save_tiny_model
+    from meshpipe.models import hf
+
+    model = hf.build_skeleton(save_tiny_model(tmp_path / "llama", "llama"))
+    norm = next(m for m in model.modules() if type(m).__name__ == "FusedLlamaRMSNorm")
+    norm.to_empty(device="cuda")
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2)
+    norm.to(torch.bfloat16)
+    x = torch.randn(4, 128, norm.weight.shape[0], device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    with DispatchedOps() as ops:
+        y = norm(x)
+    assert ops.computing == ["aten._fused_rms_norm"], ops.computing
+    y.float().square().sum().backward()
+    want = type(norm).__mro__[1].forward(norm, x.detach())
+    torch.testing.assert_close(y, want, **low_precision_tolerance("bf16", want))
+
+
 def test_local_attention_takes_the_flash_kernel_at_seq_8192_in_bf16():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

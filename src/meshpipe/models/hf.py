@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
 from meshpipe.context.routing import GraphPack, attend, pack_for_graph
-from meshpipe.models import hf_moe, hf_vision
+from meshpipe.models import hf_moe, hf_norms, hf_vision
 from meshpipe.models.hf_vision import decoder_of
 from meshpipe.models.hf_tp import ROWS_ATTR
 from meshpipe.models.moe import is_expert_param, mark_expert_parallel
@@ -244,17 +244,20 @@ def build_skeleton(directory: str | Path, capacity_factor: float = 0.0) -> nn.Mo
     """The whole causal LM on the meta device: modules and names, no memory, no weights;
     only the rotary embedding is real (its small tables are computed, not stored). Sparse
     blocks are meshpipe's expert layers (``meshpipe.models.hf_moe``), each expert taking at
-    most ``capacity_factor`` times an even share of a microbatch's picks (0: all)."""
+    most ``capacity_factor`` times an even share of a microbatch's picks (0: all); the norms
+    with Llama's formula one ``rms_norm`` call (``meshpipe.models.hf_norms``)."""
     transformers = require_transformers()
     register_attention()
     config = load_config(directory)
     if hf_vision.is_vision_model(config.model_type):
-        return hf_vision.build_skeleton(config, ATTENTION_NAME)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config,
-                                                              attn_implementation=ATTENTION_NAME)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
-    hf_moe.replace_sparse_blocks(model, capacity_factor)
+        model = hf_vision.build_skeleton(config, ATTENTION_NAME)
+    else:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation=ATTENTION_NAME)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+        hf_moe.replace_sparse_blocks(model, capacity_factor)
+    hf_norms.fuse_norms(model)
     return model
 
 
