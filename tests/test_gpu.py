@@ -421,10 +421,10 @@ def test_an_expert_layer_on_cuda_waits_for_the_gpu_once_per_microbatch(grouped):
 def test_a_fused_linear_on_cuda_adds_one_float32_output_product_into_its_master():
     """``--grad-accumulation-fusion``'s kernel: the master's gradient is the float32 sum of
     the bf16 operands' products (the unfused path rounds each microbatch's to bf16 first)."""
-    from meshpipe.models import joint
+    from meshpipe.models import master_grads
     from meshpipe.runtime import MasterWeights
 
-    assert joint.fused_kernel(torch.device("cuda"))
+    assert master_grads.fused_kernel(torch.device("cuda"))
     generator = torch.Generator(device="cuda").manual_seed(0)
     results = {}
     for fused in (True, False):
@@ -432,7 +432,7 @@ def test_a_fused_linear_on_cuda_adds_one_float32_output_product_into_its_master(
         torch.nn.init.normal_(linear.weight, generator=generator)
         masters = MasterWeights(linear.named_parameters(), torch.bfloat16)
         if fused:
-            assert joint.fuse_linears([linear], masters.own_masters) == 1
+            assert master_grads.fuse([linear], masters.own_masters) == 1
         expected = torch.zeros(256, 512, device="cuda")
         for microbatch in range(3):
             seeded = torch.Generator(device="cuda").manual_seed(microbatch)
@@ -451,7 +451,7 @@ def test_a_fused_linear_on_cuda_adds_one_float32_output_product_into_its_master(
 def test_a_fused_model_on_cuda_matches_the_unfused_one():
     """The reference model with q/k/v and gate/up joint: every master's gradient as the
     unfused model's within bf16's tolerance, and no weight of a linear gets a ``.grad``."""
-    from meshpipe.models import joint
+    from meshpipe.models import joint, master_grads
     from meshpipe.runtime import MasterWeights
 
     torch.manual_seed(0)
@@ -460,7 +460,7 @@ def test_a_fused_model_on_cuda_matches_the_unfused_one():
     masters = MasterWeights(fused.named_parameters(), torch.bfloat16)
     plain_masters = MasterWeights(unfused.named_parameters(), torch.bfloat16)
     joint.lay_out([fused, unfused])
-    assert joint.fuse_linears([fused], masters.own_masters) == 9 * SMALL["n_layers"] + 1
+    assert master_grads.fuse([fused], masters.own_masters) == 9 * SMALL["n_layers"] + 2
     for seed in range(3):
         tokens, _ = _batch(seed=seed)
         upstream = torch.randn(2, 32, SMALL["vocab_size"], device="cuda",

@@ -1,6 +1,7 @@
-"""Gradient-accumulation fusion (``--grad-accumulation-fusion``, ``models.joint.fuse_linears``):
-under bf16 weights with float32 masters, a linear layer's product adds its weight's gradient
-straight into the master's gradient, summed in float32, and the weight gets no ``.grad``."""
+"""Gradient-accumulation fusion (``--grad-accumulation-fusion``, ``models.master_grads``):
+under bf16 weights with float32 masters, a linear layer's product (an embedding's lookup, a
+layer's grouped experts) adds its weight's gradient straight into the master's gradient,
+summed in float32, and the weight gets no ``.grad``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshpipe.models import Transformer, TransformerConfig, joint
+from meshpipe.models import Transformer, TransformerConfig, joint, master_grads
 from meshpipe.models.mlp import SwiGLU
 from meshpipe.runtime import MasterWeights
 
@@ -34,8 +35,8 @@ def test_a_fused_linear_adds_its_gradient_into_the_master_in_float32(fused):
     linear = nn.Linear(48, 24, bias=True)
     masters = _masters_of(linear)
     if fused:
-        assert joint.fuse_linears([linear], masters.own_masters) == 1
-        assert isinstance(linear, nn.Linear) and type(linear) is joint.FusedLinear
+        assert master_grads.fuse([linear], masters.own_masters) == 1
+        assert isinstance(linear, nn.Linear) and type(linear) is master_grads.FusedLinear
     inputs = [torch.randn(3, 5, 48, dtype=torch.bfloat16) for _ in range(2)]
     upstreams = [torch.randn(3, 5, 24, dtype=torch.bfloat16) for _ in range(2)]
     for x, g in zip(inputs, upstreams):
@@ -62,8 +63,8 @@ def test_a_joint_product_adds_into_its_masters_as_rows_of_one_matrix():
     model = Transformer(CONFIG)
     masters = _masters_of(model)
     joint.lay_out([model])
-    # per layer: the joint q/k/v and gate/up, and seven linears; the head
-    assert joint.fuse_linears([model], masters.own_masters) == CONFIG.n_layers * 9 + 1
+    # per layer: the joint q/k/v and gate/up, and seven linears; the head, the embedding
+    assert master_grads.fuse([model], masters.own_masters) == CONFIG.n_layers * 9 + 2
     reference = Transformer(CONFIG)
     reference_masters = _masters_of(reference)
     reference.load_state_dict(model.state_dict())
@@ -76,12 +77,55 @@ def test_a_joint_product_adds_into_its_masters_as_rows_of_one_matrix():
                for name in ("wq", "wk", "wv"))
     assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
     assert v.data_ptr() == k.data_ptr() + k.numel() * k.element_size()
-    assert all(p.grad is None for p in model.parameters() if p.dim() == 2 and
-               p is not model.embedding.weight)
+    assert all(p.grad is None for p in model.parameters() if p.dim() == 2)
     for (name, master), (_, want) in zip(masters.named, reference_masters.named):
         # the unfused reference rounds each microbatch's gradient to bf16 first
         torch.testing.assert_close(master.grad, want.grad, rtol=2e-2,
                                    atol=2e-2 * want.grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_a_fused_embedding_adds_its_rows_into_the_master_in_float32(padding_idx):
+    """No whole ``[vocabulary, dim]`` gradient: the lookup's rows go into the master's
+    gradient, summed in float32 (repeated tokens too), none into the padding row."""
+    from dispatched_ops import DispatchedOps
+
+    torch.manual_seed(0)
+    results = {}
+    tokens = [torch.tensor([[1, 3, 1, 7], [3, 3, 0, 1]]), torch.tensor([[7, 1, 2, 3]])]
+    upstreams = [torch.randn(*t.shape, 16).bfloat16() for t in tokens]
+    for fused in (False, True):
+        embedding = nn.Embedding(10, 16, padding_idx=padding_idx)
+        masters = _masters_of(embedding)
+        if fused:
+            assert master_grads.fuse([embedding], masters.own_masters) == 1
+            assert type(embedding) is master_grads.FusedEmbedding
+        with DispatchedOps() as ops:
+            for t, g in zip(tokens, upstreams):
+                embedding(t).backward(g)
+        assert embedding.weight.grad is None
+        results[fused] = (masters.master_of(embedding.weight).grad,
+                          "aten.embedding_dense_backward" in ops.called)
+    expected = torch.zeros(10, 16)
+    for t, g in zip(tokens, upstreams):
+        expected.index_add_(0, t.reshape(-1), g.float().reshape(-1, 16))
+    if padding_idx is not None:
+        expected[padding_idx] = 0
+    got, whole = results[True]
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert not whole and results[False][1]
+    assert not torch.allclose(results[False][0], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_autograd_grad_of_a_fused_embedding_returns_its_gradient():
+    embedding = nn.Embedding(6, 4)
+    masters = _masters_of(embedding)
+    master_grads.fuse([embedding], masters.own_masters)
+    tokens, upstream = torch.tensor([[1, 1, 5]]), torch.randn(1, 3, 4).bfloat16()
+    (grad,) = torch.autograd.grad(embedding(tokens), [embedding.weight], upstream)
+    expected = torch.zeros(6, 4, dtype=torch.bfloat16).index_add_(0, tokens[0], upstream[0])
+    torch.testing.assert_close(grad, expected)
+    assert masters.master_of(embedding.weight).grad is None
 
 
 def test_a_master_holding_another_gradient_gets_the_product_added_apart():
@@ -90,7 +134,7 @@ def test_a_master_holding_another_gradient_gets_the_product_added_apart():
     weights = [nn.Parameter(torch.randn(4, 8)), nn.Parameter(torch.randn(2, 8))]
     earlier = torch.randn(2, 8)
     weights[1].grad = earlier.clone()
-    into = joint.GradInto(weights)
+    into = master_grads.GradInto(weights)
     a, b = torch.randn(6, 5, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
     into(a, b)
     product = a.float() @ b.float()
@@ -103,7 +147,7 @@ def test_a_master_holding_another_gradient_gets_the_product_added_apart():
 def test_autograd_grad_of_a_fused_weight_returns_its_gradient_and_leaves_the_master():
     linear = nn.Linear(8, 4, bias=False)
     masters = _masters_of(linear)
-    joint.fuse_linears([linear], masters.own_masters)
+    master_grads.fuse([linear], masters.own_masters)
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     upstream = torch.randn(3, 4, dtype=torch.bfloat16)
     (grad,) = torch.autograd.grad(linear(x), [linear.weight], upstream)
@@ -117,10 +161,10 @@ def test_frozen_or_float32_weights_are_not_fused():
     masters = _masters_of(mlp)
     joint.lay_out([mlp])
     # the gate/up pair has a frozen weight, and so has w_up: w_gate and w_down only
-    assert joint.fuse_linears([mlp], masters.own_masters) == 2
+    assert master_grads.fuse([mlp], masters.own_masters) == 2
     assert not hasattr(mlp, "grads_into")
     float32 = nn.Linear(8, 8)
-    assert joint.fuse_linears([float32], _float32_masters(float32).own_masters) == 0
+    assert master_grads.fuse([float32], _float32_masters(float32).own_masters) == 0
 
 
 def _float32_masters(module: nn.Module) -> MasterWeights:
@@ -139,7 +183,7 @@ def test_a_split_backward_adds_into_the_masters_in_its_weight_half_only():
         stage = Stage(split(model, 2)[1], 1, 2)
         masters = _masters_of(stage.module)
         joint.lay_out([stage.module])
-        joint.fuse_linears([stage.module], masters.own_masters)
+        master_grads.fuse([stage.module], masters.own_masters)
         stages.append(stage)
         all_masters.append(masters)
     hidden = torch.randn(2, 8, 32, dtype=torch.bfloat16)
@@ -177,9 +221,9 @@ def test_auto_fuses_on_cuda_where_torch_has_the_float32_output_product():
 
     config = TrainConfig(pp=2, dtype="bf16")
     has_kernel = hasattr(torch.ops.aten.addmm, "dtype_out")
-    assert joint.fused_kernel(torch.device("cuda")) == has_kernel
+    assert master_grads.fused_kernel(torch.device("cuda")) == has_kernel
     assert weight_layout.grad_accumulation_fusion(config, torch.device("cuda")) == has_kernel
-    assert not joint.fused_kernel(torch.device("cpu"))
+    assert not master_grads.fused_kernel(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
@@ -191,26 +235,26 @@ def test_fusion_on_without_masters_is_refused_before_the_run(dtype):
 
 
 def _fused_step(rank, world_size, config):
-    """The ``--check`` report of the first step, with how many products added into the
-    masters on this rank and how many linear weights got a bf16 ``.grad`` of their own."""
+    """The ``--check`` report of the first step, with how many linear layers were fused and
+    how many products added into the masters on this rank, and how many gradients of linear
+    and embedding weights autograd produced (a tied weight's counted once per use)."""
     from meshpipe.train.loop.trainer import Trainer
 
     trainer = Trainer(config)
     modules = [m for stage in trainer.stages.values() for m in stage.module.modules()]
     linears = [m for m in modules if isinstance(m, nn.Linear)]
-    embeddings = {id(m.weight) for m in modules if isinstance(m, nn.Embedding)}
     own_grads = []
-    for linear in linears:  # a tied head's weight gets the embedding's gradient
-        if id(linear.weight) not in embeddings and linear.weight.requires_grad:
-            linear.weight.register_hook(lambda grad: own_grads.append(grad is not None))
+    for module in modules:
+        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.requires_grad:
+            module.weight.register_hook(lambda grad: own_grads.append(grad is not None))
     added = []
-    original = joint.add_product
-    joint.add_product = lambda *args: (added.append(1), original(*args))[1]
+    original = master_grads.add_product
+    master_grads.add_product = lambda *args: (added.append(1), original(*args))[1]
     try:
         report = trainer.check_first_step()
     finally:
-        joint.add_product = original
-    fused = sum(isinstance(m, joint.FusedLinear) for m in linears)
+        master_grads.add_product = original
+    fused = sum(isinstance(m, master_grads.FusedLinear) for m in linears)
     return report, fused, len(added), sum(own_grads)
 
 
@@ -281,7 +325,7 @@ def _bf16_experts(experts: int, fused: bool, seed: int = 0):
     masters = _masters_of(moe)
     assert grouped_experts.lay_out([moe]) == 1
     if fused:
-        joint.fuse_linears([moe], masters.own_masters)
+        master_grads.fuse([moe], masters.own_masters)
     return moe, masters
 
 

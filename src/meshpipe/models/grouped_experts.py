@@ -17,7 +17,7 @@ Where the weights are not (or no longer) laid out so, or the rows' dtype differs
 weights' without autocast to it, or the device cannot (``supported``), the layer runs its
 experts one by one: the same values.
 
-Under ``--grad-accumulation-fusion`` (``joint.fuse_linears``) each projection's weight
+Under ``--grad-accumulation-fusion`` (``models.master_grads``) each projection's weight
 gradient is added into the experts' float32 masters' gradients, laid out alike, in one
 addition, where 3E weights each took a hook and an addition.
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from meshpipe.models.joint import GradInto, computes_in, lay_out_rows, one_matrix, used
+from meshpipe.models.joint import computes_in, lay_out_rows, one_matrix, used
 
 # The kernels need every row and column stride to be a multiple of 16 bytes.
 _ALIGNMENT_BYTES = 16
@@ -159,7 +159,7 @@ class _GroupedLinear(torch.autograd.Function):
     (``--grad-accumulation-fusion``: one launch where each of 3E weights took a hook's)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, ends: Tensor, stacked: Tensor, into: GradInto | None) -> Tensor:
+    def forward(ctx, x: Tensor, ends: Tensor, stacked: Tensor, into) -> Tensor:
         ctx.save_for_backward(x, ends, stacked)
         ctx.into = into
         return torch._grouped_mm(x, stacked.transpose(-2, -1), offs=ends)

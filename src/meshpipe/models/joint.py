@@ -22,14 +22,8 @@ weights' reaching them through one more node (``_Rows``). The trainer lays out w
 ``--compile``, and by default on CUDA only (``train.run.weight_layout``).
 
 The same product can add its weights' gradient straight into their float32 masters'
-gradients (``--grad-accumulation-fusion``, Megatron's gradient-accumulation fusion): a
-module's ``grads_into`` (a ``GradInto``) then takes the product, and the weights get no
-``.grad`` of their own. With bfloat16 weights that spares, per weight and microbatch, the
-bfloat16 gradient written and read back by the master's hook (a launch and a pass over the
-gradient) and its rounding; ``fuse_linears`` does it for every other linear layer, one
-weight a product. On CUDA the product is one ``addmm`` with a float32 output; elsewhere
-(the CPU, for tests) the same sum from operands cast to float32 (``add_product``). Inside a
-compiled graph a ``FusedLinear`` is the plain linear layer.
+gradients (``--grad-accumulation-fusion``, ``models.master_grads``): a module's
+``grads_into`` then takes the product, and the weights get no ``.grad`` of their own.
 """
 
 from __future__ import annotations
@@ -98,7 +92,14 @@ def project_together(module: nn.Module, x: Tensor) -> Tensor | None:
     if not (getattr(module, "joint", False) and not torch.compiler.is_compiling()
             and in_one_storage(weights) and computes_in(x, weights[0].dtype)):
         return None
-    return _JointLinear.apply(x, one_matrix(weights), None, getattr(module, "grads_into", None))
+    return linear(x, one_matrix(weights), None, getattr(module, "grads_into", None))
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, into=None) -> Tensor:
+    """``x @ weight.T + bias``, its backward computing only the gradients the pass running it
+    uses (``used``), the weight's added into its masters' by ``into`` where given (a
+    ``master_grads.GradInto``, a callable taking the product's two operands)."""
+    return _JointLinear.apply(x, weight, bias, into)
 
 
 def computes_in(x: Tensor, dtype: torch.dtype) -> bool:
@@ -123,7 +124,7 @@ def in_one_storage(weights: Sequence[Tensor]) -> bool:
     return True
 
 
-def _rows_of(weights: Sequence[Tensor]) -> Tensor:
+def rows_of(weights: Sequence[Tensor]) -> Tensor:
     """The rows of every weight as one matrix: a view of their storage, no copy."""
     first = weights[0].detach()
     return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), first.stride())
@@ -136,7 +137,7 @@ class _Rows(torch.autograd.Function):
     def forward(ctx, *weights: Tensor) -> Tensor:
         ctx.rows = [w.shape[0] for w in weights]
         ctx.set_materialize_grads(False)  # none where the product added into the masters
-        return _rows_of(weights)
+        return rows_of(weights)
 
     @staticmethod
     def backward(ctx, grad: Tensor | None):
@@ -148,8 +149,7 @@ class _JointLinear(torch.autograd.Function):
     ``used``, the weights' added into their masters' by ``into`` where given."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, joint: Tensor, bias: Tensor | None,
-                into: GradInto | None) -> Tensor:
+    def forward(ctx, x: Tensor, joint: Tensor, bias: Tensor | None, into) -> Tensor:
         ctx.save_for_backward(x, joint)
         ctx.into = into
         return F.linear(x, joint, bias)
@@ -192,122 +192,3 @@ def engine_runs(ctx, index: int) -> bool | None:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:
         return None
-
-
-def fused_kernel(device: torch.device) -> bool:
-    """Whether ``device`` has a matrix product of bfloat16 operands into a float32 output
-    (``addmm`` with ``out_dtype``: CUDA, torch 2.8 on)."""
-    return device.type == "cuda" and hasattr(torch.ops.aten.addmm, "dtype_out")
-
-
-def add_product(into: Tensor, a: Tensor, b: Tensor) -> None:
-    """``into += a @ b``: ``into`` float32, ``a`` and ``b`` of a lower precision, summed in
-    float32 (on CUDA one ``addmm``, else from ``a`` and ``b`` cast to float32)."""
-    if fused_kernel(into.device):
-        torch.addmm(into, a, b, out_dtype=torch.float32, out=into)
-    else:
-        into.addmm_(a.to(into.dtype), b.to(into.dtype))
-
-
-class GradInto:
-    """Adds ``a @ b``, the gradient of weights stacked as rows (``one_matrix``), into the
-    float32 gradients of ``masters``, one master per weight, in order. The masters'
-    gradients are made rows of one matrix (zeros) when none has one yet, so one product adds
-    into them all; where they are not such rows (another gradient reached a master first:
-    a tied embedding's, through its hook), the product is computed apart and added into
-    each."""
-
-    def __init__(self, masters: Sequence[nn.Parameter]):
-        self.masters = list(masters)
-        self.rows = [master.shape[0] for master in self.masters]
-
-    def __call__(self, a: Tensor, b: Tensor) -> None:
-        into = self._gradients()
-        if into is not None:
-            add_product(into, a, b)
-            return
-        product = torch.zeros((sum(self.rows), b.shape[1]), dtype=torch.float32,
-                              device=b.device)
-        add_product(product, a, b)
-        self._add_apart(product)
-
-    def add(self, gradient: Tensor) -> None:
-        """Add ``gradient``, the weights' already computed (any dtype, their rows one after
-        another: a grouped product's ``[experts, out, in]``), in one addition."""
-        into = self._gradients()
-        if into is not None:
-            into.add_(gradient.view(into.shape))
-        else:
-            self._add_apart(gradient.reshape(sum(self.rows), -1))
-
-    def _add_apart(self, gradient: Tensor) -> None:
-        for master, part in zip(self.masters, gradient.split(self.rows)):
-            if master.grad is None:
-                master.grad = part.to(torch.float32, copy=True)
-            else:
-                master.grad.add_(part)
-
-    def _gradients(self) -> Tensor | None:
-        """The masters' gradients as one matrix, or None where they are not its rows."""
-        if len(self.masters) == 1:  # a plain linear's: the host's cost per call matters
-            master = self.masters[0]
-            if master.grad is None:
-                master.grad = torch.zeros_like(master, dtype=torch.float32,
-                                               memory_format=torch.contiguous_format)
-            return master.grad if master.grad.is_contiguous() else None
-        grads = [master.grad for master in self.masters]
-        if all(grad is None for grad in grads):
-            first = self.masters[0]
-            matrix = torch.zeros((sum(self.rows), first.shape[1]), dtype=torch.float32,
-                                 device=first.device)
-            for master, part in zip(self.masters, matrix.split(self.rows)):
-                master.grad = part
-            return matrix
-        if any(grad is None for grad in grads) or not in_one_storage(grads):
-            return None
-        return _rows_of(grads)
-
-
-class FusedLinear(nn.Linear):
-    """An ``nn.Linear`` (``fuse_linears`` makes one of a module in place: names, state and
-    ``isinstance`` stay) whose product adds its weight's gradient into ``grads_into``'s
-    master where it computes in the weight's dtype, eagerly: inside a compiled graph it is
-    the plain linear layer."""
-
-    grads_into: GradInto
-
-    def forward(self, x: Tensor) -> Tensor:
-        if (not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or not computes_in(x, self.weight.dtype)):
-            return super().forward(x)
-        # The weight itself, a leaf: a split backward's input half does not run its node.
-        return _JointLinear.apply(x, self.weight, self.bias, self.grads_into)
-
-
-def fuse_linears(modules: Iterable[nn.Module], masters_of) -> int:
-    """Give every ``nn.Linear`` of ``modules`` whose weight has a float32 master of its own
-    (``masters_of(weights)``: their masters, or None) a product that adds its gradient into
-    the master's, every joint module (``lay_out``) one for its weights, and every expert
-    layer laid out for grouped products (``grouped_experts``) one for each projection's;
-    how many products."""
-    fused = 0
-    for module in {id(m): m for root in modules for m in root.modules()}.values():
-        laid_out = getattr(module, "grouped_weights", None)
-        if laid_out is not None:
-            masters = [masters_of(laid_out.gate_up), masters_of(laid_out.down)]
-            if None not in masters:
-                module.grouped_grads_into = tuple(GradInto(each) for each in masters)
-                fused += 2
-        if getattr(module, "joint", False):
-            weights = [getattr(module, name).weight for name in getattr(module, JOINT_ATTRIBUTE)]
-            masters = masters_of(weights)
-            if masters is not None:
-                module.grads_into = GradInto(masters)
-                fused += 1
-        if type(module) is nn.Linear and module.weight.requires_grad:
-            masters = masters_of([module.weight])
-            if masters is not None:
-                module.__class__ = FusedLinear
-                module.grads_into = GradInto(masters)
-                fused += 1
-    return fused

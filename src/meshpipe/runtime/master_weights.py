@@ -98,7 +98,7 @@ class MasterWeights:
     def own_masters(self, weights: Iterable[nn.Parameter]) -> list[nn.Parameter] | None:
         """The float32 masters of ``weights``, in order, where each has one of its own (not
         itself) and trains; else None: what a product adding its weights' gradient into
-        their masters' needs (``models.joint.fuse_linears``)."""
+        their masters' needs (``models.master_grads.fuse``)."""
         weights = list(weights)
         masters = [self._master_of.get(id(weight)) for weight in weights]
         if any(master is None or master is weight or not weight.requires_grad

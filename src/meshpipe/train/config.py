@@ -506,8 +506,9 @@ FIELD_HELP = {
                        "products (two forward, four backward): auto (on CUDA in bf16), on "
                        "(also on a CPU, as a loop inside one call) or off (one expert at a "
                        "time)",
-    "grad_accumulation_fusion": "under --dtype bf16, each linear layer's product adds its "
-                                "weight's gradient straight into the float32 master's: auto "
+    "grad_accumulation_fusion": "under --dtype bf16, each linear layer's product (an "
+                                "embedding's lookup) adds its weight's gradient straight "
+                                "into the float32 master's: auto "
                                 "(on CUDA, one addmm into float32), on (also on a CPU) or "
                                 "off; under --compile the compiled blocks keep theirs",
     "zero": "shard over the replicas of each weight (dp x cp ranks of a stage; experts: their "

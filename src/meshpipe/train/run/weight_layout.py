@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshpipe.models import joint
+from meshpipe.models import joint, master_grads
 from meshpipe.models.grouped_experts import available as grouped_product_available
 from meshpipe.models.grouped_experts import lay_out as lay_out_experts
 from meshpipe.runtime import MasterWeights
@@ -43,16 +43,16 @@ def grouped_experts(config: TrainConfig, device: torch.device) -> bool:
 
 
 def grad_accumulation_fusion(config: TrainConfig, device: torch.device) -> bool:
-    """Whether the linear layers' products add their weights' gradients into the float32
-    masters' themselves. Only bf16 runs have masters of their own. ``auto``: on CUDA, which
+    """Whether the linear layers' products (embeddings' lookups, grouped experts) add their
+    weights' gradients into the float32 masters' themselves. Only bf16 runs have masters of their own. ``auto``: on CUDA, which
     has the kernel (one ``addmm`` of bfloat16 operands into float32: 0.36 against 0.48 ms a
     layer and microbatch of the 740M model on an H100, ``benchmarks/wgrad_accum.py``);
     ``on`` also elsewhere, from operands cast to float32 (for tests). Under ``--compile``
-    what runs eagerly fuses (the head, the experts); a compiled block computes its
+    what runs eagerly fuses (the embedding, the head, the experts); a compiled block computes its
     gradients in its graph, as before."""
     if config.grad_accumulation_fusion == "off" or config.dtype != "bf16":
         return False
-    return config.grad_accumulation_fusion == "on" or joint.fused_kernel(device)
+    return config.grad_accumulation_fusion == "on" or master_grads.fused_kernel(device)
 
 
 def lay_out(config: TrainConfig, device: torch.device, modules: list[nn.Module],
@@ -65,4 +65,4 @@ def lay_out(config: TrainConfig, device: torch.device, modules: list[nn.Module],
     if grouped_experts(config, device):
         lay_out_experts(modules)
     if grad_accumulation_fusion(config, device):
-        joint.fuse_linears(modules, masters.own_masters)
+        master_grads.fuse(modules, masters.own_masters)
