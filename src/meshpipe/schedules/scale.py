@@ -124,8 +124,8 @@ class Runtime:
     it follows the step); ``fused_gradient_accumulation`` whether weight gradients land in
     their float32 accumulators inside the products (meshpipe: eager, with
     ``--grad-accumulation-fusion``; compiled, as ``meshpipe plan`` writes runs, no: one add a
-    parameter and microbatch); ``node_dedup_dispatch`` whether a token crosses to another node once for
-    all its experts there (DeepEP's dispatch; meshpipe: once per expert)."""
+    parameter and microbatch); ``node_dedup_dispatch`` whether a token crosses to another
+    node once for all its experts there (DeepEP's dispatch; meshpipe: once per expert)."""
 
     host_layer_s: tuple[float, float] = (0.0, 0.0)
     tensor_overlap: float = 0.0

@@ -44,12 +44,12 @@ def grouped_experts(config: TrainConfig, device: torch.device) -> bool:
 
 def grad_accumulation_fusion(config: TrainConfig, device: torch.device) -> bool:
     """Whether the linear layers' products (embeddings' lookups, grouped experts) add their
-    weights' gradients into the float32 masters' themselves. Only bf16 runs have masters of their own. ``auto``: on CUDA, which
-    has the kernel (one ``addmm`` of bfloat16 operands into float32: 0.36 against 0.48 ms a
-    layer and microbatch of the 740M model on an H100, ``benchmarks/wgrad_accum.py``);
-    ``on`` also elsewhere, from operands cast to float32 (for tests). Under ``--compile``
-    what runs eagerly fuses (the embedding, the head, the experts); a compiled block computes its
-    gradients in its graph, as before."""
+    weights' gradients into the float32 masters' themselves. Only bf16 runs have masters of
+    their own. ``auto``: on CUDA, which has the kernel (one ``addmm`` of bfloat16 operands
+    into float32: 0.36 against 0.48 ms a layer and microbatch of the 740M model on an H100,
+    ``benchmarks/wgrad_accum.py``); ``on`` also elsewhere, from operands cast to float32
+    (for tests). Under ``--compile`` what runs eagerly fuses (the embedding, the head, the
+    experts); a compiled block computes its gradients in its graph, as before."""
     if config.grad_accumulation_fusion == "off" or config.dtype != "bf16":
         return False
     return config.grad_accumulation_fusion == "on" or master_grads.fused_kernel(device)
