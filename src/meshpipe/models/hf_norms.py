@@ -43,11 +43,10 @@ def fuse_norms(model: nn.Module) -> int:
 
 @functools.cache
 def _fused_class(cls: type) -> type:
-    return type(f"Fused{cls.__name__}", (cls,), {"forward": _forward, "__module__": __name__})
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        if hidden_states.dtype != self.weight.dtype:  # transformers' promotes to the weight's
+            return cls.forward(self, hidden_states)
+        return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight,
+                          self.variance_epsilon)
 
-
-def _forward(self, hidden_states: Tensor) -> Tensor:
-    if hidden_states.dtype != self.weight.dtype:  # transformers' promotes to the weight's
-        return super(type(self), self).forward(hidden_states)
-    return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight,
-                      self.variance_epsilon)
+    return type(f"Fused{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
