@@ -11,6 +11,7 @@ from torch import nn
 
 from meshpipe.models import Transformer, TransformerConfig, joint, master_grads
 from meshpipe.models.mlp import SwiGLU
+from meshpipe.parallel import VocabParallelEmbedding
 from meshpipe.runtime import MasterWeights
 
 CONFIG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -244,8 +245,9 @@ def _fused_step(rank, world_size, config):
     modules = [m for stage in trainer.stages.values() for m in stage.module.modules()]
     linears = [m for m in modules if isinstance(m, nn.Linear)]
     own_grads = []
+    embeddings = (nn.Embedding, VocabParallelEmbedding)
     for module in modules:
-        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.requires_grad:
+        if isinstance(module, (nn.Linear, *embeddings)) and module.weight.requires_grad:
             module.weight.register_hook(lambda grad: own_grads.append(grad is not None))
     added = []
     original = master_grads.add_product

@@ -13,8 +13,9 @@ it into the master's gradient itself, and the weight gets no ``.grad``:
   (``add_product``). Inside a compiled graph a ``FusedLinear`` is the plain linear layer;
 - a layer's grouped experts (``models.grouped_experts``): each projection's gradient in one
   addition, where 3E weights took a hook and an addition each;
-- an embedding's lookup (``FusedEmbedding``): the microbatch's rows added in, where the
-  unfused gradient is a whole ``[vocabulary, dim]`` tensor written and read back.
+- an embedding's lookup (``FusedEmbedding``; a ``parallel.VocabParallelEmbedding``'s
+  through ``GradInto.lookup``): the microbatch's rows added in, where the unfused gradient
+  is a whole ``[vocabulary, dim]`` tensor written and read back.
 
 ``GradInto`` makes the masters' gradients of one product's weights rows of one float32
 matrix, so the product adds into them all at once. ``fuse`` sets it all up for a model.
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from meshpipe.models import joint
+from meshpipe.parallel import VocabParallelEmbedding
 
 
 def fused_kernel(device: torch.device) -> bool:
@@ -75,6 +77,12 @@ class GradInto:
             into.add_(gradient.view(into.shape))
         else:
             self._add_apart(gradient.reshape(sum(self.rows), -1))
+
+    def lookup(self, tokens: Tensor, weight: Tensor, padding_idx: int | None) -> Tensor:
+        """``weight[tokens]`` (an embedding's, its one master's), whose backward adds the
+        rows' gradients into the master's (``FusedEmbedding``, and a
+        ``parallel.VocabParallelEmbedding`` given this as its ``grads_into``)."""
+        return _Lookup.apply(tokens, weight, padding_idx, self)
 
     def add_rows(self, index: Tensor, rows: Tensor) -> None:
         """Add ``rows`` into the rows ``index`` of the one master's gradient (an
@@ -143,7 +151,7 @@ class FusedEmbedding(nn.Embedding):
         if (not torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or self.max_norm is not None or self.scale_grad_by_freq or self.sparse):
             return super().forward(tokens)
-        return _Lookup.apply(tokens, self.weight, self.padding_idx, self.grads_into)
+        return self.grads_into.lookup(tokens, self.weight, self.padding_idx)
 
 
 class _Lookup(torch.autograd.Function):
@@ -176,8 +184,8 @@ class _Lookup(torch.autograd.Function):
 
 
 def fuse(modules: Iterable[nn.Module], masters_of) -> int:
-    """Give every ``nn.Linear`` and ``nn.Embedding`` of ``modules`` whose weight has a
-    float32 master of its own (``masters_of(weights)``: their masters, or None) a product or
+    """Give every ``nn.Linear``, ``nn.Embedding`` and ``VocabParallelEmbedding`` of ``modules``
+    whose weight has a float32 master of its own (``masters_of(weights)``: their masters, or None) a product or
     lookup that adds its gradient into the master's, every joint module
     (``joint.lay_out``) one for its weights, and every expert layer laid out for grouped
     products (``grouped_experts``) one for each projection's; how many."""
@@ -193,6 +201,11 @@ def fuse(modules: Iterable[nn.Module], masters_of) -> int:
             weights = [getattr(module, name).weight
                        for name in getattr(module, joint.JOINT_ATTRIBUTE)]
             masters = masters_of(weights)
+            if masters is not None:
+                module.grads_into = GradInto(masters)
+                fused += 1
+        if isinstance(module, VocabParallelEmbedding) and module.weight.requires_grad:
+            masters = masters_of([module.weight])
             if masters is not None:
                 module.grads_into = GradInto(masters)
                 fused += 1

@@ -252,6 +252,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.vocab_end = rank * local, (rank + 1) * local
         self.padding_idx = padding_idx
         self.weight = _sharded_parameter((local, dim), 0, device, dtype)
+        # Where set (``models.master_grads``), the lookup whose backward adds the rows'
+        # gradients into the weight's float32 master: ``grads_into.lookup``.
+        self.grads_into = None
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group: Group, *,
@@ -274,7 +277,11 @@ class VocabParallelEmbedding(nn.Module):
             padding %= self.num_embeddings
             padding = (padding - self.vocab_start
                        if self.vocab_start <= padding < self.vocab_end else None)
-        out = F.embedding(local, self.weight, padding_idx=padding)
+        if (self.grads_into is None or not torch.is_grad_enabled()
+                or torch.compiler.is_compiling()):
+            out = F.embedding(local, self.weight, padding_idx=padding)
+        else:
+            out = self.grads_into.lookup(local, self.weight, padding)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return self.region.leave(out)
 
