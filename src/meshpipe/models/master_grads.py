@@ -26,16 +26,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshpipe.models import joint
 from meshpipe.parallel import VocabParallelEmbedding
 
 
+# Whether this torch has ``addmm`` with an ``out_dtype`` (2.8 on): looked up once, not per
+# product.
+_ADDMM_WITH_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
 def fused_kernel(device: torch.device) -> bool:
     """Whether ``device`` has a matrix product of bfloat16 operands into a float32 output
     (``addmm`` with ``out_dtype``: CUDA, torch 2.8 on)."""
-    return device.type == "cuda" and hasattr(torch.ops.aten.addmm, "dtype_out")
+    return device.type == "cuda" and _ADDMM_WITH_OUT_DTYPE
 
 
 def add_product(into: Tensor, a: Tensor, b: Tensor) -> None:
@@ -88,10 +94,7 @@ class GradInto:
         """Add ``rows`` into the rows ``index`` of the one master's gradient (an
         embedding's lookup)."""
         (master,) = self.masters
-        if master.grad is None:
-            master.grad = torch.zeros_like(master, dtype=torch.float32,
-                                           memory_format=torch.contiguous_format)
-        master.grad.index_add_(0, index, rows.to(torch.float32))
+        _gradient_of(master).index_add_(0, index, rows.to(torch.float32))
 
     def _add_apart(self, gradient: Tensor) -> None:
         for master, part in zip(self.masters, gradient.split(self.rows)):
@@ -103,11 +106,8 @@ class GradInto:
     def _gradients(self) -> Tensor | None:
         """The masters' gradients as one matrix, or None where they are not its rows."""
         if len(self.masters) == 1:  # a plain linear's: the host's cost per call matters
-            master = self.masters[0]
-            if master.grad is None:
-                master.grad = torch.zeros_like(master, dtype=torch.float32,
-                                               memory_format=torch.contiguous_format)
-            return master.grad if master.grad.is_contiguous() else None
+            grad = _gradient_of(self.masters[0])
+            return grad if grad.is_contiguous() else None
         grads = [master.grad for master in self.masters]
         if all(grad is None for grad in grads):
             first = self.masters[0]
@@ -119,6 +119,14 @@ class GradInto:
         if any(grad is None for grad in grads) or not joint.in_one_storage(grads):
             return None
         return joint.rows_of(grads)
+
+
+def _gradient_of(master: nn.Parameter) -> Tensor:
+    """``master.grad``, made float32 zeros where it has none yet."""
+    if master.grad is None:
+        master.grad = torch.zeros_like(master, dtype=torch.float32,
+                                       memory_format=torch.contiguous_format)
+    return master.grad
 
 
 class FusedLinear(nn.Linear):
@@ -164,7 +172,7 @@ class _Lookup(torch.autograd.Function):
                 into: GradInto) -> Tensor:
         ctx.save_for_backward(tokens)
         ctx.padding_idx, ctx.into, ctx.rows = padding_idx, into, weight.shape[0]
-        return torch.nn.functional.embedding(tokens, weight, padding_idx)
+        return F.embedding(tokens, weight, padding_idx)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -181,6 +189,11 @@ class _Lookup(torch.autograd.Function):
             return None, whole.index_add_(0, tokens, rows), None, None
         ctx.into.add_rows(tokens, rows)
         return None, None, None, None
+
+
+# The torch modules made their fused kind in place (a ``VocabParallelEmbedding`` fuses as it
+# is, through its ``grads_into``).
+_FUSED = {nn.Linear: FusedLinear, nn.Embedding: FusedEmbedding}
 
 
 def fuse(modules: Iterable[nn.Module], masters_of) -> int:
@@ -204,16 +217,10 @@ def fuse(modules: Iterable[nn.Module], masters_of) -> int:
             if masters is not None:
                 module.grads_into = GradInto(masters)
                 fused += 1
-        if isinstance(module, VocabParallelEmbedding) and module.weight.requires_grad:
+        if type(module) in _FUSED or isinstance(module, VocabParallelEmbedding):
             masters = masters_of([module.weight])
             if masters is not None:
+                module.__class__ = _FUSED.get(type(module), type(module))
                 module.grads_into = GradInto(masters)
                 fused += 1
-        if type(module) in (nn.Linear, nn.Embedding) and module.weight.requires_grad:
-            masters = masters_of([module.weight])
-            if masters is None:
-                continue
-            module.__class__ = FusedLinear if type(module) is nn.Linear else FusedEmbedding
-            module.grads_into = GradInto(masters)
-            fused += 1
     return fused
