@@ -2,10 +2,13 @@
 by parts (norms, attention, MLP: five graphs a block, as ``--compile`` once did), whole with
 positions given (two graphs, cut at the attention core: a pack's off CUDA, or a context-parallel
 rank's, block), whole on the plain sequence (one graph: its attention is one SDPA call,
-in the graph), and the chunk compiled as a whole (one call for all its layers instead of one
-a layer), forward + backward of one chunk in one process, inductor, one thread, in
-alternating order. The last three compute the same thing (the given positions are
-``0..seq-1``); only the graphs differ.
+in the graph), the chunk compiled as a whole (one call for all its layers instead of one
+a layer, every layer traced and compiled anew) and the chunk's graph of ``--chunk-graphs``
+(one call, each block a nested region compiled once), forward + backward of one chunk in
+one process, inductor, one thread, in alternating order. The last four compute the same
+thing (the given positions are ``0..seq-1``); only the graphs differ. The first step of
+the one-graph ways (compiling) is timed too, each in a new process with inductor's cache
+in a new directory.
 
     .venv/bin/python benchmarks/compile_regions.py                 # small and medium sizes
     .venv/bin/python benchmarks/compile_regions.py --sizes 64:64 --rounds 30
@@ -19,8 +22,13 @@ records times; it never asserts them.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,8 +37,10 @@ import torch
 from harness import load_average, write_results
 from meshpipe import graph_breaks
 from meshpipe.models import Transformer, TransformerConfig, split
+from meshpipe.models.compile import compile_blocks
 
-WAYS = ("eager", "by parts", "two graphs", "one graph", "whole chunk")
+WAYS = ("eager", "by parts", "two graphs", "one graph", "whole chunk", "chunk graph")
+PLAIN = ("one graph", "whole chunk", "chunk graph")  # the ways given no positions
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--first-step", nargs=4, default=None, help=argparse.SUPPRESS,
+                        metavar=("WAY", "DIM", "SEQ", "LAYERS"))
     return parser.parse_args(argv)
 
 
@@ -56,17 +68,34 @@ def build(way: str, dim: int, layers: int, seq: int) -> torch.nn.Module:
                 part.compile()
     if way == "whole chunk":
         chunk.compile()
+    if way == "chunk graph":
+        compile_blocks([chunk], chunk_graphs=True)
     return chunk
 
 
-def measure(dim: int, seq: int, layers: int, args) -> dict:
-    chunks = {way: build(way, dim, layers, seq) for way in WAYS}
+def _step(chunk: torch.nn.Module, way: str, seq: int) -> None:
     tokens = torch.randint(0, 256, (1, seq))
-    given = {way: None if way in ("one graph", "whole chunk") else torch.arange(seq)
-             for way in WAYS}
+    chunk(tokens, None if way in PLAIN else torch.arange(seq)).float().sum().backward()
+
+
+def first_step_seconds(way: str, dim: int, seq: int, layers: int) -> float:
+    """The first (compiling) step of ``way``, in a process of its own with an empty
+    inductor cache: nothing compiled for another way or size is reused."""
+    with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
+        done = subprocess.run(
+            [sys.executable, __file__, "--first-step", way, str(dim), str(seq), str(layers)],
+            capture_output=True, text=True, check=True,
+            env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(dim: int, seq: int, layers: int, args) -> dict:
+    # What an earlier row compiled would make this row's sizes dynamic where code is shared.
+    torch._dynamo.reset()
+    chunks = {way: build(way, dim, layers, seq) for way in WAYS}
 
     def step(way) -> None:
-        chunks[way](tokens, given[way]).float().sum().backward()
+        _step(chunks[way], way, seq)
 
     for way in WAYS:
         for _ in range(3):  # compiles, then warm
@@ -79,7 +108,8 @@ def measure(dim: int, seq: int, layers: int, args) -> dict:
             step(way)
             times[way].append(time.perf_counter() - start)
     medians = {way: statistics.median(t) * 1e3 for way, t in times.items()}
-    row = {"dim": dim, "seq": seq, "layers": layers, "ms": medians}
+    first = {way: first_step_seconds(way, dim, seq, layers) for way in PLAIN}
+    row = {"dim": dim, "seq": seq, "layers": layers, "ms": medians, "first_s": first}
     print(row, flush=True)
     return row
 
@@ -92,16 +122,26 @@ def to_markdown(result: dict) -> str:
              f"{result['load_before']}, after {result['load_after']}.", "",
              "| layers | dim | seq | eager ms | by parts (5 graphs a block) ms | whole, positions "
              "given (2 graphs) ms | whole, plain (1 graph) ms | the chunk compiled whole ms | "
-             "1 graph vs 2 | 1 graph vs eager | chunk vs 1 graph a block |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "chunk graph (nested blocks) ms | 1 graph vs 2 | 1 graph vs eager | "
+             "chunk whole vs 1 graph a block | chunk graph vs 1 graph a block |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+             "---: | ---: |"]
     for row in result["rows"]:
         ms = row["ms"]
         lines.append(f"| {row['layers']} | {row['dim']} | {row['seq']} | {ms['eager']:.1f} | "
                      f"{ms['by parts']:.1f} | {ms['two graphs']:.1f} | "
                      f"{ms['one graph']:.1f} | {ms['whole chunk']:.1f} | "
+                     f"{ms['chunk graph']:.1f} | "
                      f"{ms['one graph'] / ms['two graphs']:.2f}x | "
                      f"{ms['one graph'] / ms['eager']:.2f}x | "
-                     f"{ms['whole chunk'] / ms['one graph']:.2f}x |")
+                     f"{ms['whole chunk'] / ms['one graph']:.2f}x | "
+                     f"{ms['chunk graph'] / ms['one graph']:.2f}x |")
+    lines += ["", "First step (compiling; each in a new process, inductor's cache empty), s:",
+              "", "| layers | dim | seq | " + " | ".join(PLAIN) + " |",
+              "| ---: | ---: | ---: |" + " ---: |" * len(PLAIN)]
+    for row in result["rows"]:
+        lines.append(f"| {row['layers']} | {row['dim']} | {row['seq']} | "
+                     + " | ".join(f"{row['first_s'][way]:.1f}" for way in PLAIN) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -109,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     graph_breaks.install()
+    if args.first_step:
+        way, *sizes = args.first_step
+        dim, seq, layers = map(int, sizes)
+        chunk = build(way, dim, layers, seq)
+        start = time.perf_counter()
+        _step(chunk, way, seq)
+        print(json.dumps(time.perf_counter() - start))
+        return 0
     before = load_average()
     rows = [measure(*map(int, size.split(":")), layers, args)
             for layers in args.layers for size in args.sizes]

@@ -70,11 +70,12 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 PARTS = ("attention", "train")
 # A training step's modes: the flags each adds to the trainer's run. eager-apart: q/k/v and
 # gate/up as separate products, eager-unfused: the weight gradients through bf16 .grad into
-# the masters (what eager ran before each was made the default on CUDA), until a GPU has
-# timed them in isolated rounds.
+# the masters, compile-blocks: one compiled graph a block, not a chunk's (what each ran
+# before it was made the default on CUDA), until a GPU has timed them in isolated rounds.
 MODE_FLAGS = {"eager": {}, "compile": {"compile": True},
               "eager-apart": {"joint_projections": "off"},
-              "eager-unfused": {"grad_accumulation_fusion": "off"}}
+              "eager-unfused": {"grad_accumulation_fusion": "off"},
+              "compile-blocks": {"compile": True, "chunk_graphs": "off"}}
 MODES = tuple(MODE_FLAGS)
 DATA = ("random", "pack")
 
@@ -108,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="training step: the trainer eager, with --compile, eager with "
                              "--joint-projections off, eager with --grad-accumulation-fusion "
-                             "off (default: all)")
+                             "off, --compile with --chunk-graphs off (default: all)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="training step: rounds over the runners, alternating their order "
                              "(the median of the rounds is reported)")

@@ -154,7 +154,11 @@ LAYOUTS = [
     Layout("packed-pp1-bf16", ("--pp", "1", "--dtype", "bf16", *PACKED),
            "a pack as one variable-length flash call per layer"),
     # torch.compile (inductor) of each block; under ZB-V only the weightless pieces.
-    Layout("pp1-bf16-compile", ("--pp", "1", "--dtype", "bf16", "--compile"),
+    Layout("pp1-bf16-compile", ("--pp", "1", "--dtype", "bf16", "--compile", "--chunk-graphs",
+                                "on"),
+           "the chunk one graph, each block a nested region with its SDPA call inside"),
+    Layout("pp2-bf16-compile-blocks", ("--pp", "2", "--dtype", "bf16", "--compile",
+                                       "--chunk-graphs", "off"),
            "a block one graph, its SDPA call inside"),
     Layout("packed-pp1-bf16-compile", ("--pp", "1", "--dtype", "bf16", "--compile", *PACKED),
            "a block one graph, the variable-length call inside"),

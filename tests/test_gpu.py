@@ -303,6 +303,45 @@ def test_a_compiled_block_keeps_a_pack_in_its_graph_as_one_variable_length_call(
 
 
 @pytest.mark.distributed  # inductor compiles in worker processes
+def test_a_compiled_chunk_is_one_graph_of_nested_blocks_on_cuda():
+    """``--compile`` with ``--chunk-graphs`` on CUDA in bf16: a plain sequence runs the
+    chunk's blocks as one inductor graph, each block a nested region compiled once, SDPA
+    inside; outputs and gradients equal the eager blocks' (bf16 tolerance), a second
+    microbatch compiles nothing and makes no host-device synchronization."""
+    import torch._dynamo
+
+    from meshpipe.models.compile import CHUNK_GRAPHS, compile_blocks
+
+    if not CHUNK_GRAPHS:
+        pytest.skip(f"torch {torch.__version__} has no nested compile regions for a chunk")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    (chunk,) = split(Transformer(TransformerConfig(**SMALL)), 1)
+    chunk = chunk.to("cuda", torch.bfloat16)
+    eager = copy.deepcopy(chunk)
+    compile_blocks([chunk], chunk_graphs=True)
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 96), device="cuda")
+    assert chunk.layers_graph.takes(chunk.embedding(tokens), None, None)
+    outputs = [model(tokens) for model in (chunk, eager)]
+    for out in outputs:
+        out.float().square().mean().backward()
+    torch.testing.assert_close(outputs[0].float(), outputs[1].float(),
+                               **low_precision_tolerance("bf16", outputs[1].float()))
+    for (name, compiled), reference in zip(chunk.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(compiled.grad.float(), reference.grad.float(), msg=name,
+                                   **low_precision_tolerance("bf16", reference.grad.float()))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        chunk(tokens).float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.distributed  # inductor compiles in worker processes
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_packs_microbatch_never_waits_for_the_gpu(compiled):
     """A pack's forward and backward through a chunk in bf16, its tokens and layout moved as

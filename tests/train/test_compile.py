@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hf_models import save_tiny_model, write_documents
-from meshpipe.models.compile import (BACKEND_VARIABLE, NESTED_GRAPH_BREAKS, compile_blocks,
-                                     regions)
+from meshpipe.models.compile import (BACKEND_VARIABLE, CHUNK_GRAPHS, NESTED_GRAPH_BREAKS,
+                                     ChunkGraph, compile_blocks, regions)
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
 from trainer_cases import SMALL, for_a_model
@@ -33,6 +33,8 @@ LAYOUTS = {  # two ranks each: the compile time is every rank's
     "zb-v": dict(pp=2, schedule="zb-v"),
     "dualpipe-v-recompute": dict(pp=2, schedule="dualpipe-v", recompute="full"),
     "interleaved-bf16": dict(pp=2, vpp=2, schedule="interleaved", dtype="bf16"),
+    "1f1b-bf16-chunk-graphs": dict(pp=2, schedule="1f1b", dtype="bf16",
+                                   chunk_graphs="on" if CHUNK_GRAPHS else "off"),
     "combined-1f1b-moe-ep2": dict(pp=1, dp=2, ep=2, moe_experts=4, schedule="combined-1f1b"),
     "ring2": dict(pp=1, schedule="none", cp_ring=2),
     "tp2-sequence-parallel-recompute": dict(pp=1, schedule="none", tp=2,
@@ -209,6 +211,167 @@ def test_a_hugging_face_layer_is_one_graph_or_two_cut_at_its_attention(
         for (name, compiled), reference in zip(chunk.named_parameters(), eager.parameters()):
             torch.testing.assert_close(compiled.grad, reference.grad, msg=name)
             compiled.grad = reference.grad = None
+
+
+needs_chunk_graphs = pytest.mark.skipif(
+    not CHUNK_GRAPHS, reason=f"torch {torch.__version__} has no nested compile regions for "
+    "a chunk's graph (--chunk-graphs)")
+
+
+def _recording_backend(graphs):
+    """``aot_eager`` that first records each graph TorchDynamo hands it."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return aot_eager(graph_module, example_inputs)
+
+    return backend
+
+
+def _compiled_calls(chunk):
+    """Count the calls of each block's own compiled code and of the chunk's graph."""
+    calls = {"blocks": 0, "chunk": 0}
+
+    def counting(key, call):
+        def counted(*args, **kwargs):
+            calls[key] += 1
+            return call(*args, **kwargs)
+        return counted
+
+    for block in chunk.layers.values():
+        block._compiled_call_impl = counting("blocks", block._compiled_call_impl)
+    graph = chunk.layers_graph
+    graph._run = counting("chunk", graph._run)
+    return calls
+
+
+@needs_chunk_graphs
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_a_chunk_of_dense_blocks_is_one_graph_that_compiles_one_block(monkeypatch, recompute):
+    """``--chunk-graphs``: on a plain sequence the chunk's three blocks run as one graph (one
+    call a microbatch), which calls one block's nested region three times: one block is
+    traced, as with a graph a block. A pack, whose attention breaks a block's graph on this
+    CPU, runs the blocks' own compiled code (two graphs a block) and the next plain
+    sequence the chunk's graph again, compiling nothing. Values and gradients equal the
+    eager chunk's, also with each attention core recomputed in backward."""
+    import copy
+
+    import torch._dynamo
+
+    from meshpipe.models import Transformer, TransformerConfig, split
+    from meshpipe.models import compile as compile_module
+
+    graphs = []
+    recording = _recording_backend(graphs)
+    monkeypatch.setattr(compile_module, "backend", lambda: recording)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    (chunk,) = split(Transformer(TransformerConfig(vocab_size=64, dim=32, n_layers=3,
+                                                   n_heads=4, max_seq_len=32),
+                                 recompute=recompute), 1)
+    eager = copy.deepcopy(chunk)
+    compile_blocks([chunk], chunk_graphs=True)
+    calls = _compiled_calls(chunk)
+    tokens = torch.randint(0, 64, (1, 24))
+    pack = (torch.cat([torch.arange(10), torch.arange(14)]), torch.tensor([0] * 10 + [1] * 14))
+    expected = [{"blocks": 0, "chunk": 1}, {"blocks": 3, "chunk": 1}, {"blocks": 3, "chunk": 2}]
+    for layout, counted in zip(((), pack, ()), expected):
+        outputs = [model(tokens, *layout) for model in (chunk, eager)]
+        for out in outputs:
+            out.square().mean().backward()
+        torch.testing.assert_close(*outputs)
+        for (name, compiled), reference in zip(chunk.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(compiled.grad, reference.grad, msg=name)
+            compiled.grad = reference.grad = None
+        assert calls == counted, layout
+    # the chunk's; a block's two around a pack's attention
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1 + 2
+    regions_called = [node for node in graphs[0].graph.nodes
+                      if node.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(regions_called) == 3
+    assert len({node.args[0].target for node in regions_called}) == 1
+
+
+@needs_chunk_graphs
+def test_chunk_graphs_of_two_widths_and_shapes_run_in_one_process(monkeypatch):
+    """Chunk graphs of models of two widths in one process (a test worker, a notebook), each
+    also on another batch shape under ``no_grad``, equal their eager chunks: the graph compiles
+    for static sizes (with automatic dynamic sizes the second width failed in TorchDynamo's
+    reuse of the block's region)."""
+    import copy
+
+    import torch._dynamo
+
+    from meshpipe.models import Transformer, TransformerConfig, split
+
+    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
+    torch._dynamo.reset()
+    for dim in (32, 64):
+        (chunk,) = split(Transformer(TransformerConfig(vocab_size=64, dim=dim, n_layers=2,
+                                                       n_heads=4, max_seq_len=32)), 1)
+        eager = copy.deepcopy(chunk)
+        compile_blocks([chunk], chunk_graphs=True)
+        tokens = torch.randint(0, 64, (1, 24))
+        torch.testing.assert_close(chunk(tokens), eager(tokens))
+        with torch.no_grad():
+            tokens = torch.randint(0, 64, (2, 16))
+            torch.testing.assert_close(chunk(tokens), eager(tokens))
+
+
+def test_which_chunks_run_as_one_graph():
+    """A chunk runs as one graph where every block is a dense reference block compiled
+    whole on ``LocalAttention`` (recomputing its attention core is inside the graph); not
+    with a mixture-of-experts block, ``--recompute full`` (its parts are compiled), a
+    context-parallel attention, a split backward, or ``chunk_graphs`` off. Only a plain
+    sequence short enough for one SDPA call on this CPU takes the graph."""
+    from meshpipe.context import RingAttention
+    from meshpipe.models import Transformer, TransformerConfig, split
+
+    def chunk_of(attention=None, **flags):
+        config = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=512)
+        model_flags = {key: flags.pop(key) for key in ("moe_experts", "moe_every")
+                       if key in flags}
+        (chunk,) = split(Transformer(TransformerConfig(**config, **model_flags),
+                                     attention=attention, **flags), 1)
+        return chunk
+
+    assert ChunkGraph.takes_blocks(chunk_of().layers.values())
+    assert ChunkGraph.takes_blocks(chunk_of(recompute="selective").layers.values())
+    assert not ChunkGraph.takes_blocks(chunk_of(recompute="full").layers.values())
+    assert not ChunkGraph.takes_blocks(chunk_of(moe_experts=4, moe_every=2).layers.values())
+    assert not ChunkGraph.takes_blocks(chunk_of(RingAttention()).layers.values())
+    for kwargs, graph in ((dict(chunk_graphs=True), True),
+                          (dict(chunk_graphs=True, split_backward=True), False),
+                          (dict(), False)):
+        chunk = chunk_of()
+        compile_blocks([chunk], **kwargs)
+        assert (chunk.layers_graph is not None) == graph, kwargs
+    graph = ChunkGraph(chunk_of().layers.values())
+    hidden = torch.zeros(1, 256, 32)
+    positions = torch.arange(256)
+    assert graph.takes(hidden, None, None)
+    assert not graph.takes(hidden, positions, torch.zeros(256, dtype=torch.long))
+    assert not graph.takes(torch.zeros(1, 257, 32), None, None)  # the CPU's causal squares
+
+
+def test_chunk_graphs_are_decided_once_and_refused_before_the_run(monkeypatch):
+    from meshpipe.models import compile as compile_module
+
+    monkeypatch.setattr(compile_module, "CHUNK_GRAPHS", True)
+    assert [compile_module.chunk_graphs(mode) for mode in ("auto", "on", "off")] == [
+        True, True, False]
+    TrainConfig(compile=True, chunk_graphs="on")
+    with pytest.raises(ValueError, match="--chunk-graphs on .* add --compile"):
+        TrainConfig(chunk_graphs="on")
+    with pytest.raises(ValueError, match="unknown --chunk-graphs"):
+        TrainConfig(compile=True, chunk_graphs="yes")
+    monkeypatch.setattr(compile_module, "CHUNK_GRAPHS", False)
+    assert [compile_module.chunk_graphs(mode) for mode in ("auto", "on", "off")] == [
+        False, True, False]
+    with pytest.raises(ValueError, match="torch >= 2.11"):
+        TrainConfig(compile=True, chunk_graphs="on")
+    TrainConfig(compile=True, chunk_graphs="auto")
 
 
 def test_the_compile_mode_comes_from_the_environment(monkeypatch):

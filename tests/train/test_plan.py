@@ -99,12 +99,17 @@ def test_the_plans_pick_for_a_small_cluster_trains_with_check(tmp_path, capsys):
 
 
 def _gpu_bench_json(path, seconds, sizes=True):
-    row = {"part": "train step", "runner": "meshpipe Trainer (1F1B, 1 stage) --compile",
-           "status": "ok", "seconds": seconds}
-    if sizes:
-        row["model"] = {"dim": 256, "layers": 4, "heads": 4, "kv_heads": 2, "vocab": 256,
-                        "seq_len": 512, "microbatches": 4, "microbatch_size": 2}
-    path.write_text(json.dumps({"runs": [{"result": {"device": "a GPU", "train": [row]}}]}))
+    """A run of ``gpu_bench.py`` whose compiled step took ``seconds``, followed by a row of
+    the same step with another flag (which ``--efficiency-from`` must not fit)."""
+    rows = []
+    for runner, row_seconds in (("--compile", seconds), ("--compile --chunk-graphs off", 60)):
+        row = {"part": "train step", "runner": f"meshpipe Trainer (1F1B, 1 stage) {runner}",
+               "status": "ok", "seconds": row_seconds}
+        if sizes:
+            row["model"] = {"dim": 256, "layers": 4, "heads": 4, "kv_heads": 2, "vocab": 256,
+                            "seq_len": 512, "microbatches": 4, "microbatch_size": 2}
+        rows.append(row)
+    path.write_text(json.dumps({"runs": [{"result": {"device": "a GPU", "train": rows}}]}))
     return path
 
 

@@ -22,6 +22,13 @@ What is not compiled runs eager at known graph breaks, each marked ``@graph_brea
 - a mixture-of-experts block's experts: its forward is cut at its all-to-alls for combined
   1F1B (``forward_steps``), so only its attention and norms are compiled.
 
+A chunk of dense reference blocks runs as one graph on a plain sequence (``ChunkGraph``,
+``--chunk-graphs``): each block a nested compile region, traced and compiled once and called for
+every layer (compile time grows a little with depth, not a block's worth a layer), while the chunk
+pays one graph call's host time (guards, the autograd wrapper) a microbatch, not one a layer. A
+microbatch whose attention would break a block's graph (a pack, a context-parallel rank: nothing may
+break inside a nested region) runs the blocks' own compiled code.
+
 ``MESHPIPE_COMPILE_BACKEND`` names another backend than inductor (``aot_eager`` traces and
 differentiates like inductor without generating code: quick, for checking);
 ``MESHPIPE_COMPILE_MODE`` an inductor mode (``max-autotune-no-cudagraphs``). The modes that
@@ -38,9 +45,10 @@ import os
 from collections.abc import Iterable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from meshpipe import graph_breaks
+from meshpipe.context.local import LocalAttention
 from meshpipe.models import hf_moe
 from meshpipe.models.transformer import TransformerBlock
 
@@ -110,9 +118,21 @@ but its compiled blocks then fail on symbolic sizes (a norm's gain against a dyn
 size), so there a break inside a nested call cuts every enclosing function."""
 
 
-def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False) -> int:
+CHUNK_GRAPHS = hasattr(torch.compiler, "nested_compile_region") and torch.__version__ >= (2, 11)
+"""Whether this torch runs a chunk's blocks as nested compile regions of one graph
+(``ChunkGraph``): torch 2.11 and 2.13 were tested."""
+
+
+def chunk_graphs(setting: str) -> bool:
+    """``--chunk-graphs``: auto is on where this torch has them (``CHUNK_GRAPHS``)."""
+    return setting == "on" or (setting == "auto" and CHUNK_GRAPHS)
+
+
+def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False,
+                   chunk_graphs: bool = False) -> int:
     """Compile every block of ``chunks`` (their ``layers``) in place, ``regions`` of each
-    (a module shared by blocks once); how many modules.
+    (a module shared by blocks once); how many modules. With ``chunk_graphs`` a chunk whose
+    blocks ``ChunkGraph`` takes also gets one as its ``layers_graph``.
 
     A split backward keeps the autograd graph from its input half to its weight half, which
     AOTAutograd's donated buffers (backward freeing saved tensors early) forbid: they are
@@ -135,4 +155,69 @@ def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False) ->
                 if id(region) not in compiled:
                     region.compile(backend=backend(), mode=mode())
                     compiled[id(region)] = region
+        if (chunk_graphs and not split_backward
+                and ChunkGraph.takes_blocks(chunk.layers.values())):
+            chunk.layers_graph = ChunkGraph(chunk.layers.values())
     return len(compiled)
+
+
+class ChunkGraph:
+    """A chunk's dense reference blocks as one compiled graph, each block a nested compile
+    region (``torch.compiler.nested_compile_region``): inductor compiles one block's
+    forward and backward and calls them for every layer, and the chunk's forward is one
+    graph call (guards checked once, one autograd node) where its blocks' own regions are
+    one a layer. On this CPU with inductor (``benchmarks/results/compile_regions.md``), a
+    chunk's forward + backward took 0.74-0.78x the time of its blocks compiled one by one
+    at dim 64 (4 and 16 layers, where host calls are the step) and 0.95-0.99x at dim 256;
+    its first step compiled 1.13x as long at 4 layers and 1.37x at 16.
+
+    The chunk's weights' gradients then arrive together at the end of its backward, where a
+    block's arrive after the block's: a step holds up to a chunk's weight gradients more at
+    that moment. Nothing may break a nested region's graph, so the chunk runs it only for a
+    microbatch whose attention stays inside (``takes``): a plain sequence on one rank.
+
+    The graph is compiled for static sizes (``dynamic=False``): a second graph of blocks of
+    another width in the same process then compiles anew, where with automatic dynamic
+    sizes torch 2.13's TorchDynamo failed to reuse the block's region (``KeyError`` on a
+    size, ``stamp_out_subgraph``). A run's plain sequences have one size (evaluation under
+    ``no_grad`` compiles once more)."""
+
+    def __init__(self, blocks: Iterable[TransformerBlock]):
+        self.blocks = tuple(blocks)
+        self._attention = self.blocks[0].attention.core_attention
+        self._run = torch.compile(_run_blocks, backend=backend(), mode=mode(), dynamic=False)
+
+    @staticmethod
+    def takes_blocks(blocks: Iterable[nn.Module]) -> bool:
+        """Whether ``blocks`` (a chunk's) can run as nested regions of one graph: dense
+        reference blocks compiled whole (``regions``), without tensor-parallel
+        communication, attending with ``LocalAttention``."""
+        blocks = list(blocks)
+        return bool(blocks) and all(
+            isinstance(block, TransformerBlock) and regions(block) == [block]
+            and block.attention.tp.size == 1
+            and isinstance(block.attention.core_attention, LocalAttention) for block in blocks)
+
+    def takes(self, hidden: Tensor, positions: Tensor | None, doc_ids: Tensor | None) -> bool:
+        """Whether a microbatch of ``hidden`` ``[batch, seq, dim]`` with this token layout
+        keeps every block's attention in its graph: one SDPA call on a plain sequence
+        (``LocalAttention.runs_in_graph``, which reads of its queries only the sequence
+        length, device and dtype, which ``hidden`` has too)."""
+        return self._attention.runs_in_graph(hidden, positions, doc_ids, None, None)
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        return self._run(self.blocks, hidden)
+
+
+def _run_blocks(blocks: tuple[TransformerBlock, ...], hidden: Tensor) -> Tensor:
+    for block in blocks:
+        hidden = _block_region(block, hidden)
+    return hidden
+
+
+def _plain_block(block: TransformerBlock, hidden: Tensor) -> Tensor:
+    return block._forward(hidden, None, None, None)
+
+
+_block_region = (torch.compiler.nested_compile_region(_plain_block) if CHUNK_GRAPHS
+                 else _plain_block)

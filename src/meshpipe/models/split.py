@@ -44,6 +44,7 @@ class TransformerChunk(nn.Module):
         if last:
             self.norm = model.norm
             self.head = model.head
+        self.layers_graph = None  # models.compile.ChunkGraph, set under --compile
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None, aux: Tensor | None = None) -> Any:
@@ -58,9 +59,13 @@ class TransformerChunk(nn.Module):
             sequence_shards=1 if self.is_first else self.tp.sequence_shards)
         if self.is_moe and aux is None:
             aux = torch.zeros((), device=hidden.device)
-        hidden, aux = yield from run_layers(self.layers.values(), hidden, aux,
-                                            layer_positions, doc_ids,
-                                            self._pack(layer_positions, doc_ids, hidden))
+        graph = self.layers_graph
+        if graph is not None and graph.takes(hidden, layer_positions, doc_ids):
+            hidden = graph(hidden)
+        else:
+            hidden, aux = yield from run_layers(self.layers.values(), hidden, aux,
+                                                layer_positions, doc_ids,
+                                                self._pack(layer_positions, doc_ids, hidden))
         if self.is_last:
             logits = logits_of(self, hidden)
             return (logits, aux) if self.is_moe else logits

@@ -102,6 +102,7 @@ class TrainConfig:
     recompute: str = "none"
     zero: int = 0
     compile: bool = False
+    chunk_graphs: str = "auto"
     joint_projections: str = "auto"
     grouped_experts: str = "auto"
     grad_accumulation_fusion: str = "auto"
@@ -151,6 +152,7 @@ class TrainConfig:
         for name, choices in (("dtype", DTYPES), ("p2p", P2P_MODES),
                               ("recompute", RECOMPUTE_MODES), ("device", DEVICES),
                               ("backend", BACKENDS), ("loss_on", LOSS_ON),
+                              ("chunk_graphs", WEIGHT_LAYOUT_MODES),
                               ("joint_projections", WEIGHT_LAYOUT_MODES),
                               ("grouped_experts", WEIGHT_LAYOUT_MODES),
                               ("grad_accumulation_fusion", WEIGHT_LAYOUT_MODES)):
@@ -245,6 +247,19 @@ class TrainConfig:
             from meshpipe.models.compile import check_mode
 
             check_mode()
+        self._check_chunk_graphs()
+
+    def _check_chunk_graphs(self) -> None:
+        if self.chunk_graphs != "on":
+            return
+        if not self.compile:
+            raise ValueError("--chunk-graphs on runs a chunk's compiled blocks as one graph, "
+                             "which only --compile compiles: add --compile or drop the flag")
+        from meshpipe.models.compile import CHUNK_GRAPHS
+
+        if not CHUNK_GRAPHS:
+            raise ValueError(f"--chunk-graphs on needs nested compile regions of a torch >= "
+                             f"2.11; this is {torch.__version__}: use auto or off")
 
     def _check_grouped_experts(self) -> None:
         if self.grouped_experts != "on":
@@ -499,6 +514,9 @@ FIELD_HELP = {
     "recompute": "activation recompute: none, full (each block) or selective (attention core)",
     "compile": "compile each decoder block with torch.compile (one compiled code for all "
                "blocks; attention cores and communication stay eager: docs/parallelism.md)",
+    "chunk_graphs": "under --compile, a stage's dense reference blocks as one graph on a "
+                    "plain sequence, each block a nested region compiled once: auto (on "
+                    "where the torch has them, >= 2.11), on or off (one graph a block)",
     "joint_projections": "q/k/v and gate/up projections as one matrix product each: auto "
                          "(on CUDA, where kernel launches bound an eager step; not on a CPU), "
                          "on or off; never with --compile",

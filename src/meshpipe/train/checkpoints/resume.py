@@ -43,8 +43,8 @@ SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", 
                    "chat_template", "truncate", "tokenizer", "pack", "freeze", "lr_scale")
 LAYOUT_FIELDS = ("pp", "vpp", "cp_ulysses", "cp_ring", "tp", "stage_tp", "stage_layers",
                  "stage_link", "sequence_parallel", "schedule", "placement", "p2p", "recompute",
-                 "ep", "device", "backend", "zero", "compile", "joint_projections",
-                 "grouped_experts", "grad_accumulation_fusion")
+                 "ep", "device", "backend", "zero", "compile", "chunk_graphs",
+                 "joint_projections", "grouped_experts", "grad_accumulation_fusion")
 RUN_FIELDS = ("steps", "eval_every", "checkpoint_every", "checkpoint_async", "keep_checkpoints",
               "timeline_step", "progress", "tensorboard", "hang_timeout", "skip_nonfinite", "checkpoint_on_signal",
               "max_restarts", "export", "data_cache")

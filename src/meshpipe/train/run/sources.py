@@ -26,7 +26,7 @@ from meshpipe.context.interface import AttentionError
 from meshpipe.context.shards import document_ids, positions_in_document
 from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, causal_lm_loss,
                              shared_parameters, split)
-from meshpipe.models.compile import compile_blocks
+from meshpipe.models.compile import chunk_graphs, compile_blocks
 from meshpipe.models.transformer import check_tensor_parallel_sizes
 from meshpipe.parallel import TensorParallelRegion
 from meshpipe.runtime import DynamicLossScaler, MasterWeights, autocast, weights_dtype
@@ -251,7 +251,8 @@ def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
              else _reference_parts(config, layers, attention, **groups))
     if config.compile:
         compile_blocks((parts.chunks[stage] for stage in my_stages),
-                       split_backward=SCHEDULE_SPECS[config.schedule].split_backward)
+                       split_backward=SCHEDULE_SPECS[config.schedule].split_backward,
+                       chunk_graphs=chunk_graphs(config.chunk_graphs))
     return parts
 
 

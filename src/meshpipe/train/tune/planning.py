@@ -21,6 +21,9 @@ from meshpipe.train.config import TrainConfig
 PLANNED_FIELDS = ("tp", "pp", "vpp", "dp", "cp_ulysses", "cp_ring", "ep", "schedule",
                   "placement", "microbatches", "microbatch_size", "zero", "recompute",
                   "sequence_parallel", "stage_tp")
+# The row of benchmarks/gpu_bench.py that --efficiency-from fits: the step as `meshpipe plan`
+# writes runs (--compile, its other flags at their defaults).
+COMPILED_RUNNER = "meshpipe Trainer (1F1B, 1 stage) --compile"
 
 
 def model_shape(config: TrainConfig) -> ModelShape:
@@ -96,7 +99,7 @@ def efficiency_from_gpu_bench(path: Path, request: PlanRequest) -> tuple[PlanReq
     rows = [(result.get("device", "one GPU"), row) for result in results
             for row in result.get("train", [])
             if row.get("status") == "ok" and row.get("model")
-            and row.get("runner", "").startswith("meshpipe Trainer (1F1B, 1 stage) --compile")]
+            and row.get("runner") == COMPILED_RUNNER]
     if not rows:
         raise PlanError(f"{path}: no compiled meshpipe training step with its model's sizes "
                         f"(rows written by benchmarks/gpu_bench.py with --modes compile since "
