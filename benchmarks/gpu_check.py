@@ -166,6 +166,9 @@ LAYOUTS = [
                                      "--compile")),
     # Hugging Face decoders (tiny random checkpoints, made on the spot: ``made_input``).
     Layout("hf-qwen3-pp2", ("--pp", "2", "--model", "{qwen3}"), "per-head q/k norms"),
+    Layout("hf-qwen3-pp2-bf16-compile", ("--pp", "2", "--model", "{qwen3}", "--dtype", "bf16",
+                                         "--compile", "--chunk-graphs", "on"),
+           "each stage's layers one graph of nested layer regions"),
     Layout("hf-gemma3-window-pp2-bf16", ("--pp", "2", "--model", "{gemma3}", "--seq-len", "64",
                                          "--dtype", "bf16"),
            "sliding window of 6 (variable-length flash) and full layers, tied head"),

@@ -13,13 +13,16 @@ import pytest
 import torch
 
 from hf_models import save_tiny_model, write_documents
-from meshpipe.models.compile import (BACKEND_VARIABLE, CHUNK_GRAPHS, NESTED_GRAPH_BREAKS,
-                                     ChunkGraph, compile_blocks, regions)
+from meshpipe.models.compile import (BACKEND_VARIABLE, CHUNK_GRAPHS, HF_CHUNK_GRAPH_TYPES,
+                                     NESTED_GRAPH_BREAKS, chunk_graph, compile_blocks, regions)
 from meshpipe.testing import run_distributed
 from meshpipe.train.config import TrainConfig
 from trainer_cases import SMALL, for_a_model
 
 pytestmark = pytest.mark.distributed
+needs_chunk_graphs = pytest.mark.skipif(
+    not CHUNK_GRAPHS, reason=f"torch {torch.__version__} has no nested compile regions for "
+    "a chunk's graph (--chunk-graphs)")
 
 
 def _check_compiled(rank, world_size, config):
@@ -52,6 +55,20 @@ def test_a_compiled_step_matches_one_process(tmp_path, layout):
 def test_a_compiled_hugging_face_model_on_packed_ulysses_matches_transformers(tmp_path):
     hf = for_a_model(SMALL)
     config = TrainConfig(**hf, pp=1, schedule="none", cp_ulysses=2, pack=True, compile=True,
+                         model=str(save_tiny_model(tmp_path / "model", "qwen3")),
+                         data=str(write_documents(tmp_path / "docs.txt")),
+                         out_dir=str(tmp_path / "run"))
+    report = run_distributed(2, _check_compiled, config)[0]
+    assert report["passed"], report
+
+
+@pytest.mark.slow
+@needs_chunk_graphs
+def test_a_compiled_hugging_face_pipeline_of_chunk_graphs_matches_transformers(tmp_path):
+    """A Qwen3 over two stages in bf16, each stage's chunk one graph of its layers
+    (``--chunk-graphs on``): the first step equals transformers' model in one process."""
+    hf = for_a_model(SMALL)
+    config = TrainConfig(**hf, pp=2, dtype="bf16", compile=True, chunk_graphs="on",
                          model=str(save_tiny_model(tmp_path / "model", "qwen3")),
                          data=str(write_documents(tmp_path / "docs.txt")),
                          out_dir=str(tmp_path / "run"))
@@ -213,11 +230,6 @@ def test_a_hugging_face_layer_is_one_graph_or_two_cut_at_its_attention(
             compiled.grad = reference.grad = None
 
 
-needs_chunk_graphs = pytest.mark.skipif(
-    not CHUNK_GRAPHS, reason=f"torch {torch.__version__} has no nested compile regions for "
-    "a chunk's graph (--chunk-graphs)")
-
-
 def _recording_backend(graphs):
     """``aot_eager`` that first records each graph TorchDynamo hands it."""
     from torch._dynamo.backends.debugging import aot_eager
@@ -239,15 +251,15 @@ def _compiled_calls(chunk):
             return call(*args, **kwargs)
         return counted
 
-    for block in chunk.layers.values():
-        block._compiled_call_impl = counting("blocks", block._compiled_call_impl)
+    for layer in chunk.layers.values():
+        layer._compiled_call_impl = counting("blocks", layer._compiled_call_impl)
     graph = chunk.layers_graph
     graph._run = counting("chunk", graph._run)
     return calls
 
 
 @needs_chunk_graphs
-@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("recompute", ["none", pytest.param("selective", marks=pytest.mark.slow)])
 def test_a_chunk_of_dense_blocks_is_one_graph_that_compiles_one_block(monkeypatch, recompute):
     """``--chunk-graphs``: on a plain sequence the chunk's three blocks run as one graph (one
     call a microbatch), which calls one block's nested region three times: one block is
@@ -336,23 +348,90 @@ def test_which_chunks_run_as_one_graph():
                                      attention=attention, **flags), 1)
         return chunk
 
-    assert ChunkGraph.takes_blocks(chunk_of().layers.values())
-    assert ChunkGraph.takes_blocks(chunk_of(recompute="selective").layers.values())
-    assert not ChunkGraph.takes_blocks(chunk_of(recompute="full").layers.values())
-    assert not ChunkGraph.takes_blocks(chunk_of(moe_experts=4, moe_every=2).layers.values())
-    assert not ChunkGraph.takes_blocks(chunk_of(RingAttention()).layers.values())
+    assert chunk_graph(chunk_of()) is not None
+    assert chunk_graph(chunk_of(recompute="selective")) is not None
+    assert chunk_graph(chunk_of(recompute="full")) is None
+    assert chunk_graph(chunk_of(moe_experts=4, moe_every=2)) is None
+    assert chunk_graph(chunk_of(RingAttention())) is None
     for kwargs, graph in ((dict(chunk_graphs=True), True),
                           (dict(chunk_graphs=True, split_backward=True), False),
                           (dict(), False)):
         chunk = chunk_of()
         compile_blocks([chunk], **kwargs)
         assert (chunk.layers_graph is not None) == graph, kwargs
-    graph = ChunkGraph(chunk_of().layers.values())
+    graph = chunk_graph(chunk_of())
     hidden = torch.zeros(1, 256, 32)
     positions = torch.arange(256)
     assert graph.takes(hidden, None, None)
     assert not graph.takes(hidden, positions, torch.zeros(256, dtype=torch.long))
     assert not graph.takes(torch.zeros(1, 257, 32), None, None)  # the CPU's causal squares
+
+
+def _hf_chunk(directory, **options):
+    from meshpipe.context import LocalAttention
+    from meshpipe.models import hf
+
+    skeleton = hf.build_skeleton(directory)
+    (chunk,) = hf.split_model(skeleton, [skeleton.config.num_hidden_layers], LocalAttention(),
+                              **options)
+    hf.materialize(skeleton, [chunk], directory)
+    return chunk
+
+
+@needs_chunk_graphs
+@pytest.mark.parametrize("arch", [arch if arch in ("llama", "gemma3_text") else  # the rest slow
+                                  pytest.param(arch, marks=pytest.mark.slow)
+                                  for arch in HF_CHUNK_GRAPH_TYPES])
+def test_a_hugging_face_chunk_is_one_graph_of_its_layers(monkeypatch, tmp_path, arch):
+    """A chunk of each listed decoder runs a plain sequence as one graph, one layer's nested
+    region called for every layer (with each layer's rotary tables: Gemma 3's local and
+    global ones), equal to its layers one by one, gradients too; a sliding window shorter
+    than the sequence (Gemma 3's, 6 tokens) keeps the layers' own graphs."""
+    import copy
+
+    import torch._dynamo
+
+    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    chunk = _hf_chunk(save_tiny_model(tmp_path, arch))
+    eager = copy.deepcopy(chunk)
+    compile_blocks([chunk], chunk_graphs=True)
+    calls = _compiled_calls(chunk)
+    windowed = arch == "gemma3_text"
+    tokens = torch.randint(0, 64, (1, 16))
+    for _ in range(2):
+        outputs = [model(tokens) for model in (chunk, eager)]
+        for out in outputs:
+            out.float().square().mean().backward()
+        torch.testing.assert_close(*outputs)
+        for (name, compiled), reference in zip(chunk.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(compiled.grad, reference.grad, msg=name)
+            compiled.grad = reference.grad = None
+    layers = len(chunk.layers)
+    assert calls == ({"blocks": 2 * layers, "chunk": 0} if windowed
+                     else {"blocks": 0, "chunk": 2})
+    short = tokens[:, :6]
+    torch.testing.assert_close(chunk(short), eager(short))
+    assert calls["chunk"] == (1 if windowed else 3)
+
+
+def test_which_hugging_face_chunks_run_as_one_graph(monkeypatch, tmp_path):
+    """Not a mixture of experts (Mixtral), soft-capped attention (Gemma 2), recomputed
+    layers, a decoder not in the list, nor a layer holding a hook (tensor parallelism enters
+    its region through pre-hooks)."""
+    from meshpipe.models import compile as compile_module
+
+    assert chunk_graph(_hf_chunk(save_tiny_model(tmp_path / "llama", "llama"))) is not None
+    assert chunk_graph(_hf_chunk(tmp_path / "llama", recompute=True)) is None
+    with monkeypatch.context() as patch:
+        patch.setattr(compile_module, "HF_CHUNK_GRAPH_TYPES", ("qwen3",))
+        assert chunk_graph(_hf_chunk(tmp_path / "llama")) is None
+    for arch in ("mixtral", "gemma2"):
+        assert chunk_graph(_hf_chunk(save_tiny_model(tmp_path / arch, arch))) is None, arch
+    hooked = _hf_chunk(tmp_path / "llama")
+    next(iter(hooked.layers.values())).mlp.register_forward_pre_hook(lambda *args: None)
+    assert chunk_graph(hooked) is None
 
 
 def test_chunk_graphs_are_decided_once_and_refused_before_the_run(monkeypatch):

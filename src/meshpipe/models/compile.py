@@ -22,12 +22,12 @@ What is not compiled runs eager at known graph breaks, each marked ``@graph_brea
 - a mixture-of-experts block's experts: its forward is cut at its all-to-alls for combined
   1F1B (``forward_steps``), so only its attention and norms are compiled.
 
-A chunk of dense reference blocks runs as one graph on a plain sequence (``ChunkGraph``,
-``--chunk-graphs``): each block a nested compile region, traced and compiled once and called for
-every layer (compile time grows a little with depth, not a block's worth a layer), while the chunk
-pays one graph call's host time (guards, the autograd wrapper) a microbatch, not one a layer. A
-microbatch whose attention would break a block's graph (a pack, a context-parallel rank: nothing may
-break inside a nested region) runs the blocks' own compiled code.
+A chunk of dense reference blocks (or of a common decoder's layers) runs as one graph on a plain
+sequence (``ChunkGraph``, ``--chunk-graphs``): each block a nested compile region, traced and
+compiled once and called for every layer (compile time grows a little with depth, not a block's
+worth a layer), while the chunk pays one graph call's host time (guards, the autograd wrapper) a
+microbatch, not one a layer. A microbatch whose attention would break a block's graph (a pack, a
+context-parallel rank: nothing may break inside a nested region) runs the blocks' own compiled code.
 
 ``MESHPIPE_COMPILE_BACKEND`` names another backend than inductor (``aot_eager`` traces and
 differentiates like inductor without generating code: quick, for checking);
@@ -42,7 +42,8 @@ at the second microbatch's backward of a one-stage 1F1B step.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +51,8 @@ from torch import Tensor, nn
 from meshpipe import graph_breaks
 from meshpipe.context.local import LocalAttention
 from meshpipe.models import hf_moe
+from meshpipe.models.hf import HFChunk
+from meshpipe.models.hf_attention import call_layer, meshpipe_arguments
 from meshpipe.models.transformer import TransformerBlock
 
 BACKEND_VARIABLE = "MESHPIPE_COMPILE_BACKEND"
@@ -131,8 +134,8 @@ def chunk_graphs(setting: str) -> bool:
 def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False,
                    chunk_graphs: bool = False) -> int:
     """Compile every block of ``chunks`` (their ``layers``) in place, ``regions`` of each
-    (a module shared by blocks once); how many modules. With ``chunk_graphs`` a chunk whose
-    blocks ``ChunkGraph`` takes also gets one as its ``layers_graph``.
+    (a module shared by blocks once); how many modules. With ``chunk_graphs`` each chunk
+    also gets its ``chunk_graph`` as its ``layers_graph`` (None where it has none).
 
     A split backward keeps the autograd graph from its input half to its weight half, which
     AOTAutograd's donated buffers (backward freeing saved tensors early) forbid: they are
@@ -155,61 +158,100 @@ def compile_blocks(chunks: Iterable[nn.Module], split_backward: bool = False,
                 if id(region) not in compiled:
                     region.compile(backend=backend(), mode=mode())
                     compiled[id(region)] = region
-        if (chunk_graphs and not split_backward
-                and ChunkGraph.takes_blocks(chunk.layers.values())):
-            chunk.layers_graph = ChunkGraph(chunk.layers.values())
+        if chunk_graphs and not split_backward:
+            chunk.layers_graph = chunk_graph(chunk)
     return len(compiled)
 
 
 class ChunkGraph:
-    """A chunk's dense reference blocks as one compiled graph, each block a nested compile
-    region (``torch.compiler.nested_compile_region``): inductor compiles one block's
-    forward and backward and calls them for every layer, and the chunk's forward is one
-    graph call (guards checked once, one autograd node) where its blocks' own regions are
-    one a layer. On this CPU with inductor (``benchmarks/results/compile_regions.md``), a
+    """A chunk's layers as one compiled graph, each layer a nested compile region
+    (``torch.compiler.nested_compile_region``): inductor compiles one layer's forward and
+    backward and calls them for every layer, and the chunk's forward is one graph call
+    (guards checked once, one autograd node) where its layers' own regions are one a layer.
+    On this CPU with inductor (``benchmarks/results/compile_regions.md``), a reference
     chunk's forward + backward took 0.74-0.78x the time of its blocks compiled one by one
     at dim 64 (4 and 16 layers, where host calls are the step) and 0.95-0.99x at dim 256;
     its first step compiled 1.13x as long at 4 layers and 1.37x at 16.
 
     The chunk's weights' gradients then arrive together at the end of its backward, where a
-    block's arrive after the block's: a step holds up to a chunk's weight gradients more at
+    layer's arrive after the layer's: a step holds up to a chunk's weight gradients more at
     that moment. Nothing may break a nested region's graph, so the chunk runs it only for a
-    microbatch whose attention stays inside (``takes``): a plain sequence on one rank.
+    microbatch whose attention stays inside in every layer (``takes``): a plain sequence on
+    one rank, no layer's sliding window shorter than it.
 
-    The graph is compiled for static sizes (``dynamic=False``): a second graph of blocks of
+    The graph is compiled for static sizes (``dynamic=False``): a second graph of layers of
     another width in the same process then compiles anew, where with automatic dynamic
-    sizes torch 2.13's TorchDynamo failed to reuse the block's region (``KeyError`` on a
+    sizes torch 2.13's TorchDynamo failed to reuse the layer's region (``KeyError`` on a
     size, ``stamp_out_subgraph``). A run's plain sequences have one size (evaluation under
     ``no_grad`` compiles once more)."""
 
-    def __init__(self, blocks: Iterable[TransformerBlock]):
-        self.blocks = tuple(blocks)
-        self._attention = self.blocks[0].attention.core_attention
-        self._run = torch.compile(_run_blocks, backend=backend(), mode=mode(), dynamic=False)
-
-    @staticmethod
-    def takes_blocks(blocks: Iterable[nn.Module]) -> bool:
-        """Whether ``blocks`` (a chunk's) can run as nested regions of one graph: dense
-        reference blocks compiled whole (``regions``), without tensor-parallel
-        communication, attending with ``LocalAttention``."""
-        blocks = list(blocks)
-        return bool(blocks) and all(
-            isinstance(block, TransformerBlock) and regions(block) == [block]
-            and block.attention.tp.size == 1
-            and isinstance(block.attention.core_attention, LocalAttention) for block in blocks)
+    def __init__(self, layers: Iterable[nn.Module], attention: LocalAttention,
+                 run: Callable[..., Tensor], windows: Iterable[int | None] = (None,)):
+        self.layers = tuple(layers)
+        self._attention = attention
+        self._windows = tuple(set(windows))
+        self._run = torch.compile(run, backend=backend(), mode=mode(), dynamic=False)
 
     def takes(self, hidden: Tensor, positions: Tensor | None, doc_ids: Tensor | None) -> bool:
         """Whether a microbatch of ``hidden`` ``[batch, seq, dim]`` with this token layout
-        keeps every block's attention in its graph: one SDPA call on a plain sequence
+        keeps every layer's attention in its graph: one SDPA call on a plain sequence
         (``LocalAttention.runs_in_graph``, which reads of its queries only the sequence
         length, device and dtype, which ``hidden`` has too)."""
-        return self._attention.runs_in_graph(hidden, positions, doc_ids, None, None)
+        return all(self._attention.runs_in_graph(hidden, positions, doc_ids, window, None)
+                   for window in self._windows)
 
-    def __call__(self, hidden: Tensor) -> Tensor:
-        return self._run(self.blocks, hidden)
+    def __call__(self, hidden: Tensor, *inputs: Any) -> Tensor:
+        """The layers on ``hidden``; ``inputs``: what a Hugging Face chunk's layers also take
+        (each layer's rotary tables, the position ids)."""
+        return self._run(self.layers, self._attention, hidden, *inputs)
 
 
-def _run_blocks(blocks: tuple[TransformerBlock, ...], hidden: Tensor) -> Tensor:
+HF_CHUNK_GRAPH_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+"""transformers' decoders whose chunks run as one graph (``chunk_graph``): each tested
+against its layers one by one. Another's layers keep a graph each."""
+
+
+def chunk_graph(chunk: nn.Module) -> ChunkGraph | None:
+    """``chunk``'s layers as a ``ChunkGraph`` where they can run as nested regions of one
+    graph, else None: dense reference blocks compiled whole (``regions``) without
+    tensor-parallel communication, or the dense layers of a decoder of
+    ``HF_CHUNK_GRAPH_TYPES`` without recomputation, tensor parallelism (no layer holds a
+    hook) or soft-capped attention; attending with ``LocalAttention``."""
+    layers = list(chunk.layers.values())
+    if not layers:
+        return None
+    if all(isinstance(block, TransformerBlock) and regions(block) == [block]
+           and block.attention.tp.size == 1 for block in layers):
+        attention = layers[0].attention.core_attention
+        return ChunkGraph(layers, attention, _run_blocks) if isinstance(
+            attention, LocalAttention) else None
+    if not (isinstance(chunk, HFChunk) and isinstance(chunk.attention, LocalAttention)
+            and not chunk.recompute and chunk.sequence_shards == 1
+            and all(_plain_hf_layer(layer) for layer in layers)):
+        return None
+    return ChunkGraph(layers, chunk.attention, _run_hf_layers,
+                      [_sliding_window(layer.self_attn) for layer in layers])
+
+
+def _plain_hf_layer(layer: nn.Module) -> bool:
+    attention = layer.self_attn
+    return (attention.config.model_type in HF_CHUNK_GRAPH_TYPES
+            and hf_moe.expert_layer(layer) is None
+            and getattr(attention, "attn_logit_softcapping", None) is None
+            and not any(module._forward_pre_hooks or module._forward_hooks
+                        for module in layer.modules()))
+
+
+def _sliding_window(attention: nn.Module) -> int | None:
+    """The window transformers' attention module passes its attention function: its own
+    (Qwen2, Qwen3, Gemma 3: None on a full layer), else its config's (Mistral, Phi-3)."""
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window
+    return getattr(attention.config, "sliding_window", None)
+
+
+def _run_blocks(blocks: tuple[TransformerBlock, ...], attention: LocalAttention,
+                hidden: Tensor) -> Tensor:
     for block in blocks:
         hidden = _block_region(block, hidden)
     return hidden
@@ -219,5 +261,20 @@ def _plain_block(block: TransformerBlock, hidden: Tensor) -> Tensor:
     return block._forward(hidden, None, None, None)
 
 
-_block_region = (torch.compiler.nested_compile_region(_plain_block) if CHUNK_GRAPHS
-                 else _plain_block)
+def _run_hf_layers(layers: tuple[nn.Module, ...], attention: LocalAttention, hidden: Tensor,
+                   tables: tuple[tuple[Tensor, Tensor], ...], position_ids: Tensor) -> Tensor:
+    for layer, (cos, sin) in zip(layers, tables):
+        hidden = _hf_layer_region(layer, attention, hidden, cos, sin, position_ids)
+    return hidden
+
+
+def _plain_hf_layer_call(layer: nn.Module, attention: LocalAttention, hidden: Tensor,
+                         cos: Tensor, sin: Tensor, position_ids: Tensor) -> Tensor:
+    return call_layer(layer, hidden, (cos, sin), position_ids,
+                      meshpipe_arguments(attention, None, None, None))
+
+
+_block_region, _hf_layer_region = (
+    (torch.compiler.nested_compile_region(_plain_block),
+     torch.compiler.nested_compile_region(_plain_hf_layer_call)) if CHUNK_GRAPHS
+    else (_plain_block, _plain_hf_layer_call))

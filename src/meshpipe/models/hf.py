@@ -40,8 +40,9 @@ from torch import Tensor, nn
 
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
-from meshpipe.context.routing import GraphPack, attend, pack_for_graph
+from meshpipe.context.routing import GraphPack, pack_for_graph
 from meshpipe.models import hf_moe, hf_norms, hf_vision
+from meshpipe.models.hf_attention import attention_adapter, call_layer, meshpipe_arguments
 from meshpipe.models.hf_vision import decoder_of
 from meshpipe.models.hf_tp import ROWS_ATTR
 from meshpipe.models.moe import is_expert_param, mark_expert_parallel
@@ -206,38 +207,9 @@ def check_sequence_length(info: HFModelInfo, seq_len: int) -> None:
                          f"{info.max_positions}: use --seq-len {info.max_positions} or less")
 
 
-def _attention_adapter(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                       attention_mask: Tensor | None, dropout: float = 0.0,
-                       scaling: float | None = None, sliding_window: int | None = None,
-                       softcap: float | None = None,
-                       meshpipe_attention: Attention | None = None,
-                       meshpipe_positions: Tensor | None = None,
-                       meshpipe_doc_ids: Tensor | None = None,
-                       meshpipe_pack: GraphPack | None = None,
-                       **_: Any) -> tuple[Tensor, None]:
-    """transformers' attention-function signature over a meshpipe attention.
-
-    transformers hands q ``[batch, heads, seq, head_dim]`` and k, v with the key/value heads;
-    meshpipe's attentions take ``[batch, seq, heads, head_dim]`` and do grouped-query
-    attention themselves. The mask is meshpipe's (positions and document ids, and the
-    layer's sliding window), never a materialised one; the layer's scale and soft-cap go
-    with the call.
-    """
-    if meshpipe_attention is None:
-        raise RuntimeError("the 'meshpipe' attention runs only inside meshpipe's HFChunk, which "
-                           "passes the attention and the token positions to every layer")
-    if dropout:
-        raise ValueError("meshpipe's attention has no dropout: set attention_dropout to 0.0")
-    out = attend(meshpipe_attention, query.transpose(1, 2), key.transpose(1, 2),
-                 value.transpose(1, 2), positions=meshpipe_positions, doc_ids=meshpipe_doc_ids,
-                 pack=meshpipe_pack,
-                 causal=True, window=sliding_window, scale=scaling, softcap=softcap)
-    return out, None
-
-
 def register_attention() -> None:
     """Make ``attn_implementation="meshpipe"`` known to transformers (idempotent)."""
-    require_transformers().AttentionInterface.register(ATTENTION_NAME, _attention_adapter)
+    require_transformers().AttentionInterface.register(ATTENTION_NAME, attention_adapter)
 
 
 def build_skeleton(directory: str | Path, capacity_factor: float = 0.0) -> nn.Module:
@@ -294,6 +266,7 @@ class HFChunk(nn.Module):
         # model, every message carries the load-balancing loss.
         self._experts = {index: hf_moe.expert_layer(layer) for index, layer in self.layers.items()}
         self.is_moe = any(hf_moe.expert_layer(layer) is not None for layer in base.layers)
+        self.layers_graph = None  # models.compile.ChunkGraph, set under --compile
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None, aux: Tensor | None = None) -> Any:
@@ -320,13 +293,35 @@ class HFChunk(nn.Module):
         if self.is_moe and aux is None:
             aux = torch.zeros((), device=hidden.device)
         pack = pack_for_graph(self.attention, layer_positions, doc_ids, hidden)
-        tables: dict[str | None, tuple[Tensor, Tensor]] = {}
+        tables = self._rotary_tables(hidden, rotary_ids)
+        graph = self.layers_graph
+        if graph is not None and graph.takes(hidden, layer_positions, doc_ids):
+            hidden = graph(hidden, tuple(tables.values()), position_ids)
+        else:
+            hidden, aux = yield from self._layer_steps(hidden, aux, tables, position_ids,
+                                                       layer_positions, doc_ids, pack)
+        if self.is_last:
+            logits = self._soft_capped(self.lm_head(self.norm(hidden)))
+            return (logits, aux) if self.is_moe else logits
+        return (hidden, positions, doc_ids, aux) if self.is_moe else (hidden, positions, doc_ids)
+
+    def _rotary_tables(self, hidden: Tensor,
+                       rotary_ids: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        """Each layer's rotary tables (by its index), computed once a kind of layer (Gemma
+        3's local and global layers have their own)."""
+        kinds = {index: self.layer_types[int(index)] if self.layer_types else None
+                 for index in self.layers}
+        tables = {kind: self.rotary_emb(hidden, rotary_ids, kind) if kind
+                  else self.rotary_emb(hidden, rotary_ids)
+                  for kind in dict.fromkeys(kinds.values())}
+        return {index: tables[kind] for index, kind in kinds.items()}
+
+    def _layer_steps(self, hidden: Tensor, aux: Tensor | None,
+                     tables: dict[str, tuple[Tensor, Tensor]], position_ids: Tensor,
+                     positions: Tensor | None, doc_ids: Tensor | None, pack: GraphPack | None):
+        """Sub-steps of the layers one by one: ``(hidden, aux)`` after the last."""
         for index, layer in self.layers.items():
-            kind = self.layer_types[int(index)] if self.layer_types else None
-            if kind not in tables:
-                tables[kind] = (self.rotary_emb(hidden, rotary_ids, kind) if kind
-                                else self.rotary_emb(hidden, rotary_ids))
-            inputs = (tables[kind], position_ids, layer_positions, doc_ids, pack)
+            inputs = (tables[index], position_ids, positions, doc_ids, pack)
             experts = self._experts[index]
             if experts is None:
                 hidden = _maybe_checkpoint(self.recompute, self._layer, layer, hidden, *inputs)
@@ -334,10 +329,7 @@ class HFChunk(nn.Module):
             hidden, aux = yield from hf_moe.moe_layer_steps(
                 layer, experts, lambda h, layer=layer, inputs=inputs: _maybe_checkpoint(
                     self.recompute, self._attend, layer, h, *inputs), hidden, aux)
-        if self.is_last:
-            logits = self._soft_capped(self.lm_head(self.norm(hidden)))
-            return (logits, aux) if self.is_moe else logits
-        return (hidden, positions, doc_ids, aux) if self.is_moe else (hidden, positions, doc_ids)
+        return hidden, aux
 
     def _soft_capped(self, logits: Tensor) -> Tensor:
         """The logits through the model's final soft-cap (Gemma), as its own forward does."""
@@ -345,18 +337,11 @@ class HFChunk(nn.Module):
             return logits
         return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
 
-    def _meshpipe_arguments(self, positions: Tensor | None, doc_ids: Tensor | None,
-                            pack: GraphPack | None) -> dict[str, Any]:
-        """What the ``"meshpipe"`` attention function needs, passed through the layer."""
-        return dict(meshpipe_attention=self.attention, meshpipe_positions=positions,
-                    meshpipe_doc_ids=doc_ids, meshpipe_pack=pack)
-
     def _layer(self, layer: nn.Module, hidden: Tensor, rotary: tuple[Tensor, Tensor],
                position_ids: Tensor, positions: Tensor | None, doc_ids: Tensor | None,
                pack: GraphPack | None) -> Tensor:
-        out = layer(hidden, position_embeddings=rotary, position_ids=position_ids,
-                    **self._meshpipe_arguments(positions, doc_ids, pack))
-        return out[0] if isinstance(out, tuple) else out
+        return call_layer(layer, hidden, rotary, position_ids,
+                          meshpipe_arguments(self.attention, positions, doc_ids, pack))
 
     def _attend(self, layer: nn.Module, hidden: Tensor, rotary: tuple[Tensor, Tensor],
                 position_ids: Tensor, positions: Tensor | None, doc_ids: Tensor | None,
@@ -365,7 +350,7 @@ class HFChunk(nn.Module):
         out, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden),
                                  position_embeddings=rotary, attention_mask=None,
                                  position_ids=position_ids,
-                                 **self._meshpipe_arguments(positions, doc_ids, pack))
+                                 **meshpipe_arguments(self.attention, positions, doc_ids, pack))
         return hidden + out
 
     def extra_repr(self) -> str:

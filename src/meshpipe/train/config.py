@@ -514,9 +514,10 @@ FIELD_HELP = {
     "recompute": "activation recompute: none, full (each block) or selective (attention core)",
     "compile": "compile each decoder block with torch.compile (one compiled code for all "
                "blocks; attention cores and communication stay eager: docs/parallelism.md)",
-    "chunk_graphs": "under --compile, a stage's dense reference blocks as one graph on a "
-                    "plain sequence, each block a nested region compiled once: auto (on "
-                    "where the torch has them, >= 2.11), on or off (one graph a block)",
+    "chunk_graphs": "under --compile, a stage's dense layers (the reference model's, or a "
+                    "common decoder's: docs/parallelism.md) as one graph on a plain "
+                    "sequence, each layer a nested region compiled once: auto (on where the "
+                    "torch has them, >= 2.11), on or off (one graph a layer)",
     "joint_projections": "q/k/v and gate/up projections as one matrix product each: auto "
                          "(on CUDA, where kernel launches bound an eager step; not on a CPU), "
                          "on or off; never with --compile",
