@@ -379,7 +379,7 @@ def _hf_chunk(directory, **options):
 
 
 @needs_chunk_graphs
-@pytest.mark.parametrize("arch", [arch if arch in ("llama", "gemma3_text") else  # the rest slow
+@pytest.mark.parametrize("arch", [arch if arch == "gemma3_text" else  # the rest slow
                                   pytest.param(arch, marks=pytest.mark.slow)
                                   for arch in HF_CHUNK_GRAPH_TYPES])
 def test_a_hugging_face_chunk_is_one_graph_of_its_layers(monkeypatch, tmp_path, arch):
