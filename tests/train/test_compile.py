@@ -1,7 +1,9 @@
 """``--compile``: the first step equals one process under every kind of schedule and
 parallelism (split backward, combined 1F1B's sub-steps, tensor, context and expert
-parallelism, a Hugging Face model, bf16), what is compiled and what stays eager, and no
-recompilation on a second step or another pack of documents.
+parallelism, a Hugging Face model, bf16), what is compiled and what stays eager, no
+recompilation on a second step or another pack of documents, and a chunk's layers as one
+graph of nested regions (``--chunk-graphs``): which chunks and microbatches, equal to their
+layers one by one.
 
 The tests compile with the ``aot_eager`` backend: TorchDynamo's capture, the graph breaks
 and AOTAutograd's forward and backward graphs are inductor's, without generating and
