@@ -333,6 +333,55 @@ def test_chunk_graphs_of_two_widths_and_shapes_run_in_one_process(monkeypatch):
             torch.testing.assert_close(chunk(tokens), eager(tokens))
 
 
+@torch.compiler.disable
+def _outside_any_graph(hidden):
+    return hidden
+
+
+@needs_chunk_graphs
+def test_a_chunk_graph_that_cannot_be_captured_warns_and_runs_the_layers(monkeypatch):
+    """A layer whose nested region breaks (here a ``torch.compiler.disable``d call inside
+    it) fails while TorchDynamo traces, before anything runs: the chunk warns once, runs
+    this microbatch and the later ones through its layers' own graphs, and its values and
+    gradients still equal the eager chunk's."""
+    import copy
+
+    import torch._dynamo
+
+    from meshpipe.models import Transformer, TransformerConfig, split
+    from meshpipe.models.compile import ChunkGraph
+
+    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
+    torch._dynamo.reset()
+    (chunk,) = split(Transformer(TransformerConfig(vocab_size=64, dim=32, n_layers=2,
+                                                   n_heads=4, max_seq_len=32)), 1)
+    eager = copy.deepcopy(chunk)
+    compile_blocks([chunk], chunk_graphs=True)
+
+    @torch.compiler.nested_compile_region
+    def breaking(block, hidden):
+        return _outside_any_graph(block._forward(hidden, None, None, None))
+
+    def run(blocks, attention, hidden):
+        for block in blocks:
+            hidden = breaking(block, hidden)
+        return hidden
+
+    chunk.layers_graph = graph = ChunkGraph(chunk.layers.values(),
+                                            chunk.layers_graph._attention, run)
+    tokens = torch.randint(0, 64, (1, 24))
+    with pytest.warns(UserWarning, match="--chunk-graphs: a layer of a chunk breaks"):
+        outputs = [model(tokens) for model in (chunk, eager)]
+    assert graph.broken and not graph.takes(chunk.embedding(tokens), None, None)
+    outputs.append(chunk(tokens))
+    for out in outputs:
+        out.square().mean().backward()
+    torch.testing.assert_close(outputs[0], outputs[1])
+    torch.testing.assert_close(outputs[2], outputs[1])
+    for (name, compiled), reference in zip(chunk.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(compiled.grad, 2 * reference.grad, msg=name)
+
+
 def test_which_chunks_run_as_one_graph():
     """A chunk runs as one graph where every block is a dense reference block compiled
     whole on ``LocalAttention`` (recomputing its attention core is inside the graph); not

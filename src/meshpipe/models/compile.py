@@ -42,6 +42,7 @@ at the second microbatch's backward of a one-stage 1F1B step.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -191,19 +192,37 @@ class ChunkGraph:
         self._attention = attention
         self._windows = tuple(set(windows))
         self._run = torch.compile(run, backend=backend(), mode=mode(), dynamic=False)
+        self.broken: str | None = None
 
     def takes(self, hidden: Tensor, positions: Tensor | None, doc_ids: Tensor | None) -> bool:
         """Whether a microbatch of ``hidden`` ``[batch, seq, dim]`` with this token layout
         keeps every layer's attention in its graph: one SDPA call on a plain sequence
         (``LocalAttention.runs_in_graph``, which reads of its queries only the sequence
         length, device and dtype, which ``hidden`` has too)."""
-        return all(self._attention.runs_in_graph(hidden, positions, doc_ids, window, None)
-                   for window in self._windows)
+        return self.broken is None and all(
+            self._attention.runs_in_graph(hidden, positions, doc_ids, window, None)
+            for window in self._windows)
 
-    def __call__(self, hidden: Tensor, *inputs: Any) -> Tensor:
-        """The layers on ``hidden``; ``inputs``: what a Hugging Face chunk's layers also take
-        (each layer's rotary tables, the position ids)."""
-        return self._run(self.layers, self._attention, hidden, *inputs)
+    def run(self, hidden: Tensor, positions: Tensor | None, doc_ids: Tensor | None,
+            *inputs: Any) -> Tensor | None:
+        """The layers on ``hidden`` where this microbatch ``takes`` the graph, else None (the
+        chunk then runs its layers one by one); ``inputs``: what a Hugging Face chunk's
+        layers also take (each layer's rotary tables, the position ids). Where TorchDynamo
+        cannot capture a layer whole (something breaks its graph: a decoder of another
+        transformers release might), a warning says so, this microbatch and every later
+        one run the layers one by one, and nothing has run yet (it fails while tracing)."""
+        if not self.takes(hidden, positions, doc_ids):
+            return None
+        from torch._dynamo.exc import UncapturedHigherOrderOpError
+
+        try:
+            return self._run(self.layers, self._attention, hidden, *inputs)
+        except UncapturedHigherOrderOpError as error:
+            self.broken = str(error).strip().splitlines()[0]
+            warnings.warn(f"--chunk-graphs: a layer of a chunk breaks its nested region "
+                          f"({self.broken}); the chunk runs its layers' own compiled graphs "
+                          f"instead (--chunk-graphs off does so from the start)")
+            return None
 
 
 HF_CHUNK_GRAPH_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")

@@ -295,8 +295,10 @@ class HFChunk(nn.Module):
         pack = pack_for_graph(self.attention, layer_positions, doc_ids, hidden)
         tables = self._rotary_tables(hidden, rotary_ids)
         graph = self.layers_graph
-        if graph is not None and graph.takes(hidden, layer_positions, doc_ids):
-            hidden = graph(hidden, tuple(tables.values()), position_ids)
+        layers_out = None if graph is None else graph.run(
+            hidden, layer_positions, doc_ids, tuple(tables.values()), position_ids)
+        if layers_out is not None:
+            hidden = layers_out
         else:
             hidden, aux = yield from self._layer_steps(hidden, aux, tables, position_ids,
                                                        layer_positions, doc_ids, pack)

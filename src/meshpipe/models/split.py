@@ -60,8 +60,9 @@ class TransformerChunk(nn.Module):
         if self.is_moe and aux is None:
             aux = torch.zeros((), device=hidden.device)
         graph = self.layers_graph
-        if graph is not None and graph.takes(hidden, layer_positions, doc_ids):
-            hidden = graph(hidden)
+        layers_out = None if graph is None else graph.run(hidden, layer_positions, doc_ids)
+        if layers_out is not None:
+            hidden = layers_out
         else:
             hidden, aux = yield from run_layers(self.layers.values(), hidden, aux,
                                                 layer_positions, doc_ids,
