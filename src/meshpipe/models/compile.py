@@ -253,8 +253,9 @@ def chunk_graph(chunk: nn.Module) -> ChunkGraph | None:
 
 
 def _plain_hf_layer(layer: nn.Module) -> bool:
-    attention = layer.self_attn
-    return (attention.config.model_type in HF_CHUNK_GRAPH_TYPES
+    attention = getattr(layer, "self_attn", None)
+    config = getattr(attention, "config", None)
+    return (getattr(config, "model_type", None) in HF_CHUNK_GRAPH_TYPES
             and hf_moe.expert_layer(layer) is None
             and getattr(attention, "attn_logit_softcapping", None) is None
             and not any(module._forward_pre_hooks or module._forward_hooks
