@@ -272,6 +272,8 @@ def _sliding_window(attention: nn.Module) -> int | None:
 
 def _run_blocks(blocks: tuple[TransformerBlock, ...], attention: LocalAttention,
                 hidden: Tensor) -> Tensor:
+    """The reference blocks in order; ``attention`` is not read (each block holds its own),
+    it is there because ``ChunkGraph`` calls every chunk's run alike."""
     for block in blocks:
         hidden = _block_region(block, hidden)
     return hidden
