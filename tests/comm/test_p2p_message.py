@@ -1,6 +1,8 @@
 """Pipeline messages without processes: pytree layout, metadata encoding, payload packing."""
 
+import gc
 import warnings
+import weakref
 from collections import OrderedDict, namedtuple
 
 import numpy as np
@@ -22,6 +24,8 @@ from meshpipe.comm.wire import (
     new_buffer,
     pack,
     pack_into,
+    tensor_paths,
+    unflatten,
     unpack,
 )
 
@@ -255,6 +259,30 @@ def test_unsupported_content_is_refused_after_a_similar_message_was_cached():
     flatten([torch.ones(2)])
     with pytest.raises(UnsupportedMessageError, match=r"^message\[0\] "):
         flatten([_quantized()])
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["checked", "cached"])
+def test_flattening_and_rebuilding_a_message_leaves_its_tensors_to_reference_counting(cached):
+    """No reference cycle keeps a message's tensors (a stage's activations and gradients)
+    alive after the last reference goes: with the cyclic collector off, they are freed."""
+    def message():
+        return {"hidden": (torch.ones(2, 3), 1), "extra": [torch.zeros(4)]}
+
+    if cached:
+        flatten(message())
+    gc.collect()
+    gc.disable()
+    try:
+        sent = message()
+        freed = [weakref.ref(t) for t in (sent["hidden"][0], sent["extra"][0])]
+        layout, tensors = flatten(sent)
+        assert tensor_paths(layout) == ["message['hidden'][0]", "message['extra'][0]"]
+        rebuilt = unflatten(layout, tensors)
+        assert rebuilt["extra"][0] is sent["extra"][0]
+        del sent, tensors, rebuilt
+        assert [ref() for ref in freed] == [None, None]
+    finally:
+        gc.enable()
 
 
 def test_a_host_message_holds_the_header_then_the_packed_payload():

@@ -193,91 +193,101 @@ def _signature(message: Any) -> tuple[tuple | None, list[torch.Tensor]]:
     """
     key: list[Any] = []
     tensors: list[torch.Tensor] = []
-
-    def visit(node: Any) -> bool:
-        if isinstance(node, torch.Tensor):
-            if node.layout is not torch.strided or node.is_nested or node.is_meta:
-                return False
-            key.extend((_TENSOR, node.dtype, node.shape))
-            tensors.append(node)
-            return True
-        kind = type(node)
-        if kind in SCALAR_TYPES:
-            key.extend((_VALUE, kind, node.hex() if kind is float else node))
-            return True
-        if kind is tuple or kind is list:
-            key.extend((kind, len(node)))
-            return all(visit(item) for item in node)
-        if kind is dict:
-            key.extend((_DICT, len(node)))
-            for item_key, value in node.items():
-                if type(item_key) not in _DICT_KEY_TYPES:
-                    return False
-                key.append(item_key)
-                if not visit(value):
-                    return False
-            return True
-        return False
-
-    if not visit(message):
+    if not _sign(message, key, tensors):
         return None, []
     return tuple(key), tensors
+
+
+# The walks over a message and its layout are module functions that take what they collect
+# as arguments: a nested function that calls itself is a reference cycle, which would keep
+# the message's tensors (activations, gradients) alive until Python's cyclic collector runs
+# instead of until the last reference goes (tests/comm/test_p2p_message.py).
+
+def _sign(node: Any, key: list[Any], tensors: list[torch.Tensor]) -> bool:
+    """Append ``node``'s part of the signature to ``key`` and its tensors to ``tensors``;
+    False at the first thing only the checked path may take."""
+    if isinstance(node, torch.Tensor):
+        if node.layout is not torch.strided or node.is_nested or node.is_meta:
+            return False
+        key.extend((_TENSOR, node.dtype, node.shape))
+        tensors.append(node)
+        return True
+    kind = type(node)
+    if kind in SCALAR_TYPES:
+        key.extend((_VALUE, kind, node.hex() if kind is float else node))
+        return True
+    if kind is tuple or kind is list:
+        key.extend((kind, len(node)))
+        return all(_sign(item, key, tensors) for item in node)
+    if kind is dict:
+        key.extend((_DICT, len(node)))
+        for item_key, value in node.items():
+            if type(item_key) not in _DICT_KEY_TYPES:
+                return False
+            key.append(item_key)
+            if not _sign(value, key, tensors):
+                return False
+        return True
+    return False
 
 
 def _flatten_checked(message: Any) -> tuple[MessageLayout, list[torch.Tensor]]:
     """:func:`flatten` without the cache: builds the layout, and raises
     :class:`UnsupportedMessageError` naming the first thing it cannot carry."""
     tensors: list[torch.Tensor] = []
-
-    def visit(node: Any, path: str) -> Any:
-        if isinstance(node, torch.Tensor):
-            _check_tensor(node, path)
-            tensors.append(node)
-            return [_TENSOR]
-        if type(node) in SCALAR_TYPES:
-            return [_VALUE, node]
-        if type(node) is tuple:
-            return [_TUPLE, [visit(item, f"{path}[{i}]") for i, item in enumerate(node)]]
-        if type(node) is list:
-            return [_LIST, [visit(item, f"{path}[{i}]") for i, item in enumerate(node)]]
-        if type(node) is dict:
-            items = []
-            for key, value in node.items():
-                if type(key) not in _DICT_KEY_TYPES:
-                    raise UnsupportedMessageError(
-                        f"{path} has a dict key {key!r} of type {type(key).__name__}; "
-                        "dict keys in a message must be str or int")
-                items.append([key, visit(value, f"{path}[{key!r}]")])
-            return [_DICT, items]
-        raise UnsupportedMessageError(
-            f"{path} is a {type(node).__module__}.{type(node).__qualname__}; a message is "
-            "made of tuple, list and dict (exact types, no subclasses such as namedtuple) "
-            "holding tensors, None, bool, int, float or str")
-
-    spec = visit(message, "message")
+    spec = _checked_spec(message, "message", tensors)
     layout = MessageLayout.build(spec, [(t.dtype, tuple(t.shape)) for t in tensors])
     return layout, tensors
 
 
+def _checked_spec(node: Any, path: str, tensors: list[torch.Tensor]) -> Any:
+    """The layout spec of ``node`` (at ``path``), appending its tensors to ``tensors``."""
+    if isinstance(node, torch.Tensor):
+        _check_tensor(node, path)
+        tensors.append(node)
+        return [_TENSOR]
+    if type(node) in SCALAR_TYPES:
+        return [_VALUE, node]
+    if type(node) is tuple:
+        return [_TUPLE, [_checked_spec(item, f"{path}[{i}]", tensors)
+                         for i, item in enumerate(node)]]
+    if type(node) is list:
+        return [_LIST, [_checked_spec(item, f"{path}[{i}]", tensors)
+                        for i, item in enumerate(node)]]
+    if type(node) is dict:
+        items = []
+        for key, value in node.items():
+            if type(key) not in _DICT_KEY_TYPES:
+                raise UnsupportedMessageError(
+                    f"{path} has a dict key {key!r} of type {type(key).__name__}; "
+                    "dict keys in a message must be str or int")
+            items.append([key, _checked_spec(value, f"{path}[{key!r}]", tensors)])
+        return [_DICT, items]
+    raise UnsupportedMessageError(
+        f"{path} is a {type(node).__module__}.{type(node).__qualname__}; a message is "
+        "made of tuple, list and dict (exact types, no subclasses such as namedtuple) "
+        "holding tensors, None, bool, int, float or str")
+
+
 def unflatten(layout: MessageLayout, tensors: list[torch.Tensor | None]) -> Any:
     """Rebuild a message from its layout and one tensor per slot."""
-    remaining = iter(tensors)
+    return _build(layout.spec, iter(tensors))
 
-    def build(node: Any) -> Any:
-        tag = node[0]
-        if tag == _TENSOR:
-            return next(remaining)
-        if tag == _VALUE:
-            return node[1]
-        if tag == _TUPLE:
-            return tuple(build(child) for child in node[1])
-        if tag == _LIST:
-            return [build(child) for child in node[1]]
-        if tag == _DICT:
-            return {key: build(child) for key, child in node[1]}
-        raise ValueError(f"unknown node tag {tag!r} in message layout")
 
-    return build(layout.spec)
+def _build(node: Any, remaining: Iterator[torch.Tensor | None]) -> Any:
+    """The message part ``node`` describes, its tensors taken from ``remaining``."""
+    tag = node[0]
+    if tag == _TENSOR:
+        return next(remaining)
+    if tag == _VALUE:
+        return node[1]
+    if tag == _TUPLE:
+        return tuple(_build(child, remaining) for child in node[1])
+    if tag == _LIST:
+        return [_build(child, remaining) for child in node[1]]
+    if tag == _DICT:
+        return {key: _build(child, remaining) for key, child in node[1]}
+    raise ValueError(f"unknown node tag {tag!r} in message layout")
 
 
 def pack(layout: MessageLayout, tensors: list[torch.Tensor], device: torch.device
@@ -378,20 +388,20 @@ def _first_difference(x: Any, y: Any, path: str, slots_x: Iterator[TensorSlot],
 def tensor_paths(layout: MessageLayout) -> list[str]:
     """The path of every tensor slot, in slot order (for error messages)."""
     paths: list[str] = []
-
-    def walk(node: Any, path: str) -> None:
-        tag = node[0]
-        if tag == _TENSOR:
-            paths.append(path)
-        elif tag == _DICT:
-            for key, child in node[1]:
-                walk(child, f"{path}[{key!r}]")
-        elif tag in (_TUPLE, _LIST):
-            for i, child in enumerate(node[1]):
-                walk(child, f"{path}[{i}]")
-
-    walk(layout.spec, "message")
+    _walk_paths(layout.spec, "message", paths)
     return paths
+
+
+def _walk_paths(node: Any, path: str, paths: list[str]) -> None:
+    tag = node[0]
+    if tag == _TENSOR:
+        paths.append(path)
+    elif tag == _DICT:
+        for key, child in node[1]:
+            _walk_paths(child, f"{path}[{key!r}]", paths)
+    elif tag in (_TUPLE, _LIST):
+        for i, child in enumerate(node[1]):
+            _walk_paths(child, f"{path}[{i}]", paths)
 
 
 # -- the header and the metadata caches ---------------------------------------------------
