@@ -244,12 +244,16 @@ def _recording_backend(graphs):
 
 
 def _compiled_calls(chunk):
-    """Count the calls of each block's own compiled code and of the chunk's graph."""
+    """Count the calls of each block's own compiled code and of the chunk's graph. A call
+    TorchDynamo traces is not one: a layer whose ``__call__`` is its own (transformers 5.17's
+    ``GradientCheckpointingLayer``) is traced through its compiled call into the chunk's
+    graph, and a count there would be replayed with the graph."""
     calls = {"blocks": 0, "chunk": 0}
 
     def counting(key, call):
         def counted(*args, **kwargs):
-            calls[key] += 1
+            if not torch.compiler.is_compiling():
+                calls[key] += 1
             return call(*args, **kwargs)
         return counted
 
