@@ -48,11 +48,13 @@ class ImageInputs:
     """A vision-language model's image processor and placeholder tokens."""
 
     def __init__(self, model_dir: str | Path, vision, tokenizer):
-        import transformers
+        # From its module: transformers 5.17 without torchvision exports a stand-in under the
+        # package's name that refuses to load, where the class itself falls back to the
+        # Pillow processors.
+        from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
         directory = Path(model_dir)
-        self._processor = load_offline(transformers.AutoImageProcessor, directory,
-                                       "image processor")
+        self._processor = load_offline(AutoImageProcessor, directory, "image processor")
         self.vision = vision  # the model's hf_vision.VisionInfo
         self.image_token_id = vision.image_token_id
         shown = [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]
