@@ -397,6 +397,52 @@ def test_check_passes_with_compiled_decoder_blocks_and_recompute(shapes, tmp_pat
     assert report["mismatched"] == [] and report["passed"], report
 
 
+def test_the_image_processor_loads_where_the_package_exports_a_stand_in(vision_model,
+                                                                        monkeypatch):
+    """transformers 5.17 without torchvision (the GPU machine's) exports, as
+    ``transformers.AutoImageProcessor``, a stand-in that refuses to load; the class in its
+    own module picks the Pillow processor, and that is the one meshpipe loads."""
+    import transformers
+
+    from meshpipe.models import hf
+    from meshpipe.train.data.images import ImageInputs
+    from meshpipe.train.data.tokenizers import HFTokenizer
+
+    class StandIn:
+        @classmethod
+        def from_pretrained(cls, *args, **kwargs):
+            raise ImportError("AutoImageProcessor requires the Torchvision library")
+
+    monkeypatch.setattr(transformers, "AutoImageProcessor", StandIn)
+    info = hf.inspect_model(vision_model)
+    inputs = ImageInputs(vision_model, info.vision, HFTokenizer(vision_model))
+    assert type(inputs._processor).__name__.endswith("Pil")
+
+
+def test_rows_without_images_rotate_by_their_positions_in_all_three_sections(tmp_path):
+    """Qwen2-VL's decoder rotates by 3D positions. A row without images (text-only data)
+    has none from the batcher; its token positions go to the rotary embedding in each of
+    the three sections, as transformers 5.24 expands them itself and 5.17 (the GPU
+    machine's) needs them."""
+    from meshpipe.context import LocalAttention
+    from meshpipe.models import hf, hf_vision
+
+    model = save_tiny_vision_model(tmp_path, "qwen2_vl")
+    skeleton = hf.build_skeleton(model)
+    (chunk,) = hf_vision.split_vision_model(
+        skeleton, hf.split_model(skeleton, [skeleton.config.text_config.num_hidden_layers],
+                                 LocalAttention()), image_token_id=-1)
+    hf.materialize(skeleton, [chunk], model)
+    given = []
+    rotary = chunk.decoder.rotary_emb
+    rotate = rotary.forward
+    rotary.forward = lambda hidden, ids: given.append(ids) or rotate(hidden, ids)
+    chunk(torch.randint(0, 50, (2, 8)))
+    (ids,) = given
+    assert ids.shape == (3, 2, 8)
+    assert torch.equal(ids, torch.arange(8).expand(3, 2, 8))
+
+
 def test_a_chat_template_kept_by_the_processor_renders_the_chats(vision_model, tmp_path):
     """Hub vision-language directories keep the chat template in the processor's
     chat_template.json: the tokenizer then renders with it."""

@@ -279,15 +279,19 @@ class HFChunk(nn.Module):
         return (yield from self.decoder_steps(hidden, x, positions, doc_ids, aux))
 
     def decoder_steps(self, hidden: Tensor, x: Tensor, positions: Tensor | None,
-                      doc_ids: Tensor | None, aux: Tensor | None, rope: Tensor | None = None):
+                      doc_ids: Tensor | None, aux: Tensor | None, rope: Tensor | None = None,
+                      rope_3d: bool = False):
         """The decoder layers (and the head if last) on the embedded ``hidden``; ``rope``:
         the rotary positions where they are not the token positions (a vision-language
-        model's 3D ones, ``[3, batch, seq]``)."""
+        model's 3D ones, ``[3, batch, seq]``). With ``rope_3d`` and no ``rope`` (rows without
+        images) each of the three is the token positions: transformers 5.24's rotary
+        embedding expands 2D positions so itself, 5.17's takes only 3D ones."""
         layer_positions = default_positions(
             x, positions, check_values=self.is_first,
             sequence_shards=1 if self.is_first else self.sequence_shards)
         position_ids = layer_positions.unsqueeze(0).expand(hidden.shape[0], -1)
-        rotary_ids = position_ids if rope is None else rope
+        rotary_ids = (rope if rope is not None
+                      else position_ids.expand(3, -1, -1) if rope_3d else position_ids)
         if positions is None:  # the plain sequence, which attention needs no tensor for
             layer_positions = None
         if self.is_moe and aux is None:

@@ -277,11 +277,13 @@ class VisionChunk(nn.Module):
     with, on the first stage, the vision tower whose features replace the image
     placeholders' embeddings."""
 
-    def __init__(self, decoder: nn.Module, tower: nn.Module | None, image_token_id: int):
+    def __init__(self, decoder: nn.Module, tower: nn.Module | None, image_token_id: int,
+                 rope_3d: bool = False):
         super().__init__()
         self.decoder = decoder
         self.tower = tower
         self.image_token_id = image_token_id
+        self.rope_3d = rope_3d
         self.is_first, self.is_last = decoder.is_first, decoder.is_last
 
     @property
@@ -300,7 +302,7 @@ class VisionChunk(nn.Module):
                       rows: Tensor | None = None):
         hidden = self._embedded(x, pixels, grids, rows) if self.is_first else x
         out = yield from self.decoder.decoder_steps(hidden, x, positions, doc_ids, None,
-                                                    rope=rope)
+                                                    rope=rope, rope_3d=self.rope_3d)
         return out if self.is_last else (*out, rope)
 
     def _embedded(self, tokens: Tensor, pixels: Tensor | None, grids: Tensor | None,
@@ -323,6 +325,8 @@ class VisionChunk(nn.Module):
 def split_vision_model(model: nn.Module, chunks: list[nn.Module],
                        image_token_id: int) -> list[VisionChunk]:
     """The decoder's chunks as vision-language stages, the tower on the first."""
-    tower = ARCHITECTURES[model.config.model_type].tower(model)
-    return [VisionChunk(chunk, tower if index == 0 else None, image_token_id)
+    architecture = ARCHITECTURES[model.config.model_type]
+    tower = architecture.tower(model)
+    return [VisionChunk(chunk, tower if index == 0 else None, image_token_id,
+                        architecture.rope_3d)
             for index, chunk in enumerate(chunks)]
