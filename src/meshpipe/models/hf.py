@@ -290,8 +290,9 @@ class HFChunk(nn.Module):
             x, positions, check_values=self.is_first,
             sequence_shards=1 if self.is_first else self.sequence_shards)
         position_ids = layer_positions.unsqueeze(0).expand(hidden.shape[0], -1)
-        rotary_ids = (rope if rope is not None
-                      else position_ids.expand(3, -1, -1) if rope_3d else position_ids)
+        if rope is None and rope_3d:
+            rope = position_ids.expand(3, -1, -1)
+        rotary_ids = position_ids if rope is None else rope
         if positions is None:  # the plain sequence, which attention needs no tensor for
             layer_positions = None
         if self.is_moe and aux is None:
