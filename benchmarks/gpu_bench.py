@@ -273,8 +273,22 @@ def _train_rows_at(seq_len: int, args, device: torch.device, scratch: str, corpu
                                else _measure_runner(runners[name], device, args))
             parameters = counted or parameters
             measured[name].append(result)
+            print(_round_line(name, seq_len, round_index, args.rounds, result), flush=True)
     return [_train_row(name, rounds, seq_len, parameters, config, device)
             for name, rounds in measured.items()]
+
+
+def _round_line(name: str, seq_len: int, round_index: int, rounds: int, result: dict) -> str:
+    """One runner's round as it finishes: its record if the benchmark is stopped before it
+    writes its table."""
+    if result["status"] != "ok":
+        figures = result["status"]
+    else:
+        figures = (f"{result['seconds'] * 1e3:.1f} ms/step, first step "
+                   f"{result['first_seconds']:.1f} s"
+                   + (f", peak {result['peak_gib']:.1f} GiB" if result["peak_gib"] is not None
+                      else "") + (f" ({result['gpu']})" if result.get("gpu") else ""))
+    return f"gpu_bench: round {round_index + 1}/{rounds} {name} seq {seq_len}: {figures}"
 
 
 def _runners_at(seq_len: int, args, device: torch.device, scratch: str, corpus: str,

@@ -263,6 +263,20 @@ def command(run: Run, steps: int, out_dir: str, rehearsal: bool) -> list[str]:
     return [sys.executable, "-m", "meshpipe", "train", *train, "--backend", "gloo"]
 
 
+def progress_line(row: dict) -> str:
+    """A finished run's line, with its figures: a run's record if the check is stopped
+    before it writes its table."""
+    figures = [f"{label} {row[key]:.1e}" for label, key in (
+        ("loss diff", "loss_difference"), ("max grad diff", "max_grad_difference"))
+        if row[key] is not None]
+    if row["median_step_seconds"] is not None:
+        figures.append(f"step {row['median_step_seconds']:.4f} s")
+    if row["status"] != "PASS":
+        figures.append(row["note"])
+    return (f"gpu_check: {row['status']} {row['layout']} ({row['how']}, {row['ranks']} "
+            f"rank(s))" + (": " + ", ".join(figures) if figures else ""))
+
+
 def run_layout(run: Run, steps: int, timeout: float, rehearsal: bool) -> dict:
     """One training run; its parity verdict and median step time."""
     layout = run.layout
@@ -413,8 +427,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(run: Run) -> dict:
         row = run_layout(run, args.steps, args.timeout, args.cpu_rehearsal)
-        print(f"gpu_check: {row['status']} {run.layout.name} ({run.how}, {run.layout.ranks} "
-              f"rank(s))", flush=True)
+        print(progress_line(row), flush=True)
         return row
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
