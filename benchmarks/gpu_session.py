@@ -12,8 +12,9 @@ processes of their own, each writing its results into a folder of ``--out`` and 
 output into ``<out>/<item>.log`` as it goes (``gpu_check`` and ``gpu_bench`` print each
 run's and each round's figures as they finish). An item starts only if the budget has the
 time it is expected to take left (the first item always starts), and is stopped (its
-process group) when the budget is spent. After every item ``<out>/session.md`` (and ``.json``) says what ran, how long it took, its
-exit status, what was stopped or not started, and the command that runs what is left.
+process group) when the budget is spent. Before and after every item ``<out>/session.md``
+(and ``.json``) says what ran, how long it took, its exit status, what was stopped or not
+started, and the command that runs what is left.
 
 ``--budget-s`` (default 540) leaves a 600-second command the time to write and return.
 ``--cpu-rehearsal`` runs the same items on this CPU at tiny sizes (the GPU tests skip):
@@ -100,7 +101,8 @@ ITEM_NAMES = tuple(item.name for item in ITEMS)
 @dataclass
 class Outcome:
     """What became of one item: ``"passed"``, ``"failed"`` (exit status ``returncode``),
-    ``"stopped"`` (the budget ran out while it ran) or ``"not started"``."""
+    ``"stopped"`` (the budget ran out while it ran), ``"not started"``, or ``"running"``
+    (in a session's record while it runs)."""
 
     name: str
     status: str
@@ -135,7 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         metavar="ITEM", help="run these items only, in the session's order")
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="seconds for the whole session: an item starts only with the "
-                             "time it takes left (the first always), and is stopped when the budget is spent")
+                             "time it takes left (the first always), and is stopped when the "
+                             "budget is spent")
     parser.add_argument("--cpu-rehearsal", action="store_true",
                         help="the same items on this CPU at tiny sizes: checks the commands, "
                              "not the GPU")
@@ -164,19 +167,24 @@ def _argv(item: Item, rehearsal: bool) -> tuple[str, ...]:
     return item.rehearsal_argv if rehearsal and item.rehearsal_argv else item.argv
 
 
-def run_item(item: Item, session: Session, python: str = sys.executable) -> Outcome:
+def run_item(item: Item, session: Session) -> Outcome:
     """Run ``item`` if the budget allows, its output into ``<out>/<item>.log`` as it goes;
-    stop its whole process group when the budget is spent."""
+    stop its whole process group when the budget is spent. Its outcome joins the session's
+    before it starts, as ``"running"``: the record of an item whose session was killed."""
     results = session.out / item.name
-    argv = [python, *(a.replace("{out}", str(results)) for a in
-                      _argv(item, session.rehearsal))]
+    argv = [sys.executable, *(a.replace("{out}", str(results)) for a in
+                              _argv(item, session.rehearsal))]
     outcome = Outcome(item.name, "not started", command=" ".join(["python", *argv[1:]]),
                       results=str(results.relative_to(session.out)))
     left = session.left_s()
-    if left < item.expected_s and any(o.status != "not started" for o in session.outcomes):
+    first = all(o.status == "not started" for o in session.outcomes)
+    session.outcomes.append(outcome)
+    if left < item.expected_s and not first:
         outcome.why = (f"{max(0.0, left):.0f} s of the budget left, it takes about "
                        f"{item.expected_s:.0f}")
         return outcome
+    outcome.status = "running"
+    write(session)
     results.mkdir(parents=True, exist_ok=True)
     log = session.out / f"{item.name}.log"
     outcome.log = log.name
@@ -194,7 +202,7 @@ def run_item(item: Item, session: Session, python: str = sys.executable) -> Outc
             outcome.why = (f"the budget ran out after {time.monotonic() - start:.0f} s; "
                            f"what it finished is in its log")
     outcome.seconds = time.monotonic() - start
-    if outcome.status != "stopped":
+    if outcome.status == "running":
         outcome.status = "passed" if outcome.returncode == 0 else "failed"
         if outcome.returncode != 0:
             outcome.why = f"exit status {outcome.returncode}: see {log.name}"
@@ -226,7 +234,7 @@ def to_markdown(session: Session) -> str:
     for o in session.outcomes:
         lines.append(f"| {o.name} | {o.status} | {o.seconds:.0f} | "
                      f"{o.results if o.status != 'not started' else '-'} | {o.why} |")
-    left = [o.name for o in session.outcomes if o.status in ("not started", "stopped")]
+    left = [o.name for o in session.outcomes if o.status not in ("passed", "failed")]
     if left:
         lines += ["", "Left to run: `python benchmarks/gpu_session.py --out \"$OUT\" --items "
                       + " ".join(left) + "`"]
@@ -244,11 +252,10 @@ def write(session: Session) -> None:
          "items": [vars(o) for o in session.outcomes]}, indent=2) + "\n")
 
 
-def run_session(items: list[Item], session: Session, python: str = sys.executable) -> int:
+def run_session(items: list[Item], session: Session) -> int:
     for item in items:
         print(f"gpu_session: {item.name}: {item.what}", flush=True)
-        outcome = run_item(item, session, python)
-        session.outcomes.append(outcome)
+        outcome = run_item(item, session)
         write(session)
         print(f"gpu_session: {item.name} {outcome.status} in {outcome.seconds:.0f} s"
               + (f" ({outcome.why})" if outcome.why else "")
