@@ -47,6 +47,7 @@ TINY_TRAIN = ("--cpu-rehearsal", "--dim", "64", "--layers", "2", "--model-heads"
               "--iters", "2", "--warmup", "1", "--rounds", "1")
 BENCH_TRAIN = ("benchmarks/gpu_bench.py", "--parts", "train", "--no-hf")
 MODES = ("eager", "eager-apart", "eager-unfused", "compile", "compile-blocks")
+PROFILED = ("eager", "pack", "compile", "pack-compile")
 TINY_CHECK = ("--cpu-rehearsal", "--jobs", "2", "--only", "pp1-1f1b", "pp2-1f1b",
               "dp2-zero1-bf16", "pp1-moe4-bf16-grouped")
 
@@ -94,6 +95,14 @@ ITEMS = (
          expected_s=240,
          rehearsal_argv=(*BENCH_TRAIN, "--modes", "eager", "compile", "--data", "random",
                          "pack", "--microbatches", "2", *TINY_TRAIN, "--out", "{out}")),
+    Item("profile-pack", "step_profile at 4 x 2, packed and not, eager and compiled: where a "
+         "pack's step spends what the unpacked one does not",
+         ("benchmarks/step_profile.py", "--variants", *PROFILED, "--microbatch-size", "2",
+          "--microbatches", "4", "--out", "{out}"),
+         expected_s=150,
+         rehearsal_argv=("benchmarks/step_profile.py", "--variants", *PROFILED,
+                         "--microbatches", "2", *TINY_TRAIN, "--profiled-steps", "1",
+                         "--out", "{out}")),
 )
 ITEM_NAMES = tuple(item.name for item in ITEMS)
 

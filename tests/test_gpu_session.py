@@ -17,9 +17,10 @@ import gpu_bench  # noqa: E402
 import gpu_check  # noqa: E402
 import gpu_session  # noqa: E402
 import moe_layer  # noqa: E402
+import step_profile  # noqa: E402
 
 PARSERS = {"gpu_bench.py": gpu_bench.parse_args, "gpu_check.py": gpu_check.parse_args,
-           "moe_layer.py": moe_layer.parse_args}
+           "moe_layer.py": moe_layer.parse_args, "step_profile.py": step_profile.parse_args}
 
 
 @pytest.mark.parametrize("rehearsal", [False, True], ids=["gpu", "cpu-rehearsal"])
