@@ -56,6 +56,25 @@ def test_init_is_a_function_of_the_seed_and_leaves_global_rng_alone():
     assert not torch.equal(a.embedding.weight, other.embedding.weight)
 
 
+def test_a_parameters_initial_values_do_not_depend_on_the_others_nor_on_threads():
+    """Each parameter draws from its own generator (seeded from the seed and its name): a
+    larger vocabulary adds rows to the embedding and the head and changes nothing else, and
+    the threads that draw the parameters change nothing."""
+    small = Transformer(SMALL)
+    wide = Transformer(TransformerConfig(**{**SMALL.__dict__, "vocab_size": 96}))
+    wide_names = dict(wide.named_parameters())
+    for name, param in small.named_parameters():
+        assert torch.equal(param, wide_names[name][:len(param)]), name
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        other_threads = Transformer(SMALL)
+    finally:
+        torch.set_num_threads(threads)
+    for (name, a), b in zip(small.named_parameters(), other_threads.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_init_from_the_global_rng_when_no_seed():
     config = TransformerConfig(**{**SMALL.__dict__, "init_seed": None})
     torch.manual_seed(5)
