@@ -227,8 +227,10 @@ def test_a_missing_target_of_one_microbatch_names_that_microbatch():
 # ------------------------------------------- a mismatch, and the failing rank leaves at once
 
 # How long the peer of the failing rank computes before it waits for the message the failure
-# replaced: the failing rank is done with its step long before the peer looks.
-PEER_BUSY_S = 0.5
+# replaced: the failing rank is done with its step long before the peer looks. (At 0.5 s a
+# loaded machine once let the failing rank's 0.1 s wait and its exit run past it: the peer
+# then read the notice, not the closed connection, in the test that leaves.)
+PEER_BUSY_S = 1.0
 
 
 class LaterMismatch(nn.Module):
