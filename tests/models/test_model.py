@@ -75,6 +75,27 @@ def test_a_parameters_initial_values_do_not_depend_on_the_others_nor_on_threads(
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("stages, tie", [({1}, False), ({0}, False), ({3}, True), ({0, 3}, False)],
+                         ids=["middle", "first", "last-tied", "wrap-around"])
+def test_a_rank_builds_only_its_stages_parts_with_the_whole_models_values(stages, tie):
+    """The parameters of a rank's chunks are real and equal to the whole model's; every
+    other is on the meta device (no memory, nothing drawn)."""
+    from meshpipe.models import split
+    from meshpipe.models.split import held_by_stages
+
+    config = TransformerConfig(**{**SMALL.__dict__, "tie_embeddings": tie})
+    whole = dict(Transformer(config).named_parameters())
+    model = Transformer(config, held=held_by_stages([1, 1, 1, 1], stages, tie))
+    chunks = split(model, 4, [1, 1, 1, 1])
+    mine = {id(p) for stage in stages for p in chunks[stage].parameters()}
+    for name, param in model.named_parameters():
+        if id(param) in mine:
+            assert torch.equal(param, whole[name]), name
+        else:
+            assert param.is_meta, name
+    assert mine
+
+
 def test_init_from_the_global_rng_when_no_seed():
     config = TransformerConfig(**{**SMALL.__dict__, "init_seed": None})
     torch.manual_seed(5)

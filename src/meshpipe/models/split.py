@@ -14,6 +14,8 @@ chunk holds layer 5), which keeps checkpoints layout-independent.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from meshpipe.context.routing import GraphPack, pack_for_graph
-from meshpipe.models.transformer import Transformer, default_positions, logits_of, run_layers
+from meshpipe.models.transformer import (Held, Transformer, default_positions, logits_of,
+                                         run_layers)
 from meshpipe.runtime.substeps import run_steps
 from meshpipe.schedules.placement import balanced_layers
 
@@ -84,6 +87,19 @@ class TransformerChunk(nn.Module):
     def extra_repr(self) -> str:
         start, stop = self.layer_range
         return f"layers=[{start}, {stop}), first={self.is_first}, last={self.is_last}"
+
+
+def held_by_stages(layers_per_stage: list[int], stages: Iterable[int],
+                   tie_embeddings: bool) -> Held:
+    """The parts of the model a rank holding ``stages`` needs: their layers, the embedding
+    with the first stage (or the last, whose head it is when tied), the norm and head with
+    the last."""
+    stages = set(stages)
+    starts = list(itertools.accumulate(layers_per_stage, initial=0))
+    last = len(layers_per_stage) - 1
+    return Held(layers=frozenset(i for s in stages for i in range(starts[s], starts[s + 1])),
+                embedding=0 in stages or (tie_embeddings and last in stages),
+                head=last in stages)
 
 
 def split(model: Transformer, num_stages: int,

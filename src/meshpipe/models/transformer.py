@@ -19,13 +19,15 @@ recomputes the block in backward, ``"selective"`` recomputes only the attention 
 saved state grows with the square of the sequence). Both use non-reentrant checkpointing,
 which the split backward of zero-bubble schedules supports.
 
-Initialisation is a pure function of ``TransformerConfig.init_seed``: every rank builds the
-same full model, cuts out its tensor-parallel shards, and keeps only its pipeline chunk
-(see ``meshpipe.models.split``).
+Initialisation is a pure function of ``TransformerConfig.init_seed`` and each parameter's
+name: a rank builds the parts its pipeline chunks hold (``Held``; the others on the meta
+device), with the values the whole model has, and cuts out its tensor-parallel shards (see
+``meshpipe.models.split``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -336,6 +338,23 @@ def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
                              f"tp that divides {size} or change the size")
 
 
+@dataclass(frozen=True)
+class Held:
+    """The parts of a model one rank holds (``held_by_stages``): its layers, and whether it
+    holds the embedding and the final norm and head. ``Transformer`` builds the others on
+    the meta device: no memory and no initial values (each held parameter's are those of
+    the whole model: its generator does not depend on the others)."""
+
+    layers: frozenset[int]
+    embedding: bool
+    head: bool
+
+
+def _built_on(held: bool):
+    """Where a part is built: here if held, else on the meta device."""
+    return contextlib.nullcontext() if held else torch.device("meta")
+
+
 class Transformer(nn.Module):
     """Decoder-only transformer: ``model(tokens, positions=None, doc_ids=None) -> logits``.
 
@@ -352,26 +371,31 @@ class Transformer(nn.Module):
     With a ``tp_group`` of several ranks the logits are this rank's vocabulary slice, and
     with ``sequence_parallel`` the layers between the embedding and the head hold this
     rank's contiguous share of the sequence (the tokens and positions stay whole).
-    ``recompute`` is one of ``RECOMPUTE_MODES``.
+    ``recompute`` is one of ``RECOMPUTE_MODES``. ``held`` (default: everything) names the
+    parts this rank holds; the others are built on the meta device.
     """
 
     def __init__(self, config: TransformerConfig, attention: Attention | None = None, *,
                  tp_group: dist.ProcessGroup | None = None, sequence_parallel: bool = False,
                  recompute: str = "none", ep_group: dist.ProcessGroup | None = None,
-                 token_group: dist.ProcessGroup | None = None):
+                 token_group: dist.ProcessGroup | None = None, held: Held | None = None):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.config = config
         self.attention = LocalAttention() if attention is None else attention
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_seq_len)
-        self.embedding = nn.Embedding(config.vocab_size, config.dim,
-                                      _weight=torch.empty(config.vocab_size, config.dim))
-        self.layers = nn.ModuleList(TransformerBlock(config, self.rope, self.attention,
-                                                     moe=config.is_moe_layer(i))
-                                    for i in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.head = linear(config.dim, config.vocab_size)
+        with _built_on(held is None or held.embedding):
+            self.embedding = nn.Embedding(config.vocab_size, config.dim,
+                                          _weight=torch.empty(config.vocab_size, config.dim))
+        self.layers = nn.ModuleList()
+        for i in range(config.n_layers):
+            with _built_on(held is None or i in held.layers):
+                self.layers.append(TransformerBlock(config, self.rope, self.attention,
+                                                    moe=config.is_moe_layer(i)))
+        with _built_on(held is None or held.head):
+            self.norm = RMSNorm(config.dim, config.norm_eps)
+            self.head = linear(config.dim, config.vocab_size)
         if config.tie_embeddings:
             self.head.weight = self.embedding.weight
         self._init_weights()
@@ -413,10 +437,12 @@ class Transformer(nn.Module):
         the seed and the parameter's name: its values do not depend on the other parameters,
         and the parameters are drawn on ``torch.get_num_threads()`` threads (``normal_``
         releases the GIL). One generator drew a 740M model's weights in 4 s on this 2-core
-        CPU, about that on every rank of a GPU machine before its first step."""
+        CPU. Parameters not held (on the meta device) draw nothing."""
         residual_std = self.config.init_std / math.sqrt(2 * self.config.n_layers)
         draws = []
         for name, param in self.named_parameters():
+            if param.is_meta:  # not held
+                continue
             if name.endswith("norm.weight"):
                 with torch.no_grad():
                     param.fill_(1.0)

@@ -27,6 +27,7 @@ from meshpipe.context.shards import document_ids, positions_in_document
 from meshpipe.models import (SharedParameter, Transformer, TransformerConfig, causal_lm_loss,
                              shared_parameters, split)
 from meshpipe.models.compile import chunk_graphs, compile_blocks
+from meshpipe.models.split import held_by_stages
 from meshpipe.models.transformer import check_tensor_parallel_sizes
 from meshpipe.parallel import TensorParallelRegion
 from meshpipe.runtime import DynamicLossScaler, MasterWeights, autocast, weights_dtype
@@ -242,13 +243,14 @@ class ModelParts:
 
 def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
                  **groups: Any) -> ModelParts:
-    """Cut the model into ``len(layers)`` stages. The reference transformer is built whole
-    (its initialisation is a pure function of the seed) and sharded over ``groups``
-    (tp_group, ep_group, token_group); a ``--model`` is built on the meta device and only
-    the chunks in ``my_stages`` read their weights. With ``--compile`` the blocks of
+    """Cut the model into ``len(layers)`` stages, only the chunks in ``my_stages`` holding
+    real tensors (the others stay on the meta device). The reference transformer builds the
+    parts those chunks hold (``held_by_stages``; each parameter's initial values a function
+    of the seed and its name) and shards them over ``groups`` (tp_group, ep_group,
+    token_group); a ``--model``'s chunks in ``my_stages`` read their weights. With ``--compile`` the blocks of
     ``my_stages`` are compiled (``meshpipe.models.compile``)."""
-    parts = (_hf_parts(config, layers, attention, my_stages, **groups) if config.model
-             else _reference_parts(config, layers, attention, **groups))
+    parts = (_hf_parts if config.model else _reference_parts)(config, layers, attention,
+                                                               my_stages, **groups)
     if config.compile:
         compile_blocks((parts.chunks[stage] for stage in my_stages),
                        split_backward=SCHEDULE_SPECS[config.schedule].split_backward,
@@ -256,10 +258,11 @@ def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
     return parts
 
 
-def _reference_parts(config: TrainConfig, layers: list[int], attention,
+def _reference_parts(config: TrainConfig, layers: list[int], attention, my_stages,
                      **groups: Any) -> ModelParts:
     model = Transformer(model_config(config), attention=attention,
                         sequence_parallel=config.sequence_parallel, recompute=config.recompute,
+                        held=held_by_stages(layers, my_stages, config.tie_embeddings),
                         **groups)
     chunks = split(model, len(layers), layers)
     moe = [layer for layer in model.layers if layer.is_moe]
