@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +39,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from meshpipe.context.derived import derived, on_host, to_device
+from meshpipe.models.initial_values import draw_normal
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
 from meshpipe.context.routing import GraphPack, attend
@@ -431,13 +430,8 @@ class Transformer(nn.Module):
                     mark_sequence_parallel(param)
 
     def _init_weights(self) -> None:
-        """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 L).
-
-        With an ``init_seed`` each parameter draws from a generator of its own, seeded from
-        the seed and the parameter's name: its values do not depend on the other parameters,
-        and the parameters are drawn on ``torch.get_num_threads()`` threads (``normal_``
-        releases the GIL). One generator drew a 740M model's weights in 4 s on this 2-core
-        CPU. Parameters not held (on the meta device) draw nothing."""
+        """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 L)
+        (``initial_values``). Parameters not held (on the meta device) draw nothing."""
         residual_std = self.config.init_std / math.sqrt(2 * self.config.n_layers)
         draws = []
         for name, param in self.named_parameters():
@@ -450,15 +444,7 @@ class Transformer(nn.Module):
             std = residual_std if name.endswith(("wo.weight", "w_down.weight")) \
                 else self.config.init_std
             draws.append((name, param, std))
-        seed = self.config.init_seed
-        if seed is None:  # the global generator, in order
-            for _, param, std in draws:
-                _draw_normal(param, std, None)
-            return
-        with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
-            list(pool.map(lambda draw: _draw_normal(draw[1], draw[2],
-                                                    _parameter_generator(seed, draw[0])),
-                          draws))
+        draw_normal(draws, self.config.init_seed)
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -474,17 +460,6 @@ class Transformer(nn.Module):
         hidden, aux = yield from run_layers(self.layers, hidden, aux, positions, doc_ids)
         logits = logits_of(self, hidden)
         return (logits, aux) if self.config.is_moe else logits
-
-
-def _parameter_generator(seed: int, name: str) -> torch.Generator:
-    """The generator of parameter ``name``'s initial values: the same in every process."""
-    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-
-
-def _draw_normal(param: Tensor, std: float, generator: torch.Generator | None) -> None:
-    with torch.no_grad():  # per thread: a worker thread starts with gradients on
-        param.normal_(0.0, std, generator=generator)
 
 
 def run_layers(layers, hidden: Tensor, aux: Tensor | None, positions: Tensor | None,
