@@ -39,11 +39,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from meshpipe.context.derived import derived, on_host, to_device
-from meshpipe.models.initial_values import draw_normal
 from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
 from meshpipe.context.routing import GraphPack, attend
 from meshpipe.models import joint
+from meshpipe.models.initial_values import draw_normal
 from meshpipe.models.mlp import SwiGLU, linear
 from meshpipe.models.moe import MoE
 from meshpipe.models.rotary import RotaryEmbedding

@@ -247,8 +247,8 @@ def build_chunks(config: TrainConfig, layers: list[int], attention, my_stages,
     real tensors (the others stay on the meta device). The reference transformer builds the
     parts those chunks hold (``held_by_stages``; each parameter's initial values a function
     of the seed and its name) and shards them over ``groups`` (tp_group, ep_group,
-    token_group); a ``--model``'s chunks in ``my_stages`` read their weights. With ``--compile`` the blocks of
-    ``my_stages`` are compiled (``meshpipe.models.compile``)."""
+    token_group); a ``--model``'s chunks in ``my_stages`` read their weights. With
+    ``--compile`` the blocks of ``my_stages`` are compiled (``meshpipe.models.compile``)."""
     parts = (_hf_parts if config.model else _reference_parts)(config, layers, attention,
                                                                my_stages, **groups)
     if config.compile:
