@@ -97,7 +97,7 @@ gpu-check:
 	exit $$status
 
 # The GPU session (benchmarks/gpu_session.py): what waits for a GPU, in order, within
-# --budget-s, every result and log into --out ($$OUT on a lent machine).
+# --budget-s, every result and log into --out ($OUT on a lent machine).
 GPU_SESSION_ARGS ?=
 gpu-session:
 	@$(CUDA_PYTHON) \
