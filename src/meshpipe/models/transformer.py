@@ -384,15 +384,16 @@ class Transformer(nn.Module):
         self.config = config
         self.attention = LocalAttention() if attention is None else attention
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_seq_len)
-        with _built_on(held is None or held.embedding):
+        held = held or Held(frozenset(range(config.n_layers)), embedding=True, head=True)
+        with _built_on(held.embedding):
             self.embedding = nn.Embedding(config.vocab_size, config.dim,
                                           _weight=torch.empty(config.vocab_size, config.dim))
         self.layers = nn.ModuleList()
         for i in range(config.n_layers):
-            with _built_on(held is None or i in held.layers):
+            with _built_on(i in held.layers):
                 self.layers.append(TransformerBlock(config, self.rope, self.attention,
                                                     moe=config.is_moe_layer(i)))
-        with _built_on(held is None or held.head):
+        with _built_on(held.head):
             self.norm = RMSNorm(config.dim, config.norm_eps)
             self.head = linear(config.dim, config.vocab_size)
         if config.tie_embeddings:
