@@ -3,6 +3,7 @@
 import ctypes
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
            "fordblks", "keepcost")
@@ -35,3 +36,32 @@ def where_large_blocks_go(count: int = 4) -> dict[str, bool]:
     after = malloc_info()
     return {"mapped": during["hblkhd"] > before["hblkhd"],
             "kept": after["fordblks"] >= count * LARGE_BLOCK}
+
+
+class _PeakInUse(TorchDispatchMode):
+    """Reads malloc's bytes in use after every torch op on this thread: their highest."""
+
+    def __init__(self):
+        super().__init__()
+        self.start = self.peak = _in_use()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, _in_use())
+        return out
+
+
+def _in_use() -> int:
+    info = malloc_info()
+    return info["uordblks"] + info["hblkhd"]
+
+
+def peak_bytes_during(fn):
+    """``fn()`` and the most bytes malloc held beyond what it held before, read after every
+    torch op ``fn`` runs on this thread (tensors are allocated only inside ops). The first
+    dispatch mode costs tens of MB once: a mode and an op before ``fn`` pay for that."""
+    with _PeakInUse():
+        torch.zeros(1)
+    with _PeakInUse() as probe:
+        out = fn()
+    return out, probe.peak - probe.start

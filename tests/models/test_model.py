@@ -96,6 +96,14 @@ def test_a_rank_builds_only_its_stages_parts_with_the_whole_models_values(stages
     assert mine
 
 
+def test_a_model_built_under_the_meta_device_stays_a_skeleton():
+    with torch.device("meta"):
+        model = Transformer(SMALL)
+    assert all(param.is_meta for param in model.parameters())
+    assert sum(param.numel() for param in model.parameters()) == sum(
+        param.numel() for param in Transformer(SMALL).parameters())
+
+
 def test_init_from_the_global_rng_when_no_seed():
     config = TransformerConfig(**{**SMALL.__dict__, "init_seed": None})
     torch.manual_seed(5)
@@ -556,3 +564,41 @@ def test_grouped_loss_sums_split_the_loss_sum_by_group():
         kept = torch.where(groups == group, targets, torch.full_like(targets, -100))
         torch.testing.assert_close(sums[group],
                                    causal_lm_loss(logits, kept, reduction="sum")[0])
+
+
+def _build_with_its_peak(rank, world_size, config: dict, group: str):
+    """Build a model whose tensor-parallel (``group`` "tp") or expert-parallel ("ep") group
+    is every rank; returns the peak bytes of the build beyond the start, the bytes of the
+    model's real parameters, the largest whole parameter's bytes, and which real parameters
+    differ from the whole model's part."""
+    import torch.distributed as dist
+
+    from malloc_probe import peak_bytes_during
+    from meshpipe.parallel import own_shard, shard_dim, shard_parts
+
+    torch.set_num_threads(1)  # the draws run on this thread, where the probe reads
+    config = TransformerConfig(**config)
+    groups = {"tp_group" if group == "tp" else "ep_group": dist.group.WORLD}
+    model, peak = peak_bytes_during(lambda: Transformer(config, **groups))
+    real = [(name, p) for name, p in model.named_parameters() if not p.is_meta]
+    whole = dict(Transformer(config).named_parameters())
+    differ = [name for name, p in real
+              if not torch.equal(p, whole[name] if shard_dim(p) is None else own_shard(
+                  whole[name], shard_dim(p), rank, world_size, shard_parts(p)))]
+    return {"peak": peak, "real": sum(p.numel() * 4 for _, p in real),
+            "largest": max(p.numel() * 4 for p in whole.values()), "differ": differ,
+            "count": len(real)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("group, config", [
+    ("tp", dict(vocab_size=256, dim=256, n_layers=4, n_heads=4)),
+    ("ep", dict(vocab_size=256, dim=256, n_layers=2, n_heads=4, moe_experts=4, moe_top_k=2)),
+], ids=["tensor-parallel-shards", "expert-parallel-experts"])
+def test_a_rank_draws_only_its_shards_and_experts_with_the_whole_models_values(group, config):
+    """Sharding happens on the meta skeleton: a rank's build never holds more than its own
+    shards or experts and one whole parameter being drawn (the old build held every whole
+    layer, or every expert, before cutting), and their values are the whole model's."""
+    for result in run_distributed(2, _build_with_its_peak, config, group):
+        assert result["count"] > 0 and result["differ"] == []
+        assert result["peak"] <= result["real"] + result["largest"] + 2**20, result

@@ -45,11 +45,8 @@ from meshpipe.models import hf_moe, hf_norms, hf_vision
 from meshpipe.models.hf_attention import attention_adapter, call_layer, meshpipe_arguments
 from meshpipe.models.hf_vision import decoder_of
 from meshpipe.models.hf_tp import ROWS_ATTR
-from meshpipe.models.moe import is_expert_param, mark_expert_parallel
+from meshpipe.models.skeleton import real_parameter, replace_parameters
 from meshpipe.models.transformer import _maybe_checkpoint, default_positions
-from meshpipe.parallel import (is_sequence_parallel_param, mark_fused, mark_sequence_parallel,
-                               shard_dim, shard_parts)
-from meshpipe.parallel.tensor import _SHARD_ATTR
 from meshpipe.runtime.substeps import run_steps
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
@@ -429,11 +426,10 @@ def materialize(model: nn.Module, modules: Iterable[nn.Module], directory: str |
     real: dict[int, nn.Parameter] = {}
     for module in modules:
         for owner in module.modules():
-            for attribute, param in list(owner.named_parameters(recurse=False)):
+            for param in owner.parameters(recurse=False):
                 if id(param) in names_of and id(param) not in real:
                     real[id(param)] = _read_parameter(reader, names_of[id(param)], param, device)
-                if id(param) in real:
-                    setattr(owner, attribute, real[id(param)])
+            replace_parameters([owner], real)
             _rebuild_buffers(owner, device)
     return real
 
@@ -464,17 +460,7 @@ def _read_parameter(reader: _WeightReader, names: list[str], param: nn.Parameter
     if tuple(tensor.shape) != tuple(param.shape):
         raise ValueError(f"weight {name} has shape {tuple(tensor.shape)} where config.json "
                          f"implies {tuple(param.shape)}")
-    real = nn.Parameter(tensor.to(device=device, dtype=torch.float32).contiguous(),
-                        requires_grad=param.requires_grad)
-    if shard_dim(param) is not None:
-        setattr(real, _SHARD_ATTR, shard_dim(param))
-    if shard_parts(param) is not None:
-        mark_fused(real, shard_parts(param))
-    if is_sequence_parallel_param(param):
-        mark_sequence_parallel(real)
-    if is_expert_param(param):
-        mark_expert_parallel(real)
-    return real
+    return real_parameter(param, tensor.to(device=device, dtype=torch.float32).contiguous())
 
 
 def full_names(model: nn.Module) -> dict[int, str]:

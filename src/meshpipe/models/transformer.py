@@ -27,7 +27,6 @@ device), with the values the whole model has, and cuts out its tensor-parallel s
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -43,12 +42,14 @@ from meshpipe.context.interface import Attention
 from meshpipe.context.local import LocalAttention
 from meshpipe.context.routing import GraphPack, attend
 from meshpipe.models import joint
-from meshpipe.models.initial_values import draw_normal
+from meshpipe.models.initial_values import Draw, draw_normal
 from meshpipe.models.mlp import SwiGLU, linear
 from meshpipe.models.moe import MoE
 from meshpipe.models.rotary import RotaryEmbedding
+from meshpipe.models.skeleton import real_parameter, replace_parameters
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
-                               mark_sequence_parallel, shard_linear)
+                               mark_sequence_parallel, own_shard, shard_dim, shard_linear,
+                               shard_parts, tp_rank_and_size)
 from meshpipe.runtime.substeps import run_steps
 from meshpipe.schedules.costs import RECOMPUTE_MODES
 
@@ -61,7 +62,9 @@ class TransformerConfig:
     ``n_kv_heads`` None means plain multi-head attention (as many key/value heads as query
     heads); ``ffn_hidden`` None picks the usual SwiGLU width, about 8/3 of ``dim`` rounded up to
     a multiple of ``ffn_multiple_of``. ``init_seed`` None draws the initial weights from the
-    global RNG (seed it with ``torch.manual_seed`` before construction).
+    global RNG (seed it with ``torch.manual_seed`` before construction), in order, over the
+    parameters this rank holds: only a whole model (tensor-parallel shards aside) then has
+    the values of a model built in one process.
     """
 
     vocab_size: int = 256
@@ -340,18 +343,13 @@ def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
 @dataclass(frozen=True)
 class Held:
     """The parts of a model one rank holds (``held_by_stages``): its layers, and whether it
-    holds the embedding and the final norm and head. ``Transformer`` builds the others on
+    holds the embedding and the final norm and head. ``Transformer`` leaves the others on
     the meta device: no memory and no initial values (each held parameter's are those of
     the whole model: its generator does not depend on the others)."""
 
     layers: frozenset[int]
     embedding: bool
     head: bool
-
-
-def _built_on(held: bool):
-    """Where a part is built: here if held, else on the meta device."""
-    return contextlib.nullcontext() if held else torch.device("meta")
 
 
 class Transformer(nn.Module):
@@ -371,7 +369,9 @@ class Transformer(nn.Module):
     with ``sequence_parallel`` the layers between the embedding and the head hold this
     rank's contiguous share of the sequence (the tokens and positions stay whole).
     ``recompute`` is one of ``RECOMPUTE_MODES``. ``held`` (default: everything) names the
-    parts this rank holds; the others are built on the meta device.
+    parts this rank holds; the others stay on the meta device. Only the held parts'
+    tensor-parallel shards and this rank's experts are ever real, on the CPU (all stays on
+    the meta device where that is the default device).
     """
 
     def __init__(self, config: TransformerConfig, attention: Attention | None = None, *,
@@ -384,21 +384,17 @@ class Transformer(nn.Module):
         self.config = config
         self.attention = LocalAttention() if attention is None else attention
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_seq_len)
-        held = held or Held(frozenset(range(config.n_layers)), embedding=True, head=True)
-        with _built_on(held.embedding):
+        with torch.device("meta"):  # the skeleton: ``_materialize`` makes the held parts real
+            # `_weight`: no reset_parameters, whose normal_ on meta imports torch._dynamo (1.3 s)
             self.embedding = nn.Embedding(config.vocab_size, config.dim,
                                           _weight=torch.empty(config.vocab_size, config.dim))
-        self.layers = nn.ModuleList()
-        for i in range(config.n_layers):
-            with _built_on(i in held.layers):
-                self.layers.append(TransformerBlock(config, self.rope, self.attention,
-                                                    moe=config.is_moe_layer(i)))
-        with _built_on(held.head):
+            self.layers = nn.ModuleList(
+                TransformerBlock(config, self.rope, self.attention, moe=config.is_moe_layer(i))
+                for i in range(config.n_layers))
             self.norm = RMSNorm(config.dim, config.norm_eps)
             self.head = linear(config.dim, config.vocab_size)
         if config.tie_embeddings:
             self.head.weight = self.embedding.weight
-        self._init_weights()
         self.tp = TensorParallelRegion(tp_group, sequence_parallel)
         if self.tp.size > 1:
             if config.is_moe:
@@ -408,6 +404,9 @@ class Transformer(nn.Module):
         for layer in self.layers:
             if layer.is_moe:
                 layer.mlp.shard(ep_group, token_group)
+        if torch.get_default_device().type != "meta":  # else a skeleton is what was asked
+            self._materialize(held or Held(frozenset(range(config.n_layers)), embedding=True,
+                                           head=True))
         for layer in self.layers:
             layer.recompute = recompute == "full"
             layer.attention.recompute_core = recompute == "selective"
@@ -430,21 +429,40 @@ class Transformer(nn.Module):
                 if name.endswith("norm.weight"):
                     mark_sequence_parallel(param)
 
-    def _init_weights(self) -> None:
-        """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 L)
-        (``initial_values``). Parameters not held (on the meta device) draw nothing."""
+    def _materialize(self, held: Held) -> None:
+        """Give the held parts real parameters on the CPU with their initial values:
+        Normal(0, init_std), the residual output projections' scaled by 1/sqrt(2 L), the
+        norms' ones. A tensor-parallel shard is cut from a draw of its whole parameter
+        (``initial_values``); the parts not held stay on the meta device."""
+        parts = ([self.embedding] if held.embedding else []) + [
+            self.layers[i] for i in sorted(held.layers)] + (
+            [self.norm, self.head] if held.head else [])
+        names = {id(param): name for name, param in self.named_parameters()}
+        real = {}
+        for param in (param for part in parts for param in part.parameters()):
+            if param.is_meta and id(param) not in real:  # a tied weight: once
+                real[id(param)] = real_parameter(param, torch.empty_like(param, device="cpu"))
+        replace_parameters(self.modules(), real)
         residual_std = self.config.init_std / math.sqrt(2 * self.config.n_layers)
+        rank, size = tp_rank_and_size(self.tp.group)
         draws = []
-        for name, param in self.named_parameters():
-            if param.is_meta:  # not held
-                continue
+        for meta_id, param in real.items():
+            name = names[meta_id]
             if name.endswith("norm.weight"):
                 with torch.no_grad():
                     param.fill_(1.0)
                 continue
             std = residual_std if name.endswith(("wo.weight", "w_down.weight")) \
                 else self.config.init_std
-            draws.append((name, param, std))
+            dim = shard_dim(param)
+            if dim is None:
+                draws.append(Draw(name, param, std))
+                continue
+            whole = list(param.shape)
+            whole[dim] *= size
+            draws.append(Draw(name, param, std, cut=functools.partial(
+                own_shard, dim=dim, rank=rank, size=size, parts=shard_parts(param)),
+                whole_shape=tuple(whole)))
         draw_normal(draws, self.config.init_seed)
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
