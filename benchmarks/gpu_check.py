@@ -126,6 +126,13 @@ LAYOUTS = [
                                              "--ep", "2", "--moe-top-k", "2", "--dtype", "bf16",
                                              "--grouped-experts", "on", "--schedule",
                                              "combined-1f1b")),
+    Layout("ep2-dp2-tp2-bf16-grouped-top4", ("--pp", "1", "--dp", "2", "--tp", "2",
+                                             "--moe-experts", "4", "--ep", "2",
+                                             "--moe-top-k", "4", "--dtype", "bf16",
+                                             "--grouped-experts", "on", "--schedule",
+                                             "combined-1f1b"),
+           "each expert's width split over tp; every token to all 4 experts, as tp's bf16 "
+           "attention moves near-tie picks of top 2"),
     Layout("pp2-dualpipe-v-moe4-bf16-grouped", ("--pp", "2", "--schedule", "dualpipe-v",
                                                 "--moe-experts", "4", "--moe-top-k", "2",
                                                 "--dtype", "bf16", "--grouped-experts", "on"),

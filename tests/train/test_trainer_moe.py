@@ -30,6 +30,11 @@ LAYOUTS = {
                                                    grouped_experts="on"),
     "pp2-vpp2-dp2-ep2-top2-zbv-grouped": dict(pp=2, vpp=2, dp=2, ep=2, moe_top_k=2,
                                               schedule="zb-v", grouped_experts="on"),
+    # Each expert's hidden width split over the tensor-parallel ranks (MoE.split_width).
+    "tp2-top2": dict(pp=1, tp=2, moe_top_k=2),
+    "pp2-tp2-grouped-1f1b": dict(pp=2, tp=2, moe_top_k=2, grouped_experts="on"),
+    "dp2-ep2-tp2-combined": dict(pp=1, dp=2, ep=2, tp=2, moe_top_k=2,
+                                 schedule="combined-1f1b"),
 }
 
 
@@ -70,15 +75,30 @@ def test_metrics_report_load_balance_and_dropped_tokens(tmp_path):
     assert all(step["max_tokens_per_expert"] >= capacity_per_rank for step in limited)
 
 
+def test_tensor_parallel_ranks_count_their_shared_tokens_once():
+    """A tensor-parallel group's ranks route the same tokens: the metrics of tp 2 are those
+    of one process, not twice them."""
+    base = dict(MOE, pp=1, moe_top_k=2, steps=1)
+    alone = run_distributed(1, _history, TrainConfig(**base))[0][0]
+    split = run_distributed(2, _history, TrainConfig(**base, tp=2))[0][0]
+    for key in ("max_tokens_per_expert", "min_tokens_per_expert", "dropped_tokens"):
+        assert split[key] == alone[key], key
+    assert split["moe_aux_loss"] == pytest.approx(alone["moe_aux_loss"], rel=1e-5)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("grouped", ["off", "on"])
-def test_expert_shards_resume_exactly(tmp_path, grouped):
+@pytest.mark.parametrize("layout", [dict(grouped_experts="off"), dict(grouped_experts="on"),
+                                    dict(tp=2, grouped_experts="on")],
+                         ids=["one-by-one", "grouped", "tp2-grouped"])
+def test_expert_shards_resume_exactly(tmp_path, layout):
     """Laid out for grouped products, the experts' weights are views of one storage each
-    projection: saved and loaded as the parameters they are."""
+    projection: saved and loaded as the parameters they are; split over tensor-parallel
+    ranks too, saved whole and each rank's slice loaded."""
     base = dict(MOE, pp=1, dp=2, ep=2, schedule="combined-1f1b", out_dir=str(tmp_path),
-                checkpoint_every=2, grouped_experts=grouped)
-    straight = run_distributed(2, train, TrainConfig(**base))[0]
-    resumed = run_distributed(2, train, TrainConfig(**base, resume=True),
+                checkpoint_every=2, **layout)
+    world = TrainConfig(**base).world_size
+    straight = run_distributed(world, train, TrainConfig(**base))[0]
+    resumed = run_distributed(world, train, TrainConfig(**base, resume=True),
                               rewind_to="step-000002")[0]
     assert resumed == straight  # the same layout: bit for bit, the history continued
 
@@ -130,7 +150,10 @@ BAD = {
     "top-k above experts": (dict(moe_experts=2, moe_top_k=3), "--moe-top-k 3"),
     "moe flags without experts": (dict(moe_top_k=2, ep=2, dp=2),
                                   "--moe-top-k, --ep apply only to mixture-of-experts"),
-    "moe with tensor parallelism": (dict(moe_experts=4, tp=2), "--tp 1"),
+    "moe with stages of different tp": (dict(pp=2, moe_experts=4, stage_tp="2,1",
+                                             stage_link="root"), "not --stage-tp"),
+    "moe with sequence parallelism": (dict(moe_experts=4, tp=2, sequence_parallel=True),
+                                      "drop --sequence-parallel"),
 }
 
 

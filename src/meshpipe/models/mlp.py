@@ -39,8 +39,14 @@ class SwiGLU(nn.Module):
         self.tp = TensorParallelRegion()
 
     def shard(self, tp: TensorParallelRegion) -> None:
-        """Keep this rank's slice of the hidden width: gate/up by output, down by input."""
+        """Keep this rank's slice of the hidden width, entering and leaving ``tp`` itself."""
         self.tp = tp
+        self.shard_weights(tp)
+
+    def shard_weights(self, tp: TensorParallelRegion) -> None:
+        """Keep this rank's slice of the hidden width: gate/up by output, down by input. The
+        output is then this rank's part of a sum over ``tp``; the caller completes it (an
+        expert's: the layer, once for all its experts' rows)."""
         self.w_gate = shard_linear(self.w_gate, 0, tp.group)
         self.w_up = shard_linear(self.w_up, 0, tp.group)
         self.w_down = shard_linear(self.w_down, 1, tp.group)

@@ -43,6 +43,7 @@ from meshpipe.comm import ops
 from meshpipe.comm.collectives import exchange_counts, exchange_rows
 from meshpipe.models import grouped_experts
 from meshpipe.models.mlp import SwiGLU, linear
+from meshpipe.parallel import TensorParallelRegion
 from meshpipe.runtime.substeps import Exchange, run_steps
 
 
@@ -180,6 +181,7 @@ class ExpertLayer(nn.Module):
         self.ep_size, self.ep_rank = 1, 0
         self.stats = MoEStats.empty(experts)
         self.grouped_weights: grouped_experts.LaidOut | None = None  # grouped_experts.lay_out
+        self.tp = TensorParallelRegion()  # the experts' width split (``MoE.split_width``)
 
     @property
     def grouped(self) -> bool:
@@ -305,11 +307,13 @@ class ExpertLayer(nn.Module):
                                                 output_size=received.shape[0])
             order = torch.argsort(expert_of_row, stable=True)
             received = received[order]
+        received = self.tp.enter(received)
         if grouped_experts.ready(self, received):
             outputs = grouped_experts.run(self, received, receive_counts.sum(dim=0))
         else:
             outputs = torch.cat([self.experts[str(e)](rows) for e, rows in zip(
                 self.local_experts, received.split(expert_rows))])
+        outputs = self.tp.leave(outputs)
         return outputs if order is None else outputs[torch.argsort(order)]
 
     def _count(self, route: _Route, aux: Tensor) -> None:
@@ -335,6 +339,19 @@ class MoE(ExpertLayer):
 
     def router_logits(self, tokens: Tensor) -> Tensor:
         return self.router(tokens)
+
+    def split_width(self, tp: TensorParallelRegion) -> None:
+        """Keep this rank's slice of every expert's hidden width (the router stays whole).
+        Every rank of ``tp`` routes the same tokens and receives the same rows; the layer's
+        experts give this rank's part of their outputs, summed over ``tp`` in one
+        all-reduce (and their input gradients in one backward)."""
+        if tp.sequence_parallel:
+            raise ValueError("mixture-of-experts layers do not run with sequence parallelism "
+                             "yet: every tensor-parallel rank must route the same tokens; "
+                             "drop --sequence-parallel")
+        self.tp = tp
+        for expert in self.experts.values():
+            expert.shard_weights(tp)
 
 
 @dataclass

@@ -397,9 +397,6 @@ class Transformer(nn.Module):
             self.head.weight = self.embedding.weight
         self.tp = TensorParallelRegion(tp_group, sequence_parallel)
         if self.tp.size > 1:
-            if config.is_moe:
-                raise ValueError("mixture-of-experts layers do not run with tensor "
-                                 "parallelism yet; use --tp 1 (experts scale with --ep)")
             self._shard_for_tensor_parallelism()
         for layer in self.layers:
             if layer.is_moe:
@@ -423,7 +420,10 @@ class Transformer(nn.Module):
             self.head = shard_linear(self.head, 0, self.tp.group)
         for layer in self.layers:
             layer.attention.shard(self.tp)
-            layer.mlp.shard(self.tp)
+            if layer.is_moe:
+                layer.mlp.split_width(self.tp)
+            else:
+                layer.mlp.shard(self.tp)
         if self.tp.sequence_parallel:
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):

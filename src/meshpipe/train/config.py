@@ -306,9 +306,13 @@ class TrainConfig:
             raise ValueError(f"--moe-experts {self.moe_experts} is not divisible by --ep "
                              f"{self.ep}: each expert-parallel rank holds as many experts; "
                              f"use a multiple of {self.ep}")
-        if self.tp > 1 or self.stage_tp:
-            raise ValueError("mixture-of-experts layers do not run with tensor parallelism "
-                             "yet: use --tp 1 and no --stage-tp (experts scale with --ep)")
+        if self.stage_tp:
+            raise ValueError("mixture-of-experts layers do not run with stages of different "
+                             "tensor-parallel sizes yet: use one --tp, not --stage-tp")
+        if self.tp > 1 and self.sequence_parallel:
+            raise ValueError("mixture-of-experts layers do not run with --sequence-parallel "
+                             "yet: every tensor-parallel rank routes the same tokens; drop "
+                             "--sequence-parallel")
 
     def _check_tensor_parallelism(self) -> None:
         if self.stage_link and self.stage_link not in STAGE_LINKS:

@@ -7,10 +7,9 @@ devices, resume), starts the processes (locally, or joins torchrun's) and every 
 
 1. the topology (pp x dp x cp ring x cp Ulysses x tp, or a tp size per pipeline rank) and
    this rank's process groups;
-2. the stages the plan's schedule places on this pipeline rank, cut from one model that
-   every rank initialises identically and then shards over tensor parallelism (a
-   ``--model`` is cut on the meta device and each rank reads only its stages' weights); the
-   pipeline transport for the layout; an executor for training and one for evaluation;
+2. the stages the plan's schedule places on this pipeline rank, cut from a model sharded on
+   the meta device, only this rank's parts then drawn or read (``sources``); the pipeline
+   transport for the layout; an executor for training and one for evaluation;
 3. per step (``StepState`` holds what it creates): this rank's microbatches
    (``batches``), one executor step in the run's precision, the gradients reduced over the
    ranks sharing each weight, measured and clipped (``gradients``; fp16: unscaled, and the
@@ -184,7 +183,8 @@ class Trainer:
         self.scaler = DynamicLossScaler() if config.dtype == "fp16" else None
         self.stages = self._stages(parts.chunks, my_stages)
         self.experts = reporting.ExpertStats(config, self.stages, parts.moe_index, self.device,
-                                             sources.num_experts(config))
+                                             sources.num_experts(config),
+                                             counted=self.topology.tp_rank == 0)
         self.aux_coef = sources.aux_coefficient(config)
         # This rank's parameters once each, under their full-model names (a tied head is the
         # embedding): the names key checkpoints and --check. In bf16 the stages' own are

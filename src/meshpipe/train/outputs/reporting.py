@@ -54,15 +54,17 @@ class ExpertStats:
     """The mixture-of-experts layers' statistics of a step, over the whole job.
 
     ``moe_index`` gives each local expert layer's global layer index (its place in the
-    step's counts); ``experts`` is the number of experts per layer."""
+    step's counts); ``experts`` is the number of experts per layer. The ranks of a
+    tensor-parallel group route the same tokens: only ``counted`` ones add theirs."""
 
     def __init__(self, config: TrainConfig, stages: dict[int, Any], moe_index: dict[int, int],
-                 device: torch.device, experts: int):
+                 device: torch.device, experts: int, counted: bool = True):
         self.config = config
         self.stages = stages
         self.moe_index = moe_index
         self.device = device
         self.experts = experts
+        self.counted = counted
 
     def take(self) -> list[tuple[int, Any]]:
         """Each local expert layer's stats since the last call (global layer index, stats)."""
@@ -79,7 +81,8 @@ class ExpertStats:
         experts = self.experts
         counts = torch.zeros(len(self.moe_index) * experts + 2, dtype=torch.float64,
                              device=self.device)
-        for index, stats in self.take():
+        taken = self.take()  # on every rank: each starts counting anew
+        for index, stats in taken if self.counted else []:
             counts[index * experts:(index + 1) * experts] += stats.tokens_per_expert.to(
                 counts.device, torch.float64)
             counts[-2] += stats.dropped.to(counts.device, torch.float64)
