@@ -20,9 +20,9 @@ saved state grows with the square of the sequence). Both use non-reentrant check
 which the split backward of zero-bubble schedules supports.
 
 Initialisation is a pure function of ``TransformerConfig.init_seed`` and each parameter's
-name: a rank builds the parts its pipeline chunks hold (``Held``; the others on the meta
-device), with the values the whole model has, and cuts out its tensor-parallel shards (see
-``meshpipe.models.split``).
+name: a rank builds the model on the meta device, cuts its tensor-parallel shards and keeps
+its experts there, and then draws only the parts its pipeline chunks hold (``Held``, see
+``meshpipe.models.split``), with the values the whole model has.
 """
 
 from __future__ import annotations
