@@ -40,9 +40,12 @@ def train(rank, world_size, config, rewind_to=None):
 def train_then_logits(rank, world_size, config, tokens):
     """Train, export on rank 0, and return the trained stages' logits of ``tokens`` through
     a forward-only step on every rank (experts' exchanges need them all): from the rank
-    holding the last stage, None from the others."""
+    holding the last stage, whole over its tensor-parallel ranks' vocabulary shards, None
+    from the others."""
+    import torch
     import torch.distributed as dist
 
+    from meshpipe.parallel import unshard
     from meshpipe.train.loop.trainer import export_newest
 
     trainer = Trainer(config)
@@ -54,4 +57,9 @@ def train_then_logits(rank, world_size, config, tokens):
     outputs = trainer.eval_executor.step(inputs, None).outputs
     if not outputs:
         return None
-    return outputs[0][0] if isinstance(outputs[0], tuple) else outputs[0]  # (logits, aux)
+    logits = outputs[0][0] if isinstance(outputs[0], tuple) else outputs[0]  # (logits, aux)
+    if trainer.tp_group is None:
+        return logits
+    shards = [torch.empty_like(logits) for _ in range(dist.get_world_size(trainer.tp_group))]
+    dist.all_gather(shards, logits.contiguous(), group=trainer.tp_group)
+    return unshard(shards, dim=-1)

@@ -45,6 +45,11 @@ LAYOUTS = {
     "qwen3_moe-pp2-dp2-ep2-grouped": ("qwen3_moe", {}, dict(pp=2, dp=2, ep=2,
                                                             grouped_experts="on")),
     "qwen2_moe-shared-pp2-ring2-packed": ("qwen2_moe", {}, dict(pp=2, cp_ring=2, pack=True)),
+    # Each expert's width (and the shared expert's) split over tp (hf_tp._split_experts).
+    "mixtral-tp2-dp2-ep2-combined": ("mixtral", {}, dict(pp=1, tp=2, dp=2, ep=2,
+                                                         schedule="combined-1f1b")),
+    "qwen2_moe-shared-pp2-tp2-grouped": ("qwen2_moe", {}, dict(pp=2, tp=2,
+                                                               grouped_experts="on")),
 }
 
 
@@ -85,9 +90,11 @@ def test_fused_tensor_parallel_shards_resume_without_tensor_parallelism(tmp_path
 
 @pytest.mark.parametrize("arch,layout", [
     pytest.param("llama", dict(pp=2), id="llama-pp2"),
-    pytest.param("mixtral", dict(pp=1, dp=2, ep=2), id="mixtral-dp2-ep2", marks=pytest.mark.slow)])
+    pytest.param("mixtral", dict(pp=1, dp=2, ep=2), id="mixtral-dp2-ep2", marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", dict(pp=1, tp=2), id="qwen2_moe-tp2", marks=pytest.mark.slow)])
 def test_the_export_loads_in_transformers_with_the_trained_logits(tmp_path, arch, layout):
-    """Mixtral's experts are written one tensor per expert, as save_pretrained does."""
+    """Mixtral's experts are written one tensor per expert, as save_pretrained does; experts
+    split over tp ranks whole."""
     import transformers
 
     directory = save_tiny_model(tmp_path / "model", arch)
@@ -159,10 +166,12 @@ def _bytes_read_for_stage_and_shard(rank, world_size, directory):
     return sum(counted), sum(p.numel() * p.element_size() for p in real.values())
 
 
-def test_each_tensor_parallel_rank_reads_only_its_shards(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe"])
+def test_each_tensor_parallel_rank_reads_only_its_shards(tmp_path, arch):
+    """Of its experts too: each expert's slice of the width, and the shared expert's."""
     import transformers
 
-    directory = save_tiny_model(tmp_path / "model", "llama")
+    directory = save_tiny_model(tmp_path / "model", arch)
     stage = ("model.embed_tokens.", "model.layers.0.", "model.layers.1.")
     whole = sum(p.numel() * 4 for name, p in transformers.AutoModelForCausalLM.from_pretrained(
         str(directory)).named_parameters() if name.startswith(stage))

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from meshpipe.models.hf_moe import HFExperts
 from meshpipe.models.hf_vision import decoder_of
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding, mark_fused,
                                mark_sequence_parallel)
@@ -53,6 +54,8 @@ HEAD_COUNTS = ("num_heads", "num_key_value_heads")
 REGIONS = ("self_attn", "mlp")
 # Weights applied per head: on a rank's own heads, their gradients are partial sums.
 PER_HEAD = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+# An expert's hidden width and a shared expert's, where not ``intermediate_size`` (Qwen MoE).
+EXPERT_WIDTHS = ("moe_intermediate_size", "shared_expert_intermediate_size")
 # Where a parameter's rows come from: [(dim, start, stop)] slices of the checkpoint tensor,
 # concatenated.
 ROWS_ATTR = "_meshpipe_checkpoint_slice"
@@ -63,7 +66,9 @@ def check_sizes(config: Any, tp: int, where: str) -> None:
     sizes = {"attention heads (num_attention_heads)": config.num_attention_heads,
              "key/value heads (num_key_value_heads)": kv_heads(config),
              "MLP width (intermediate_size)": config.intermediate_size,
-             "vocabulary (vocab_size)": config.vocab_size}
+             "vocabulary (vocab_size)": config.vocab_size,
+             **{f"expert width ({field})": getattr(config, field) for field in EXPERT_WIDTHS
+                if getattr(config, field, None)}}
     for what, size in sizes.items():
         if size % tp:
             raise ValueError(f"--tp {tp} must divide the {what} of {where}, {size}; use a tp "
@@ -152,7 +157,13 @@ def shard_skeleton(model: nn.Module, region: TensorParallelRegion) -> None:
     local_config = copy.copy(config)
     local_config.num_attention_heads = config.num_attention_heads // region.size
     local_config.num_key_value_heads = kv_heads(config) // region.size
+    expert_layers = {name: module for name, module in base.named_modules()
+                     if isinstance(module, HFExperts)}
+    for layer in expert_layers.values():
+        _split_experts(layer, region)
     for name, module in list(base.named_modules()):
+        if name in expert_layers or name.startswith(tuple(f"{e}." for e in expert_layers)):
+            continue
         end = next((end for end in SPLITS if name.endswith(end)), None)
         if end is not None:
             owner, attribute = _owner(base, name)
@@ -173,6 +184,24 @@ def shard_skeleton(model: nn.Module, region: TensorParallelRegion) -> None:
     for name, param in base.named_parameters():
         if name.endswith(PER_HEAD) or (region.sequence_parallel and name.endswith("norm.weight")):
             mark_sequence_parallel(param)
+
+
+def _split_experts(layer: HFExperts, region: TensorParallelRegion) -> None:
+    """An expert layer for ``region``, as the reference model's (``MoE.split_width``): each
+    expert keeps its slice of the hidden width (gate and up by output, down by input; the
+    router whole), and the layer sums its experts' outputs over the region. Qwen2-MoE's
+    shared expert is split as a dense MLP, a region of its own."""
+    layer.tp = region
+    for expert in layer.experts.values():
+        for name, dim in zip(expert.projections, (0, 0, 1)):
+            projection = getattr(expert, name)
+            projection.weight = _slice_of(projection.weight, dim, region)
+    shared = getattr(layer, "shared_expert", None)
+    if shared is not None:
+        shared.gate_proj = ColumnParallel(shared.gate_proj, region)
+        shared.up_proj = ColumnParallel(shared.up_proj, region)
+        shared.down_proj = RowParallel(shared.down_proj, region)
+        shared.register_forward_pre_hook(_entering(region), with_kwargs=True)
 
 
 def _local_heads(attention: nn.Module, local_config: Any, size: int) -> None:
