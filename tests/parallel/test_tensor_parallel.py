@@ -19,7 +19,7 @@ from torch import nn
 
 from meshpipe.parallel import (ColumnParallelLinear, RowParallelLinear,
                                VocabParallelEmbedding, copy_to_tp, gather_from_sequence,
-                               is_sequence_parallel_param, mark_sequence_parallel,
+                               gather_to_replicate, is_sequence_parallel_param, mark_sequence_parallel,
                                reduce_from_tp, reduce_scatter_to_sequence,
                                scatter_to_sequence, shard, shard_dim, tp_rank_and_size,
                                unshard, vocab_parallel_cross_entropy)
@@ -111,6 +111,7 @@ def _collectives(rank: int, world_size: int, seed: int, dtype: torch.dtype) -> d
     run("reduce_from_tp", reduce_from_tp, mine, g_full)
     run("scatter_to_sequence", scatter_to_sequence, full, g_part)
     run("gather_from_sequence", gather_from_sequence, part, g_full)
+    run("gather_to_replicate", gather_to_replicate, part, g_full)
     run("reduce_scatter_to_sequence", reduce_scatter_to_sequence, mine, g_part)
     return out
 
@@ -132,6 +133,8 @@ def _expected_collectives(world: int, seed: int, rank: int, dtype: torch.dtype) 
         "scatter_to_sequence": (chunk(full, rank), torch.cat(g_part, 1)),
         # backward: the sum over ranks of this rank's chunk of their output grads
         "gather_from_sequence": (torch.cat(part, 1), sum(chunk(g, rank) for g in g_full)),
+        # backward: this rank's chunk of its own output grad (every rank's is the same there)
+        "gather_to_replicate": (torch.cat(part, 1), chunk(g_full[rank], rank)),
         "reduce_scatter_to_sequence": (chunk(sum(mine), rank), torch.cat(g_part, 1)),
     }
 
@@ -155,7 +158,7 @@ def test_collectives_forward_and_backward_match_their_definitions(world):
 def test_collectives_are_identities_without_a_group():
     x = torch.randn(B, S, D, requires_grad=True)
     for fn in (copy_to_tp, reduce_from_tp, scatter_to_sequence, gather_from_sequence,
-               reduce_scatter_to_sequence):
+               gather_to_replicate, reduce_scatter_to_sequence):
         assert fn(x, None) is x
     assert tp_rank_and_size(None) == (0, 1)
 

@@ -50,6 +50,8 @@ LAYOUTS = {
                                                          schedule="combined-1f1b")),
     "qwen2_moe-shared-pp2-tp2-grouped": ("qwen2_moe", {}, dict(pp=2, tp=2,
                                                                grouped_experts="on")),
+    "qwen2_moe-shared-tp2-sequence-parallel": ("qwen2_moe", {}, dict(pp=1, tp=2,
+                                                                     sequence_parallel=True)),
 }
 
 

@@ -32,6 +32,11 @@ LAYOUTS = {
                                               schedule="zb-v", grouped_experts="on"),
     # Each expert's hidden width split over the tensor-parallel ranks (MoE.split_width).
     "tp2-top2": dict(pp=1, tp=2, moe_top_k=2),
+    "tp2-sequence-parallel-grouped": dict(pp=1, tp=2, moe_top_k=2, sequence_parallel=True,
+                                          grouped_experts="on"),
+    "dp2-ep2-tp2-sequence-parallel-every2-combined": dict(pp=1, dp=2, ep=2, tp=2,
+                                                          moe_every=2, sequence_parallel=True,
+                                                          schedule="combined-1f1b"),
     "pp2-tp2-grouped-1f1b": dict(pp=2, tp=2, moe_top_k=2, grouped_experts="on"),
     "dp2-ep2-tp2-combined": dict(pp=1, dp=2, ep=2, tp=2, moe_top_k=2,
                                  schedule="combined-1f1b"),
@@ -152,8 +157,6 @@ BAD = {
                                   "--moe-top-k, --ep apply only to mixture-of-experts"),
     "moe with stages of different tp": (dict(pp=2, moe_experts=4, stage_tp="2,1",
                                              stage_link="root"), "not --stage-tp"),
-    "moe with sequence parallelism": (dict(moe_experts=4, tp=2, sequence_parallel=True),
-                                      "drop --sequence-parallel"),
 }
 
 

@@ -175,11 +175,10 @@ def _check_transformers_version(path: Path, model_type: str) -> None:
                          f"here, found {version}: pip install -U 'transformers>={needed}'")
 
 
-def check_experts(info: HFModelInfo, *, ep: int, capacity_factor: float, stage_tp: bool,
-                  sequence_parallel: bool) -> None:
+def check_experts(info: HFModelInfo, *, ep: int, capacity_factor: float,
+                  stage_tp: bool) -> None:
     """Expert flags against the model's experts: --ep must divide them, a dense model takes
-    none, and experts do not run with stages of different tp sizes or sequence
-    parallelism."""
+    none, and experts do not run with stages of different tp sizes."""
     where = f"--model {info.directory} ({info.model_type})"
     if not info.experts:
         given = [flag for flag, value in (("--ep", ep != 1),
@@ -195,10 +194,6 @@ def check_experts(info: HFModelInfo, *, ep: int, capacity_factor: float, stage_t
     if stage_tp:
         raise ValueError(f"{where} has mixture-of-experts layers, which do not run with stages "
                          "of different tensor-parallel sizes yet: use one --tp, not --stage-tp")
-    if sequence_parallel:
-        raise ValueError(f"{where} has mixture-of-experts layers, which do not run with "
-                         "--sequence-parallel yet: every tensor-parallel rank routes the same "
-                         "tokens; drop --sequence-parallel")
 
 
 def check_sequence_length(info: HFModelInfo, seq_len: int) -> None:

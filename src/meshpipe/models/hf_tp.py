@@ -190,7 +190,8 @@ def _split_experts(layer: HFExperts, region: TensorParallelRegion) -> None:
     """An expert layer for ``region``, as the reference model's (``MoE.split_width``): each
     expert keeps its slice of the hidden width (gate and up by output, down by input; the
     router whole), and the layer sums its experts' outputs over the region. Qwen2-MoE's
-    shared expert is split as a dense MLP, a region of its own."""
+    shared expert is split as a dense MLP, a region of its own on the tokens the layer
+    routes (the whole sequence under sequence parallelism)."""
     layer.tp = region
     for expert in layer.experts.values():
         for name, dim in zip(expert.projections, (0, 0, 1)):
@@ -198,10 +199,11 @@ def _split_experts(layer: HFExperts, region: TensorParallelRegion) -> None:
             projection.weight = _slice_of(projection.weight, dim, region)
     shared = getattr(layer, "shared_expert", None)
     if shared is not None:
-        shared.gate_proj = ColumnParallel(shared.gate_proj, region)
-        shared.up_proj = ColumnParallel(shared.up_proj, region)
-        shared.down_proj = RowParallel(shared.down_proj, region)
-        shared.register_forward_pre_hook(_entering(region), with_kwargs=True)
+        whole = TensorParallelRegion(region.group)
+        shared.gate_proj = ColumnParallel(shared.gate_proj, whole)
+        shared.up_proj = ColumnParallel(shared.up_proj, whole)
+        shared.down_proj = RowParallel(shared.down_proj, whole)
+        shared.register_forward_pre_hook(_entering(whole), with_kwargs=True)
 
 
 def _local_heads(attention: nn.Module, local_config: Any, size: int) -> None:

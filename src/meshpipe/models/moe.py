@@ -43,7 +43,8 @@ from meshpipe.comm import ops
 from meshpipe.comm.collectives import exchange_counts, exchange_rows
 from meshpipe.models import grouped_experts
 from meshpipe.models.mlp import SwiGLU, linear
-from meshpipe.parallel import TensorParallelRegion
+from meshpipe.parallel import (TensorParallelRegion, copy_to_tp, gather_to_replicate,
+                               reduce_from_tp, scatter_to_sequence)
 from meshpipe.runtime.substeps import Exchange, run_steps
 
 
@@ -229,6 +230,7 @@ class ExpertLayer(nn.Module):
     def forward_steps(self, x: Tensor, keep=None):
         """The MoE as sub-steps: yields the dispatch and the combine exchanges; returns
         ``(y, aux_loss, keep)``, ``keep`` being the caller's values carried across them."""
+        x = self._whole_sequence(x)
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
         route = self._route(tokens)
@@ -251,7 +253,15 @@ class ExpertLayer(nn.Module):
         if shared is not None:
             y = y + shared
         self._count(route, aux)
-        return y.view(batch, seq, dim).to(x.dtype), aux, keep
+        return self._own_sequence(y.view(batch, seq, dim).to(x.dtype)), aux, keep
+
+    def _whole_sequence(self, x: Tensor) -> Tensor:
+        """Under sequence parallelism, every tp rank's sequence shard gathered: the ranks
+        route the whole sequence alike (the experts' width is what they split)."""
+        return gather_to_replicate(x, self.tp.group) if self.tp.sequence_parallel else x
+
+    def _own_sequence(self, y: Tensor) -> Tensor:
+        return scatter_to_sequence(y, self.tp.group) if self.tp.sequence_parallel else y
 
     def _route(self, tokens: Tensor) -> _Route:
         logits = self.router_logits(tokens).float()
@@ -307,13 +317,13 @@ class ExpertLayer(nn.Module):
                                                 output_size=received.shape[0])
             order = torch.argsort(expert_of_row, stable=True)
             received = received[order]
-        received = self.tp.enter(received)
+        received = copy_to_tp(received, self.tp.group)
         if grouped_experts.ready(self, received):
             outputs = grouped_experts.run(self, received, receive_counts.sum(dim=0))
         else:
             outputs = torch.cat([self.experts[str(e)](rows) for e, rows in zip(
                 self.local_experts, received.split(expert_rows))])
-        outputs = self.tp.leave(outputs)
+        outputs = reduce_from_tp(outputs, self.tp.group)
         return outputs if order is None else outputs[torch.argsort(order)]
 
     def _count(self, route: _Route, aux: Tensor) -> None:
@@ -342,13 +352,10 @@ class MoE(ExpertLayer):
 
     def split_width(self, tp: TensorParallelRegion) -> None:
         """Keep this rank's slice of every expert's hidden width (the router stays whole).
-        Every rank of ``tp`` routes the same tokens and receives the same rows; the layer's
-        experts give this rank's part of their outputs, summed over ``tp`` in one
-        all-reduce (and their input gradients in one backward)."""
-        if tp.sequence_parallel:
-            raise ValueError("mixture-of-experts layers do not run with sequence parallelism "
-                             "yet: every tensor-parallel rank must route the same tokens; "
-                             "drop --sequence-parallel")
+        Every rank of ``tp`` routes the same tokens (with sequence parallelism: the gathered
+        sequence) and receives the same rows; the layer's experts give this rank's part of
+        their outputs, summed over ``tp`` in one all-reduce (and their input gradients in
+        one backward)."""
         self.tp = tp
         for expert in self.experts.values():
             expert.shard_weights(tp)

@@ -149,6 +149,17 @@ class _GatherFromSequence(torch.autograd.Function):
         return _reduce_scatter_seq(grad, ctx.group), None
 
 
+class _GatherToReplicate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return _seq_chunk(grad, ctx.group), None
+
+
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -198,6 +209,19 @@ def gather_from_sequence(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     _check_seq_divisible(x, 1, "gather_from_sequence")  # only needs a dim 1
     _check_same_shapes(x, group, "gather_from_sequence")
     return _GatherFromSequence.apply(x, group)
+
+
+@graph_break
+def gather_to_replicate(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """All-gather along dim 1 forward, this rank's chunk of the gradient backward: the entry
+    of a computation every rank repeats on the whole sequence (a mixture-of-experts layer's
+    routing under sequence parallelism), whose gradient is then the same on every rank;
+    ``scatter_to_sequence`` is its exit."""
+    if _tp_size(group) == 1:
+        return x
+    _check_seq_divisible(x, 1, "gather_to_replicate")  # only needs a dim 1
+    _check_same_shapes(x, group, "gather_to_replicate")
+    return _GatherToReplicate.apply(x, group)
 
 
 @graph_break

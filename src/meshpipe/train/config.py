@@ -309,10 +309,6 @@ class TrainConfig:
         if self.stage_tp:
             raise ValueError("mixture-of-experts layers do not run with stages of different "
                              "tensor-parallel sizes yet: use one --tp, not --stage-tp")
-        if self.tp > 1 and self.sequence_parallel:
-            raise ValueError("mixture-of-experts layers do not run with --sequence-parallel "
-                             "yet: every tensor-parallel rank routes the same tokens; drop "
-                             "--sequence-parallel")
 
     def _check_tensor_parallelism(self) -> None:
         if self.stage_link and self.stage_link not in STAGE_LINKS:

@@ -90,8 +90,7 @@ def check_sources(config: TrainConfig) -> list[str]:
             _check_vision_layout(config)
         hf.check_experts(model_info(config.model), ep=config.ep,
                          capacity_factor=config.moe_capacity_factor,
-                         stage_tp=bool(config.stage_tp),
-                         sequence_parallel=config.sequence_parallel)
+                         stage_tp=bool(config.stage_tp))
     if not config.data:
         if config.model and vocab_size(config) < VOCAB_SIZE:
             raise ValueError(f"the shipped corpus is byte-level (256 token ids) but the model's "
