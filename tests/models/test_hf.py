@@ -247,3 +247,13 @@ def test_an_expert_layer_is_cut_at_its_exchanges(tmp_path):
         hidden, positions, doc_ids, aux = done.value
     assert names == ["dispatch", "combine"] * 2
     assert hidden.shape == (2, 16, 32) and aux.item() > 0
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_full_recompute_reaches_the_expert_layers(tmp_path, recompute):
+    from meshpipe.models import hf_moe
+
+    skeleton = hf.build_skeleton(save_tiny_model(tmp_path, "mixtral"))
+    hf.split_model(skeleton, [2, 2], recompute=recompute)
+    experts = [hf_moe.expert_layer(layer) for layer in hf.decoder_of(skeleton)[0].layers]
+    assert [layer.recompute for layer in experts] == [recompute] * len(experts) != []

@@ -66,6 +66,44 @@ def test_moe_equals_every_expert_weighted_by_its_gate(top_k):
     assert got["router.weight"].abs().sum() > 0
 
 
+def _saved_bytes_and_grads(moe: MoE, x: torch.Tensor) -> tuple[int, dict, torch.Tensor]:
+    """The bytes a forward keeps for backward (outside recomputed regions, whose own saves
+    checkpointing takes), then its gradients."""
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    x = x.detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        y, aux = moe(x)
+    (y.square().sum() + aux).backward()
+    grads = _grads(moe)
+    moe.zero_grad()
+    return sum(saved), grads, x.grad
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-by-one", "grouped"])
+def test_recompute_keeps_none_of_the_experts_activations_and_changes_no_gradient(grouped):
+    """With ``recompute`` the experts' products run again in backward: their hidden
+    activations (gate, up, their product: 3 x HIDDEN per row) are not kept."""
+    from meshpipe.models import grouped_experts
+
+    moe = _moe(top_k=2)
+    if grouped:
+        assert grouped_experts.lay_out([moe]) == 1
+    x = torch.randn(2, 8, DIM)
+    kept, grads, x_grad = _saved_bytes_and_grads(moe, x)
+    moe.recompute = True
+    recomputed, recomputed_grads, recomputed_x_grad = _saved_bytes_and_grads(moe, x)
+    rows = 2 * 8 * 2  # tokens x top-k
+    assert kept - recomputed >= rows * 3 * HIDDEN * 4
+    torch.testing.assert_close(recomputed_x_grad, x_grad)
+    for name, grad in grads.items():
+        torch.testing.assert_close(recomputed_grads[name], grad, msg=name)
+
+
 def test_capacity_drops_the_latest_picks_of_a_full_expert_and_counts_them():
     moe = _moe(2, capacity_factor=0.5)
     x = torch.randn(1, 12, DIM)
@@ -123,3 +161,12 @@ def test_expert_parallel_moe_equals_the_dense_reference_on_each_rank(top_k):
     assert results[0]["experts"] == ["0", "1"] and results[1]["experts"] == ["2", "3"]
     for checks in results:
         assert [k for k, v in checks.items() if not v] == [], str(checks)
+
+
+def test_full_recompute_reaches_the_reference_models_experts():
+    from meshpipe.models import Transformer, TransformerConfig
+
+    config = TransformerConfig(vocab_size=64, dim=DIM, n_layers=2, n_heads=4, moe_experts=4)
+    for recompute, expected in (("full", True), ("selective", False), ("none", False)):
+        model = Transformer(config, recompute=recompute)
+        assert [layer.mlp.recompute for layer in model.layers] == [expected] * 2, recompute

@@ -22,6 +22,10 @@ LAYOUTS = {
     "pp2-dp2-ep2-capacity-dualpipev": dict(pp=2, dp=2, ep=2, moe_capacity_factor=1.0,
                                            schedule="dualpipe-v"),
     "pp2-dp2-ep2-every2-recompute": dict(pp=2, dp=2, ep=2, moe_every=2, recompute="full"),
+    # The experts' products recomputed in backward, under a split backward (ZB-V).
+    "pp2-vpp2-dp2-ep2-zbv-grouped-recompute": dict(pp=2, vpp=2, dp=2, ep=2, moe_top_k=2,
+                                                   schedule="zb-v", grouped_experts="on",
+                                                   recompute="full"),
     # The experts as grouped products (models.grouped_experts; auto is off on a CPU).
     "dp2-ep2-combined-grouped": dict(pp=1, dp=2, ep=2, moe_top_k=2, schedule="combined-1f1b",
                                      grouped_experts="on"),

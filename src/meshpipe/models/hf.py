@@ -46,7 +46,8 @@ from meshpipe.models.hf_attention import attention_adapter, call_layer, meshpipe
 from meshpipe.models.hf_vision import decoder_of
 from meshpipe.models.hf_tp import ROWS_ATTR
 from meshpipe.models.skeleton import real_parameter, replace_parameters
-from meshpipe.models.transformer import _maybe_checkpoint, default_positions
+from meshpipe.models.recompute import maybe_checkpoint
+from meshpipe.models.transformer import default_positions
 from meshpipe.runtime.substeps import run_steps
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
@@ -261,6 +262,9 @@ class HFChunk(nn.Module):
         # Each layer's expert block (None: dense), found once; with experts anywhere in the
         # model, every message carries the load-balancing loss.
         self._experts = {index: hf_moe.expert_layer(layer) for index, layer in self.layers.items()}
+        for experts in self._experts.values():
+            if experts is not None:
+                experts.recompute = recompute
         self.is_moe = any(hf_moe.expert_layer(layer) is not None for layer in base.layers)
         self.layers_graph = None  # models.compile.ChunkGraph, set under --compile
 
@@ -327,10 +331,10 @@ class HFChunk(nn.Module):
             inputs = (tables[index], position_ids, positions, doc_ids, pack)
             experts = self._experts[index]
             if experts is None:
-                hidden = _maybe_checkpoint(self.recompute, self._layer, layer, hidden, *inputs)
+                hidden = maybe_checkpoint(self.recompute, self._layer, layer, hidden, *inputs)
                 continue
             hidden, aux = yield from hf_moe.moe_layer_steps(
-                layer, experts, lambda h, layer=layer, inputs=inputs: _maybe_checkpoint(
+                layer, experts, lambda h, layer=layer, inputs=inputs: maybe_checkpoint(
                     self.recompute, self._attend, layer, h, *inputs), hidden, aux)
         return hidden, aux
 

@@ -43,6 +43,7 @@ from meshpipe.comm import ops
 from meshpipe.comm.collectives import exchange_counts, exchange_rows
 from meshpipe.models import grouped_experts
 from meshpipe.models.mlp import SwiGLU, linear
+from meshpipe.models.recompute import maybe_checkpoint
 from meshpipe.parallel import (TensorParallelRegion, copy_to_tp, gather_to_replicate,
                                reduce_from_tp, scatter_to_sequence)
 from meshpipe.runtime.substeps import Exchange, run_steps
@@ -183,6 +184,7 @@ class ExpertLayer(nn.Module):
         self.stats = MoEStats.empty(experts)
         self.grouped_weights: grouped_experts.LaidOut | None = None  # grouped_experts.lay_out
         self.tp = TensorParallelRegion()  # the experts' width split (``MoE.split_width``)
+        self.recompute = False  # --recompute full: the experts' products again in backward
 
     @property
     def grouped(self) -> bool:
@@ -318,13 +320,19 @@ class ExpertLayer(nn.Module):
             order = torch.argsort(expert_of_row, stable=True)
             received = received[order]
         received = copy_to_tp(received, self.tp.group)
-        if grouped_experts.ready(self, received):
-            outputs = grouped_experts.run(self, received, receive_counts.sum(dim=0))
-        else:
-            outputs = torch.cat([self.experts[str(e)](rows) for e, rows in zip(
-                self.local_experts, received.split(expert_rows))])
+        outputs = maybe_checkpoint(self.recompute, self._experts_on, received,
+                                   receive_counts.sum(dim=0), expert_rows)
         outputs = reduce_from_tp(outputs, self.tp.group)
         return outputs if order is None else outputs[torch.argsort(order)]
+
+    def _experts_on(self, rows: Tensor, rows_per_expert: Tensor,
+                    expert_rows: list[int]) -> Tensor:
+        """The local experts' outputs of their rows (grouped by expert): what backward
+        recomputes under ``recompute``, the exchanges around it kept."""
+        if grouped_experts.ready(self, rows):
+            return grouped_experts.run(self, rows, rows_per_expert)
+        return torch.cat([self.experts[str(e)](part) for e, part in zip(
+            self.local_experts, rows.split(expert_rows))])
 
     def _count(self, route: _Route, aux: Tensor) -> None:
         self.stats.add(route.local_picks, route.dropped, aux.detach())

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from meshpipe.context.derived import derived, on_host, to_device
 from meshpipe.context.interface import Attention
@@ -45,6 +44,7 @@ from meshpipe.models import joint
 from meshpipe.models.initial_values import Draw, draw_normal
 from meshpipe.models.mlp import SwiGLU, linear
 from meshpipe.models.moe import MoE
+from meshpipe.models.recompute import maybe_checkpoint
 from meshpipe.models.rotary import RotaryEmbedding
 from meshpipe.models.skeleton import real_parameter, replace_parameters
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding,
@@ -157,13 +157,6 @@ class RMSNorm(nn.Module):
 _NO_TENSOR_PARALLELISM = TensorParallelRegion()
 
 
-def _maybe_checkpoint(enabled: bool, fn, *args):
-    """``fn(*args)``, recomputed in backward instead of saving its activations if enabled."""
-    if enabled and torch.is_grad_enabled():
-        return checkpoint(fn, *args, use_reentrant=False)
-    return fn(*args)
-
-
 class SelfAttention(nn.Module):
     """Grouped-query self-attention whose core is a pluggable ``Attention`` callable."""
 
@@ -220,7 +213,7 @@ class SelfAttention(nn.Module):
              doc_ids: Tensor | None, pack: GraphPack | None = None) -> Tensor:
         """The attention core (recomputed in backward with ``--recompute selective``);
         ``pack``: the microbatch's ``routing.pack_for_graph``."""
-        return _maybe_checkpoint(self.recompute_core, self._core, q, k, v, positions, doc_ids,
+        return maybe_checkpoint(self.recompute_core, self._core, q, k, v, positions, doc_ids,
                                  pack)
 
     def output(self, out: Tensor) -> Tensor:
@@ -260,14 +253,14 @@ class TransformerBlock(nn.Module):
             return run_steps(self.forward_steps(x, torch.zeros((), device=x.device),
                                                 positions, doc_ids, pack))
         if self.recompute:
-            return _maybe_checkpoint(True, self._forward_by_parts, x, positions, doc_ids, pack)
+            return maybe_checkpoint(True, self._forward_by_parts, x, positions, doc_ids, pack)
         return self._forward(x, positions, doc_ids, pack)
 
     def forward_steps(self, x: Tensor, aux: Tensor | None, positions: Tensor | None,
                       doc_ids: Tensor | None, pack: GraphPack | None = None):
         if not self.is_moe:
             return self(x, positions, doc_ids, pack), aux
-        x = _maybe_checkpoint(self.recompute, self._attend, x, positions, doc_ids, pack)
+        x = maybe_checkpoint(self.recompute, self._attend, x, positions, doc_ids, pack)
         y, layer_aux, (x, aux) = yield from self.mlp.forward_steps(self.mlp_norm(x),
                                                                    keep=(x, aux))
         return x + y, aux + layer_aux
@@ -407,6 +400,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.recompute = recompute == "full"
             layer.attention.recompute_core = recompute == "selective"
+            if layer.is_moe:
+                layer.mlp.recompute = recompute == "full"
 
     def _shard_for_tensor_parallelism(self) -> None:
         """Replace every split weight by this rank's shard of the initialised full weight."""
