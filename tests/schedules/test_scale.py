@@ -88,7 +88,33 @@ def test_experts_dispatch_and_combine_their_routed_tokens():
     size = tokens / 2 * 2 * 1024 * 2  # tp 2's share, top 2 copies, bf16
     # tp 2 x ep 4 = 8 GPUs: more than a node of 4, over the network
     expected = 2 * (10e-6 + 3 / 4 * size / 10e9)
-    assert expert_all_to_all_s(MOE, ROUND, layout(tp=2, ep=4), tokens) == pytest.approx(expected)
+    split_tokens = Runtime()  # Megatron-Core's expert tensor-parallel size 1
+    assert expert_all_to_all_s(MOE, ROUND, layout(tp=2, ep=4), tokens,
+                               split_tokens) == pytest.approx(expected)
+    # meshpipe's tp ranks route every token (each keeps a slice of every expert's width)
+    whole = 2 * (10e-6 + 3 / 4 * 2 * size / 10e9)
+    assert expert_all_to_all_s(MOE, ROUND, layout(tp=2, ep=4), tokens) == pytest.approx(whole)
+
+
+def test_experts_split_over_tp_cost_a_rows_all_reduce_and_keep_the_rows_whole():
+    """At tp 2 meshpipe's MoE layer trades one of the four sequence collectives for an
+    all-reduce of its routed rows each way, and keeps those rows whole for backward; the
+    products are the same FLOPs either way."""
+    sizes = layout(tp=2, ep=2, dp=2)
+    meshpipe = Runtime(experts_split_over_tp=True, recompute_keeps_routed_rows=True)
+    split, whole = (layer_costs(MOE, ROUND, sizes, 4096, Efficiency(), runtime, moe=True,
+                                split=False) for runtime in (Runtime(), meshpipe))
+    tokens, rows = 4096, 4096 * 2 * 1024 * 2  # top 2 copies, bf16
+    one_way = tensor_parallel_s(MOE, ROUND, sizes, tokens)
+    rows_reduce = collective_s(ROUND.nvlink, rows, 2, passes=2)
+    assert whole.exposed_comm - split.exposed_comm == pytest.approx(
+        2 * (rows_reduce - one_way / 4))
+    kept_rows = 4096 * 2 * 2 * 1024 * 2  # to the experts and back, top 2, bf16
+    assert whole.activation_bytes - split.activation_bytes == pytest.approx(kept_rows / 2)
+    full = [layer_costs(MOE, ROUND, layout(tp=2, ep=2, dp=2, recompute="full"), 4096,
+                        Efficiency(), runtime, moe=True, split=False).activation_bytes
+            for runtime in (Runtime(), meshpipe)]
+    assert full[1] - full[0] == pytest.approx(kept_rows)
 
 
 def test_a_pipeline_message_crosses_nodes_unless_the_whole_pipeline_fits_in_one():

@@ -132,3 +132,18 @@ def test_a_gpu_bench_file_without_the_models_sizes_is_one_line(config_only, tmp_
     error = capsys.readouterr().err
     assert "no compiled meshpipe training step with its model's sizes" in error
     assert error.count("\n") == 1
+
+
+def test_experts_with_tensor_parallelism_are_runnable_layouts_the_planner_may_pick():
+    """meshpipe splits each expert's width over tp: a MoE layout at tp 2 (with the sequence
+    parallelism plan's runs use) is one ``meshpipe train`` runs."""
+    from meshpipe.schedules.scale import ScaleLayout
+    from meshpipe.train.tune.planning import runnable_by_meshpipe
+
+    config = TrainConfig(dim=256, layers=4, heads=8, kv_heads=4, moe_experts=8, moe_top_k=2,
+                         seq_len=1024)
+    runnable = runnable_by_meshpipe(config, model_shape(config))
+    assert runnable(ScaleLayout(tp=2, pp=2, vpp=1, cp=1, dp=2, ep=2, microbatch_size=1,
+                                microbatches=4, schedule="1f1b"))
+    assert not runnable(ScaleLayout(tp=3, pp=1, vpp=1, cp=1, dp=2, ep=2, microbatch_size=1,
+                                    microbatches=4, schedule="1f1b"))  # 8 heads over 3

@@ -25,7 +25,10 @@ Pure Python like the rest of ``schedules``. Per microbatch and GPU (``layer_cost
 - experts: each MoE layer's dispatch and combine all-to-alls of the routed tokens, given to
   the simulator as ``CostModel.a2a``: other schedules wait for them; combined 1F1B hides each
   behind the other microbatch's layer as far as that layer's compute lasts (the planner's
-  ``CostModel.overlap``).
+  ``CostModel.overlap``). At tp > 1 meshpipe's tp ranks route the whole sequence and split
+  each expert's width (``Runtime.experts_split_over_tp``): the same products, but routed
+  rows not divided by tp, their outputs all-reduced over tp and kept whole for backward;
+  Megatron-Core with an expert tensor-parallel size of 1 splits the tokens instead.
 - the pipeline: stage messages (a microbatch's activations, sharded over tp) over the network
   unless the whole pipeline sits in a node; the bubble is the simulated schedule's own.
 - data parallelism: the gradients' all-reduce (``--zero 1/2``: a reduce-scatter, then an
@@ -125,7 +128,12 @@ class Runtime:
     their float32 accumulators inside the products (meshpipe: eager, with
     ``--grad-accumulation-fusion``; compiled, as ``meshpipe plan`` writes runs, no: one add a
     parameter and microbatch); ``node_dedup_dispatch`` whether a token crosses to another
-    node once for all its experts there (DeepEP's dispatch; meshpipe: once per expert)."""
+    node once for all its experts there (DeepEP's dispatch; meshpipe: once per expert);
+    ``experts_split_over_tp`` whether a MoE layer's tp ranks route the whole sequence and
+    each keeps a slice of every expert's width (meshpipe) or route their own tokens to
+    whole experts (Megatron-Core's expert tensor-parallel size 1);
+    ``recompute_keeps_routed_rows`` whether full recomputation keeps the rows a MoE layer's
+    exchanges carry (meshpipe: it runs no exchange again) or the layer's input only."""
 
     host_layer_s: tuple[float, float] = (0.0, 0.0)
     tensor_overlap: float = 0.0
@@ -133,9 +141,12 @@ class Runtime:
     weight_gather_overlap: float = 0.0
     fused_gradient_accumulation: bool = False
     node_dedup_dispatch: bool = False
+    experts_split_over_tp: bool = False
+    recompute_keeps_routed_rows: bool = False
 
 
-MESHPIPE = Runtime(host_layer_s=(0.75e-3, 0.9e-3))
+MESHPIPE = Runtime(host_layer_s=(0.75e-3, 0.9e-3), experts_split_over_tp=True,
+                   recompute_keeps_routed_rows=True)
 """meshpipe with ``--compile`` (what ``meshpipe plan`` writes): a compiled block's call
 measured 0.75 ms of host time forward and 0.9 ms backward on an H100 (docs/gpu.md)."""
 
@@ -232,8 +243,8 @@ def _tokens(layout: ScaleLayout, seq_len: int) -> float:
     return layout.microbatch_size * seq_len / layout.cp
 
 
-def _matmuls(model: ModelShape, layout: ScaleLayout, tokens: float, moe: bool
-             ) -> list[tuple[float, float, float, float]]:
+def _matmuls(model: ModelShape, layout: ScaleLayout, tokens: float, moe: bool,
+             runtime: Runtime) -> list[tuple[float, float, float, float]]:
     """A layer's forward products on one GPU: (flops, m, n, k) each."""
     tp, h = layout.tp, model.hidden
     q, kv = model.query_width, model.kv_width
@@ -245,26 +256,50 @@ def _matmuls(model: ModelShape, layout: ScaleLayout, tokens: float, moe: bool
                       (mm - 1) * model.ffn_hidden / tp, h),
                      (2 * tokens * model.ffn_hidden * h / tp, tokens, h, model.ffn_hidden / tp)]
         return products
-    routed = tokens / tp * model.top_k  # experts are not split over tp: tokens are
+    # The tp ranks split either each expert's width (routing every token) or the tokens.
+    split = runtime.experts_split_over_tp
+    routing = tokens if split else tokens / tp
+    width = model.moe_ffn_hidden / tp if split else model.moe_ffn_hidden
+    routed = routing * model.top_k
     per_expert = routed * layout.ep / model.experts
-    products += [(2 * routed * h * mm * model.moe_ffn_hidden, per_expert, model.moe_ffn_hidden, h),
-                 (2 * tokens * h * model.experts / tp, tokens / tp, model.experts, h)]
+    products += [(2 * routed * h * mm * width, per_expert, width, h),
+                 (2 * routing * h * model.experts, routing, model.experts, h)]
     if model.shared_ffn_hidden:
         products.append((2 * tokens * h * mm * model.shared_ffn_hidden / tp, tokens,
                          mm * model.shared_ffn_hidden / tp, h))
     return products
 
 
-def _elementwise_bytes(model: ModelShape, layout: ScaleLayout, tokens: float, moe: bool) -> float:
+def _elementwise_bytes(model: ModelShape, layout: ScaleLayout, tokens: float, moe: bool,
+                      runtime: Runtime) -> float:
     """What a layer's forward moves through memory outside its products: two norms, rotary,
-    residual adds, the activation (and the routed tokens' copies), sharded over tp."""
+    residual adds, the activation (and the routed tokens' copies), sharded over tp (the
+    routed copies whole where the experts' width is split instead)."""
     h = model.hidden
     width = 10 * h + 2 * (model.query_width + model.kv_width)
+    whole = 0.0
     if moe:
-        width += model.top_k * (3 * model.moe_ffn_hidden + 4 * h) + 3 * model.shared_ffn_hidden
+        width += model.top_k * 3 * model.moe_ffn_hidden + 3 * model.shared_ffn_hidden
+        copies = model.top_k * 4 * h
+        if runtime.experts_split_over_tp:
+            whole = copies
+        else:
+            width += copies
     else:
         width += 3 * model.ffn_hidden
-    return tokens * width * BF16 / layout.tp
+    return tokens * (width / layout.tp + whole) * BF16
+
+
+def _routed_rows_kept_whole(model: ModelShape, layout: ScaleLayout, runtime: Runtime
+                            ) -> float:
+    """What a MoE layer keeps per token beyond ``saved_bytes_per_token``'s tp share: its
+    routed rows (to the experts and back) where the tp ranks hold them whole, and under full
+    recomputation those the runtime keeps rather than exchanging again."""
+    rows = model.top_k * 2 * model.hidden * BF16
+    held = rows if runtime.experts_split_over_tp else rows / layout.tp
+    if layout.recompute == "full":
+        return held if runtime.recompute_keeps_routed_rows else 0.0
+    return held - rows / layout.tp
 
 
 def saved_bytes_per_token(model: ModelShape, moe: bool, recompute: str) -> float:
@@ -290,12 +325,16 @@ def layer_costs(model: ModelShape, cluster: Cluster, layout: ScaleLayout, seq_le
     module docstring); ``split``: the schedule runs the backward as I and W."""
     peak, tokens = cluster.peak_flops, _tokens(layout, seq_len)
     forward_products = sum(efficiency.matmul_s(f, m, n, k, peak)
-                           for f, m, n, k in _matmuls(model, layout, tokens, moe))
+                           for f, m, n, k in _matmuls(model, layout, tokens, moe, runtime))
     attention_flops = tokens * model.attention_flops_per_token(seq_len) / layout.tp
     attention = attention_flops / (peak * efficiency.attention_at(seq_len))
     attention_back = 2.5 * attention
-    elementwise = efficiency.stream_s(_elementwise_bytes(model, layout, tokens, moe), cluster)
-    tensor = (1 - runtime.tensor_overlap) * tensor_parallel_s(model, cluster, layout, tokens)
+    elementwise = efficiency.stream_s(_elementwise_bytes(model, layout, tokens, moe, runtime),
+                                      cluster)
+    tensor = (1 - runtime.tensor_overlap) * (
+        expert_tensor_parallel_s(model, cluster, layout, tokens)
+        if moe and runtime.experts_split_over_tp
+        else tensor_parallel_s(model, cluster, layout, tokens))
     context_forward, context_backward = context_parallel_s(model, cluster, layout, tokens,
                                                            attention, attention_back)
     forward = forward_products + attention + elementwise + tensor + context_forward
@@ -315,16 +354,30 @@ def layer_costs(model: ModelShape, cluster: Cluster, layout: ScaleLayout, seq_le
         backward_input += attention
     a2a = expert_all_to_all_s(model, cluster, layout, tokens, runtime) if moe else 0.0
     saved = saved_bytes_per_token(model, moe, layout.recompute) * tokens / layout.tp
+    if moe:
+        saved += _routed_rows_kept_whole(model, layout, runtime) * tokens
     return LayerCosts(forward, backward_input, backward_weight,
                       2 * tensor + context_forward + context_backward, a2a, saved)
 
 
 def tensor_parallel_s(model: ModelShape, cluster: Cluster, layout: ScaleLayout,
-                      tokens: float) -> float:
-    """A layer's tensor-parallel collectives one way (forward, or backward): two all-gathers
-    and two reduce-scatters of the microbatch's activations over tp, inside a node."""
+                      tokens: float, collectives: int = 4) -> float:
+    """A layer's tensor-parallel collectives one way (forward, or backward): all-gathers
+    and reduce-scatters of the microbatch's activations over tp, inside a node (a dense
+    layer: two of each)."""
     size = tokens * model.hidden * BF16
-    return 4 * collective_s(cluster.nvlink, size, layout.tp)
+    return collectives * collective_s(cluster.nvlink, size, layout.tp)
+
+
+def expert_tensor_parallel_s(model: ModelShape, cluster: Cluster, layout: ScaleLayout,
+                             tokens: float) -> float:
+    """One way of a MoE layer whose tp ranks split each expert's width (meshpipe): the
+    attention's all-gather and reduce-scatter, the sequence gathered to route (the layer's
+    own shard kept after it, no collective; backward the other way round), and the routed
+    rows' outputs all-reduced over tp (backward: their input gradients)."""
+    rows = tokens * model.top_k * model.hidden * BF16
+    return (tensor_parallel_s(model, cluster, layout, tokens, collectives=3)
+            + collective_s(cluster.nvlink, rows, layout.tp, passes=2))
 
 
 def context_parallel_s(model: ModelShape, cluster: Cluster, layout: ScaleLayout, tokens: float,
@@ -351,7 +404,8 @@ def context_parallel_s(model: ModelShape, cluster: Cluster, layout: ScaleLayout,
 def expert_all_to_all_s(model: ModelShape, cluster: Cluster, layout: ScaleLayout,
                         tokens: float, runtime: Runtime = MESHPIPE) -> float:
     """A MoE layer's dispatch and combine of one forward: each GPU's share of the routed
-    tokens (``top_k`` copies of its ``tokens / tp``) to and from the ep group. With
+    tokens (``top_k`` copies of its ``tokens / tp``, or of all ``tokens`` where the tp ranks
+    split the experts' width: ``Runtime.experts_split_over_tp``) to and from the ep group. With
     ``runtime.node_dedup_dispatch`` a token crosses to each other node once, however many of
     its experts are there (with experts drawn evenly, ``nodes (1 - (1 - 1/nodes)^top_k)``
     copies), the node's NVLink spreading it to them."""
@@ -360,7 +414,8 @@ def expert_all_to_all_s(model: ModelShape, cluster: Cluster, layout: ScaleLayout
     nodes = layout.tp * layout.ep // cluster.gpus_per_node
     if runtime.node_dedup_dispatch and nodes > 1:
         copies = nodes * (1 - (1 - 1 / nodes) ** model.top_k)
-    size = tokens / layout.tp * copies * model.hidden * BF16
+    routing = tokens if runtime.experts_split_over_tp else tokens / layout.tp
+    size = routing * copies * model.hidden * BF16
     return 2 * all_to_all_s(link, size, layout.ep)
 
 

@@ -68,13 +68,10 @@ def runnable_by_meshpipe(config: TrainConfig,
                          model: ModelShape) -> Callable[[ScaleLayout], bool]:
     """Whether ``meshpipe train`` runs a layout of ``config``'s model, by the checks it makes
     before any process starts that need no weights: the config's own (the planner already
-    builds the schedule and splits the layers), Ulysses' dealing of a tp rank's heads, and
-    experts only without tensor parallelism (not yet combined)."""
+    builds the schedule and splits the layers) and Ulysses' dealing of a tp rank's heads."""
     from meshpipe.context.heads import plan_heads
 
     def runnable(layout: ScaleLayout) -> bool:
-        if model.experts and layout.tp > 1:
-            return False
         try:
             candidate = config_for_layout(layout, config)
             if candidate.cp_ulysses > 1:
