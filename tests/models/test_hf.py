@@ -191,9 +191,6 @@ def test_gemma_needs_the_transformers_it_was_built_on(tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch,flags,message", [
     ("mixtral", dict(dp=3, ep=3), r"\(mixtral\) has 4 experts per layer, which --ep 3 does not "
                                   r"divide"),
-    ("qwen3_moe", dict(pp=2, schedule="1f1b", stage_tp="2,1", stage_link="root"),
-     r"\(qwen3_moe\) has mixture-of-experts layers, which do not run with stages of different "
-     r"tensor-parallel sizes yet: use one --tp, not --stage-tp"),
     ("llama", dict(dp=2, ep=2, moe_capacity_factor=1.0),
      r"\(llama\) has no mixture-of-experts layers: drop --ep and --moe-capacity-factor"),
     ("mixtral", dict(moe_top_k=2), r"--moe-top-k describes the reference transformer"),

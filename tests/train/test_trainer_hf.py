@@ -52,6 +52,7 @@ LAYOUTS = {
                                                                grouped_experts="on")),
     "qwen2_moe-shared-tp2-sequence-parallel": ("qwen2_moe", {}, dict(pp=1, tp=2,
                                                                      sequence_parallel=True)),
+    "mixtral-stage-tp-2-1": ("mixtral", {}, dict(pp=2, stage_tp="2,1")),
 }
 
 

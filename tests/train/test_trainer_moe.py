@@ -41,6 +41,10 @@ LAYOUTS = {
     "dp2-ep2-tp2-sequence-parallel-every2-combined": dict(pp=1, dp=2, ep=2, tp=2,
                                                           moe_every=2, sequence_parallel=True,
                                                           schedule="combined-1f1b"),
+    # Stages of different tp sizes (VTP): each stage's experts split over its own tp.
+    "pp2-stage-tp-2-1-root": dict(pp=2, stage_tp="2,1", stage_link="root", moe_top_k=2),
+    "pp2-dp2-ep2-stage-tp-1-2-fanout": dict(pp=2, dp=2, ep=2, stage_tp="1,2",
+                                            stage_link="fanout", moe_top_k=2),
     "pp2-tp2-grouped-1f1b": dict(pp=2, tp=2, moe_top_k=2, grouped_experts="on"),
     "dp2-ep2-tp2-combined": dict(pp=1, dp=2, ep=2, tp=2, moe_top_k=2,
                                  schedule="combined-1f1b"),
@@ -159,8 +163,6 @@ BAD = {
     "top-k above experts": (dict(moe_experts=2, moe_top_k=3), "--moe-top-k 3"),
     "moe flags without experts": (dict(moe_top_k=2, ep=2, dp=2),
                                   "--moe-top-k, --ep apply only to mixture-of-experts"),
-    "moe with stages of different tp": (dict(pp=2, moe_experts=4, stage_tp="2,1",
-                                             stage_link="root"), "not --stage-tp"),
 }
 
 

@@ -176,10 +176,9 @@ def _check_transformers_version(path: Path, model_type: str) -> None:
                          f"here, found {version}: pip install -U 'transformers>={needed}'")
 
 
-def check_experts(info: HFModelInfo, *, ep: int, capacity_factor: float,
-                  stage_tp: bool) -> None:
+def check_experts(info: HFModelInfo, *, ep: int, capacity_factor: float) -> None:
     """Expert flags against the model's experts: --ep must divide them, a dense model takes
-    none, and experts do not run with stages of different tp sizes."""
+    none."""
     where = f"--model {info.directory} ({info.model_type})"
     if not info.experts:
         given = [flag for flag, value in (("--ep", ep != 1),
@@ -192,9 +191,6 @@ def check_experts(info: HFModelInfo, *, ep: int, capacity_factor: float,
     if info.experts % ep:
         raise ValueError(f"{where} has {info.experts} experts per layer, which --ep {ep} does "
                          "not divide: each expert-parallel rank holds as many experts")
-    if stage_tp:
-        raise ValueError(f"{where} has mixture-of-experts layers, which do not run with stages "
-                         "of different tensor-parallel sizes yet: use one --tp, not --stage-tp")
 
 
 def check_sequence_length(info: HFModelInfo, seq_len: int) -> None:

@@ -306,9 +306,6 @@ class TrainConfig:
             raise ValueError(f"--moe-experts {self.moe_experts} is not divisible by --ep "
                              f"{self.ep}: each expert-parallel rank holds as many experts; "
                              f"use a multiple of {self.ep}")
-        if self.stage_tp:
-            raise ValueError("mixture-of-experts layers do not run with stages of different "
-                             "tensor-parallel sizes yet: use one --tp, not --stage-tp")
 
     def _check_tensor_parallelism(self) -> None:
         if self.stage_link and self.stage_link not in STAGE_LINKS:

@@ -89,8 +89,7 @@ def check_sources(config: TrainConfig) -> list[str]:
         if model_info(config.model).vision is not None:
             _check_vision_layout(config)
         hf.check_experts(model_info(config.model), ep=config.ep,
-                         capacity_factor=config.moe_capacity_factor,
-                         stage_tp=bool(config.stage_tp))
+                         capacity_factor=config.moe_capacity_factor)
     if not config.data:
         if config.model and vocab_size(config) < VOCAB_SIZE:
             raise ValueError(f"the shipped corpus is byte-level (256 token ids) but the model's "
