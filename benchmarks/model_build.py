@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from harness import join_ranks, load_average, report, spawn_ranks, write_results
+from harness import join_ranks, load_average, publish, report, spawn_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DENSE = dict(vocab_size=256, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8)  # 740M
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "ranks": ranks})
             print(f"round {number} {case.name}: {ranks}", flush=True)
     result["load after"] = load_average()
-    json_path, md_path = write_results(args.out, "model_build", result, _table(result))
-    print(md_path.read_text())
-    print(f"wrote {json_path} and {md_path}")
+    publish("model_build", result, _table(result), args.out, rehearsal=False)
     return 0
 
 
