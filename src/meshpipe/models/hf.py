@@ -45,8 +45,8 @@ from meshpipe.models import hf_moe, hf_norms, hf_vision
 from meshpipe.models.hf_attention import attention_adapter, call_layer, meshpipe_arguments
 from meshpipe.models.hf_vision import decoder_of
 from meshpipe.models.hf_tp import ROWS_ATTR
-from meshpipe.models.skeleton import real_parameter, replace_parameters
 from meshpipe.models.recompute import maybe_checkpoint
+from meshpipe.models.skeleton import real_parameter, replace_parameters
 from meshpipe.models.transformer import default_positions
 from meshpipe.runtime.substeps import run_steps
 

@@ -214,7 +214,7 @@ class SelfAttention(nn.Module):
         """The attention core (recomputed in backward with ``--recompute selective``);
         ``pack``: the microbatch's ``routing.pack_for_graph``."""
         return maybe_checkpoint(self.recompute_core, self._core, q, k, v, positions, doc_ids,
-                                 pack)
+                                pack)
 
     def output(self, out: Tensor) -> Tensor:
         batch, seq = out.shape[:2]
@@ -404,7 +404,8 @@ class Transformer(nn.Module):
                 layer.mlp.recompute = recompute == "full"
 
     def _shard_for_tensor_parallelism(self) -> None:
-        """Replace every split weight by this rank's shard of the initialised full weight."""
+        """Replace every split weight of the skeleton by this rank's shard (still on the meta
+        device: ``_materialize`` draws it)."""
         check_tensor_parallel_sizes(self.config, self.tp.size)
         self.embedding = VocabParallelEmbedding.from_embedding(
             self.embedding, self.tp.group, sequence_parallel=self.tp.sequence_parallel)
@@ -429,9 +430,11 @@ class Transformer(nn.Module):
         Normal(0, init_std), the residual output projections' scaled by 1/sqrt(2 L), the
         norms' ones. A tensor-parallel shard is cut from a draw of its whole parameter
         (``initial_values``); the parts not held stay on the meta device."""
-        parts = ([self.embedding] if held.embedding else []) + [
-            self.layers[i] for i in sorted(held.layers)] + (
-            [self.norm, self.head] if held.head else [])
+        parts = [self.layers[i] for i in sorted(held.layers)]  # in the model's order:
+        if held.embedding:  # with ``init_seed`` None the draws follow it
+            parts.insert(0, self.embedding)
+        if held.head:
+            parts += [self.norm, self.head]
         names = {id(param): name for name, param in self.named_parameters()}
         real = {}
         for param in (param for part in parts for param in part.parameters()):
