@@ -197,6 +197,7 @@ def _split_experts(layer: HFExperts, region: TensorParallelRegion) -> None:
         for name, dim in zip(expert.projections, (0, 0, 1)):
             projection = getattr(expert, name)
             projection.weight = _slice_of(projection.weight, dim, region)
+            projection.out_features, projection.in_features = projection.weight.shape
     shared = getattr(layer, "shared_expert", None)
     if shared is not None:
         whole = TensorParallelRegion(region.group)
