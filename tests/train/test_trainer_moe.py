@@ -116,6 +116,19 @@ def test_expert_shards_resume_exactly(tmp_path, layout):
     assert resumed == straight  # the same layout: bit for bit, the history continued
 
 
+@pytest.mark.slow
+def test_experts_split_over_tp_resume_whole_at_tp_1(tmp_path):
+    """A checkpoint holds each expert whole: a tp 2 run resumes at tp 1 (the losses within
+    float32 rounding of the other layout's sums)."""
+    import torch
+
+    base = dict(MOE, pp=1, moe_top_k=2, out_dir=str(tmp_path), checkpoint_every=2)
+    straight = run_distributed(2, train, TrainConfig(**base, tp=2))[0]
+    resumed = run_distributed(1, train, TrainConfig(**base, resume=True),
+                              rewind_to="step-000002")[0]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight))
+
+
 def _expert_runs(rank, world_size, config, rewind_to=None):
     """Train (resumed from ``rewind_to`` if given), counting how the experts ran and the
     attentions' joint q/k/v products."""
