@@ -449,7 +449,7 @@ FIELD_HELP = {
     "dp": "data-parallel replicas",
     "cp_ulysses": "context-parallel Ulysses degree (heads <-> sequence all-to-all)",
     "cp_ring": "context-parallel ring degree (zigzag ring attention)",
-    "tp": "tensor-parallel ranks per stage (heads, SwiGLU width and vocabulary split)",
+    "tp": "tensor-parallel ranks per stage (heads, SwiGLU and expert width, vocabulary split)",
     "stage_tp": "one tensor-parallel size per pipeline rank, e.g. 2,1 (VTP)",
     "freeze": "parts of a vision-language model that do not train: any of vision, projector, "
               "language (e.g. vision,projector)",
