@@ -17,6 +17,14 @@ all-to-all of ``meshpipe.comm.collectives`` (only the rows routed there, no padd
 ``forward_steps`` yields the two exchanges (``meshpipe.runtime.substeps``), so combined
 1F1B runs one microbatch's experts while another microbatch's tokens travel.
 
+With tensor parallelism (``MoE.split_width``; ``hf_tp`` for a Hugging Face layer) every tp
+rank keeps a slice of each expert's hidden width. The tp ranks route the same tokens (under
+sequence parallelism the layer first gathers their shards, and keeps its own shard of the
+output), exchange them with the ranks of the same tp index, and sum their experts' partial
+outputs over tp in step 3: one all-reduce forward, one of the rows' gradients backward.
+With ``recompute`` the experts' products of step 3 run again in backward; the exchanges
+do not.
+
 The load-balancing loss (Switch Transformer) is ``E * sum_i f_i * P_i``: ``f_i`` the share
 of the microbatch's top-k picks that chose expert i (before dropping), ``P_i`` the mean
 router probability of expert i. The microbatch is all its tokens, also those that other

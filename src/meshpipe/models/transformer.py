@@ -355,8 +355,9 @@ class Transformer(nn.Module):
 
     With mixture-of-experts layers (``config.moe_experts`` > 0) it returns ``(logits,
     aux_loss)``, the sum of the layers' load-balancing losses; ``ep_group`` shards the
-    experts over expert-parallel ranks and ``token_group`` names the ranks holding the other
-    parts of each sequence (context parallelism), which the load-balancing loss counts.
+    experts over expert-parallel ranks (a ``tp_group`` each expert's width) and
+    ``token_group`` names the ranks holding the other parts of each sequence (context
+    parallelism), which the load-balancing loss counts.
 
     With a ``tp_group`` of several ranks the logits are this rank's vocabulary slice, and
     with ``sequence_parallel`` the layers between the embedding and the head hold this
