@@ -1,6 +1,7 @@
 """One mixture-of-experts layer's forward and backward in TFLOP/s: its experts as grouped
 products (``--grouped-experts``), one by one, and a dense SwiGLU as wide as the experts one
-token uses (the same products' FLOPs, in three large matrices).
+token uses (the same products' FLOPs, in three large matrices); and one tp 2 rank's share of
+the grouped layer (every row, each expert at half its width: how ``--tp`` splits experts).
 
     python benchmarks/moe_layer.py                    # CUDA, bf16, the shapes below
     python benchmarks/moe_layer.py --shapes mixtral-8x7b --tokens 4096
@@ -43,7 +44,7 @@ SHAPES = {
     "mixtral-8x7b": (4096, 14336, 8, 2),
 }
 REHEARSAL_SHAPES = {"64-experts-top-8": (64, 48, 64, 8), "mixtral-8x7b": (64, 96, 8, 2)}
-RUNNERS = ("grouped", "one-by-one", "dense")
+RUNNERS = ("grouped", "one-by-one", "dense", "grouped-tp2-share")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,21 +62,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _layers(shape: tuple[int, int, int, int], device: torch.device, dtype: torch.dtype):
-    """The three runners' modules: the expert layer laid out for grouped products, the same
-    layer as it is, and the dense SwiGLU of ``top_k x hidden`` (joint gate/up, as on CUDA)."""
+    """The runners' modules: the expert layer laid out for grouped products, the same layer
+    as it is, the dense SwiGLU of ``top_k x hidden`` (joint gate/up, as on CUDA), and a tp 2
+    rank's share of the grouped layer (each expert ``hidden / 2`` wide)."""
     dim, hidden, experts, top_k = shape
     torch.manual_seed(0)
     apart = MoE(dim, hidden, experts, top_k)
     dense = SwiGLU(dim, hidden * top_k)
+    share = MoE(dim, hidden // 2, experts, top_k)
     with torch.no_grad():
-        for param in [*apart.parameters(), *dense.parameters()]:
+        for param in [*apart.parameters(), *dense.parameters(), *share.parameters()]:
             param.normal_(0.0, 0.02)
-    apart, dense = apart.to(device, dtype), dense.to(device, dtype)
+    apart, dense, share = (module.to(device, dtype) for module in (apart, dense, share))
     grouped = copy.deepcopy(apart)
-    if not grouped_experts.lay_out([grouped]):
+    if not grouped_experts.lay_out([grouped]) or not grouped_experts.lay_out([share]):
         raise SystemExit(f"moe_layer: shape {shape} cannot be laid out for grouped products")
     joint.lay_out([dense])
-    return {"grouped": grouped, "one-by-one": apart, "dense": dense}
+    return {"grouped": grouped, "one-by-one": apart, "dense": dense,
+            "grouped-tp2-share": share}
 
 
 def _pass(module, x: torch.Tensor, upstream: torch.Tensor) -> None:
@@ -109,12 +113,15 @@ def measure(name: str, shape, args, device: torch.device, dtype: torch.dtype) ->
         _pass(module, x, upstream)
     seconds = {runner: [] for runner in RUNNERS}
     for round_index in range(args.rounds):
-        order = RUNNERS[round_index % 3:] + RUNNERS[:round_index % 3]
+        turn = round_index % len(RUNNERS)
+        order = RUNNERS[turn:] + RUNNERS[:turn]
         for runner in order:
             seconds[runner].append(
                 _seconds_per_pass(layers[runner], x, upstream, args.iters, device))
     flops = 3 * 3 * 2 * args.tokens * top_k * dim * hidden
-    tflops = {runner: flops / statistics.median(times) / 1e12
+    flops_of = {runner: flops / 2 if runner == "grouped-tp2-share" else flops
+                for runner in RUNNERS}
+    tflops = {runner: flops_of[runner] / statistics.median(times) / 1e12
               for runner, times in seconds.items()}
     return {"shape": name, "dim": dim, "hidden": hidden, "experts": experts, "top_k": top_k,
             "tokens": args.tokens, "flops_per_pass": flops, "seconds": seconds,
@@ -122,7 +129,11 @@ def measure(name: str, shape, args, device: torch.device, dtype: torch.dtype) ->
             "grouped_over_dense": statistics.median(
                 paired_ratios(seconds["dense"], seconds["grouped"])),
             "grouped_speedup_over_one_by_one": statistics.median(
-                paired_ratios(seconds["one-by-one"], seconds["grouped"]))}
+                paired_ratios(seconds["one-by-one"], seconds["grouped"])),
+            # a tp 2 rank's share against half the whole layer's time: its efficiency
+            "tp2_share_efficiency": statistics.median(
+                paired_ratios([t / 2 for t in seconds["grouped"]],
+                              seconds["grouped-tp2-share"]))}
 
 
 def to_markdown(result: dict) -> str:
@@ -132,15 +143,21 @@ def to_markdown(result: dict) -> str:
              f"{result['load_after']}. TFLOP/s of the experts' products (medians); ratios "
              "round by round.", "",
              "| shape | dim | hidden | experts | top-k | rows | grouped TFLOP/s | "
-             "one-by-one TFLOP/s | dense TFLOP/s | grouped / dense | grouped speed-up |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "one-by-one TFLOP/s | dense TFLOP/s | grouped / dense | grouped speed-up | "
+             "tp 2 share TFLOP/s | tp 2 share / grouped |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
         t = row["tflops"]
         lines.append(f"| {row['shape']} | {row['dim']} | {row['hidden']} | {row['experts']} "
                      f"| {row['top_k']} | {row['tokens']} | {t['grouped']:.3g} | "
                      f"{t['one-by-one']:.3g} | {t['dense']:.3g} | "
                      f"{row['grouped_over_dense']:.2f}x | "
-                     f"{row['grouped_speedup_over_one_by_one']:.2f}x |")
+                     f"{row['grouped_speedup_over_one_by_one']:.2f}x | "
+                     f"{t['grouped-tp2-share']:.3g} | {row['tp2_share_efficiency']:.2f}x |")
+    lines += ["", "The tp 2 share: every row through each expert at half its width, what one "
+              "rank computes when `--tp 2` splits the experts (its FLOPs are half the "
+              "layer's); its ratio is half the grouped layer's time over its own, round by "
+              "round (1.00x: splitting the width costs nothing)."]
     return "\n".join(lines) + "\n"
 
 
