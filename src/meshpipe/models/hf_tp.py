@@ -161,8 +161,9 @@ def shard_skeleton(model: nn.Module, region: TensorParallelRegion) -> None:
                      if isinstance(module, HFExperts)}
     for layer in expert_layers.values():
         _split_experts(layer, region)
+    inside_experts = tuple(f"{name}." for name in expert_layers)
     for name, module in list(base.named_modules()):
-        if name in expert_layers or name.startswith(tuple(f"{e}." for e in expert_layers)):
+        if name in expert_layers or name.startswith(inside_experts):
             continue
         end = next((end for end in SPLITS if name.endswith(end)), None)
         if end is not None:

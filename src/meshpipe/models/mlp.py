@@ -12,8 +12,8 @@ from meshpipe.parallel import TensorParallelRegion, shard_linear
 
 def linear(in_features: int, out_features: int) -> nn.Linear:
     """A bias-free linear layer left uninitialised: ``Transformer`` initialises every weight.
-    On the CPU, or on the meta device where that is the default (a part a rank does not
-    hold: ``transformer.Held``)."""
+    On the CPU, or on the meta device where that is the default (the skeleton
+    ``Transformer`` builds before it makes the parts a rank holds real)."""
     meta = torch.get_default_device().type == "meta"
     return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False,
                                     device="meta" if meta else "cpu")
