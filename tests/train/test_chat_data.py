@@ -146,6 +146,30 @@ def test_conversations_out_of_order_are_refused_in_one_line(tokenizer_dir, turns
             check_messages(turns)
 
 
+def as_text_parts(turns):
+    """The turns as datasets keeps a column of conversations: each content a list of parts,
+    each part with the keys of all (None where it has none)."""
+    return [{**turn, "content": [{"type": "text", "text": turn["content"], "image": None}]}
+            for turn in turns]
+
+
+def test_contents_of_text_parts_are_the_conversation_of_strings(tokenizer_dir):
+    """A conversation whose contents are lists of text parts (datasets' and TRL's layout)
+    renders and trains as the same conversation with strings; an image in any turn but a
+    user's is refused in one line."""
+    tokenizer = HFTokenizer(tokenizer_dir)
+    rows = encode_rows(RowBatch([0, 1], [{"messages": [SYSTEM, *TWO_TURNS]},
+                                         {"messages": as_text_parts([SYSTEM, *TWO_TURNS])}],
+                                0), Path("chat.jsonl"), tokenizer)
+    assert rows.ids[0] == rows.ids[1] and rows.masks[0].tolist() == rows.masks[1].tolist()
+    assert check_messages(as_text_parts(TWO_TURNS)) == TWO_TURNS
+    answered_with_a_picture = [TWO_TURNS[0], {"role": "assistant", "content": [
+        {"type": "image", "text": None}, {"type": "text", "text": "this"}]}]
+    with pytest.raises(ValueError, match=r"message 1 must have .*\(a user's also "
+                                         r'\{"type": "image"\} parts'):
+        check_messages(answered_with_a_picture)
+
+
 def write_rows(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path

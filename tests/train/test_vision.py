@@ -1,7 +1,8 @@
 """Vision-language models (Qwen2-VL, Qwen2.5-VL) through the pipeline: --check against the
 unmodified transformers model with 0-3 images of mixed sizes per sample, packed and not,
 with data parallelism and the sharded optimizer; captions and chats with images in the
-cache; each microbatch at its own length; bad input refused in one line."""
+cache, their images files or bytes in Parquet and save_to_disk columns; each microbatch at
+its own length; bad input refused in one line."""
 
 import json
 
@@ -118,16 +119,40 @@ def write_rows(path, rows):
     return path
 
 
-@pytest.mark.parametrize("case", ["missing image", "unreadable image", "images past seq-len",
-                                  "images without a vision model"])
+UNSHOWN = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]},
+           {"role": "assistant", "content": "a shape"}]
+BAD_ROWS = {"missing image": [{"images": ["nowhere.png"], "text": "a"}],
+            "unreadable image": [{"images": ["broken.png"], "text": "a"}],
+            "image bytes that are no image": [{"images": [{"bytes": b"not a png",
+                                                           "path": None}], "text": "a"}],
+            "an image that is a number": [{"images": [3], "text": "a"}],
+            "an image part without its image": [{"messages": UNSHOWN}],
+            "images past seq-len": [{"images": ["shape-1-0.png"] * 3, "text": "a"}],
+            "images without a vision model": [{"images": ["shape-1-0.png"], "text": "a"}]}
+# What the one line says: the row's place, then why.
+BAD_ROW_LINES = {"missing image": ("line 1", "does not exist"),
+                 "unreadable image": ("line 1", "cannot read image"),
+                 "image bytes that are no image": ("row 0", "cannot read image 1 of the row "
+                                                            "(9 bytes)"),
+                 "an image that is a number": ("line 1", "an image must be a file path"),
+                 "an image part without its image": ("line 1", "show 1 images that name no "
+                                                               "file and its \"images\" holds 0"),
+                 "images past seq-len": ("line 1", "past --seq-len 16"),
+                 "images without a vision model": ("line 1", "vision-language --model")}
+
+
+@pytest.mark.parametrize("case", list(BAD_ROWS))
 def test_bad_image_data_is_refused_in_one_line(vision_model, shapes, tmp_path, case):
     folder = shapes.parent
     (folder / "broken.png").write_bytes(b"not a png")
-    rows = {"missing image": [{"images": ["nowhere.png"], "text": "a"}],
-            "unreadable image": [{"images": ["broken.png"], "text": "a"}],
-            "images past seq-len": [{"images": ["shape-1-0.png"] * 3, "text": "a"}],
-            "images without a vision model": [{"images": ["shape-1-0.png"], "text": "a"}]}[case]
-    data = write_rows(folder / f"bad-{case.replace(' ', '-')}.jsonl", rows)
+    name = folder / f"bad-{case.replace(' ', '-')}"
+    if case == "image bytes that are no image":
+        pa = pytest.importorskip("pyarrow")
+        parquet = pytest.importorskip("pyarrow.parquet")
+        data = name.with_suffix(".parquet")
+        parquet.write_table(pa.Table.from_pylist(BAD_ROWS[case]), data)
+    else:
+        data = write_rows(name.with_suffix(".jsonl"), BAD_ROWS[case])
     flags = dict(seq_len=16) if case == "images past seq-len" else {}
     config = vision_config(vision_model, data, tmp_path, **flags)
     if case == "images without a vision model":
@@ -137,11 +162,7 @@ def test_bad_image_data_is_refused_in_one_line(vision_model, shapes, tmp_path, c
         sources.check_sources(config)
     message = str(raised.value)
     assert "\n" not in message
-    expected = {"missing image": ("line 1", "does not exist"),
-                "unreadable image": ("line 1", "cannot read image"),
-                "images past seq-len": ("line 1", "past --seq-len 16"),
-                "images without a vision model": ("line 1", "vision-language --model")}[case]
-    assert all(part in message for part in expected), message
+    assert all(part in message for part in BAD_ROW_LINES[case]), message
 
 
 def test_bad_models_and_layouts_are_refused_in_one_line(vision_model, shapes, tmp_path):
@@ -486,6 +507,60 @@ def chats_of(captions, path):
             {"role": "user", "content": [*shown, {"type": "text", "text": "what is shown?"}]},
             {"role": "assistant", "content": row["text"]}]})
     return write_rows(path, rows)
+
+
+def as_datasets_keeps_them(captions, chats):
+    """The captions and chats of ``chats_of`` as a datasets user has them: each image's
+    encoded bytes in an ``images`` column (datasets' Image), a chat's image parts
+    ``{"type": "image"}`` only, every message's content a list of parts."""
+    folder = captions.parent
+    rows = []
+    for line in captions.read_text().splitlines():
+        row = json.loads(line)
+        encoded = [{"bytes": (folder / name).read_bytes(), "path": None}
+                   for name in row["images"]]
+        rows.append((encoded, row["text"]))
+    caption_rows = [{"images": encoded, "text": text} for encoded, text in rows]
+    chat_rows = [{"images": encoded, "messages": [
+        {"role": "user", "content": [*[{"type": "image"}] * len(encoded),
+                                     {"type": "text", "text": "what is shown?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": text}]}]}
+        for encoded, text in rows]
+    assert len(rows) == len(chats.read_text().splitlines())
+    return {"captions": caption_rows, "chats": chat_rows}
+
+
+def same_images_and_tokens(left, right):
+    return (np.array_equal(left.tokens, right.tokens)
+            and np.array_equal(left.offsets, right.offsets)
+            and np.array_equal(np.asarray(left.mask), np.asarray(right.mask))
+            and all(np.array_equal(getattr(left.images, name), getattr(right.images, name))
+                    for name in ("pixels", "grids", "image_offsets")))
+
+
+@pytest.mark.parametrize("kind", ["captions", "chats"])
+def test_images_in_parquet_and_save_to_disk_columns_give_the_jsonl_cache(shapes, tmp_path,
+                                                                         kind):
+    """The same captions or chats with their images as bytes in datasets' Image column,
+    written by datasets as Parquet and by save_to_disk (image parts without a file take the
+    row's images in turn): the tokens, targets and image patches of the jsonl rows whose
+    images are files."""
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("pyarrow")
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    chats = chats_of(shapes, shapes.parent / "chats-as-jsonl.jsonl")
+    jsonl = {"captions": shapes, "chats": chats}[kind]
+    rows = as_datasets_keeps_them(shapes, chats)[kind]
+    table = datasets.Dataset.from_list(rows).cast_column(
+        "images", datasets.List(datasets.Image()))
+    assert table.features["images"].feature.decode and "bytes" in str(table.data.schema)
+    table.to_parquet(str(tmp_path / f"{kind}.parquet"), batch_size=7)
+    table.save_to_disk(str(tmp_path / "saved"), num_shards=2)
+    config = vision_config(model, jsonl, tmp_path)
+    expected = data_sources.tokenized(config, str(jsonl))
+    assert expected.images is not None and len(expected.images.grids) > 20
+    for path in (tmp_path / f"{kind}.parquet", tmp_path / "saved"):
+        assert same_images_and_tokens(expected, data_sources.tokenized(config, str(path)))
 
 
 @pytest.mark.distributed

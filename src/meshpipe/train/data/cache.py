@@ -40,7 +40,7 @@ from meshpipe.train.data.samples import KIND_SAMPLE, encode_prepared, prepare_ro
 from meshpipe.train.data.tokenizers import Tokenizer
 
 # Bumped when the reading rules or the cache layout change, so old entries are not reused.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 PROGRESS_MIN_BYTES = 4 << 20
 TEMP_PREFIX = ".tmp-"
 ONES_PER_WRITE = 1 << 24

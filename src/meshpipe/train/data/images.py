@@ -1,6 +1,7 @@
 """Images of ``--data`` for a vision-language ``--model``: read with Pillow, turned into
 patches by the model directory's own image processor (transformers' Pillow backend where
-torchvision is not installed, its torchvision one where it is), once, into the data cache.
+torchvision is not installed, its torchvision one where it is), once, into the data cache. An
+image is a file or its encoded bytes (datasets' Image columns in Parquet and Arrow files).
 
 A row's images are written where they are shown, as the model's placeholder: one image
 token, which the tokenized row then holds as many times as the image gives tokens
@@ -17,6 +18,7 @@ images to the samplers.
 from __future__ import annotations
 
 import hashlib
+import io
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -63,21 +65,25 @@ class ImageInputs:
         config = (directory / "preprocessor_config.json").read_bytes()
         self.name = f"images:{hashlib.sha256(config).hexdigest()[:16]}"
 
-    def process(self, paths: list[Path]) -> tuple[np.ndarray, np.ndarray]:
-        """The images' patches (float32 ``[patches, patch_dim]``) and grids (``[n, 3]``); a
-        one-line ValueError (to follow the row's place) for an image that cannot be read."""
+    def process(self, sources: list[Path | bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """The images' patches (float32 ``[patches, patch_dim]``) and grids (``[n, 3]``) from
+        their files or encoded bytes (``image_sources``); a one-line ValueError (to follow the
+        row's place) for an image that cannot be read."""
         from PIL import Image, UnidentifiedImageError
 
         images = []
-        for path in paths:
+        for number, source in enumerate(sources, 1):
+            named = (f"image {number} of the row ({len(source)} bytes)"
+                     if isinstance(source, bytes) else f"image {source}")
             try:
-                with Image.open(path) as image:
+                with Image.open(io.BytesIO(source) if isinstance(source, bytes)
+                                else source) as image:
                     images.append(image.convert("RGB"))
             except FileNotFoundError:
-                raise ValueError(f": image {path} does not exist (image paths are relative to "
+                raise ValueError(f": {named} does not exist (image paths are relative to "
                                  "the data file)") from None
             except (UnidentifiedImageError, OSError) as err:
-                raise ValueError(f": cannot read image {path} ({err})") from None
+                raise ValueError(f": cannot read {named} ({err})") from None
         out = self._processor(images=images, return_tensors="np")
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         if self.vision.patch_size:  # whole images (LLaVA's processors): kept as patches
@@ -190,9 +196,21 @@ class ImageColumns:
                     np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
 
 
-def image_paths(row_images, file: Path) -> list[Path]:
-    """A row's image entries as paths (relative ones from the data file's folder); a
-    one-line ValueError (to follow the row's place) for an entry that is not a path."""
-    if not isinstance(row_images, list) or not all(isinstance(p, str) for p in row_images):
-        raise ValueError(": \"images\" must be a list of image file paths")
-    return [file.parent / path for path in row_images]
+def image_sources(entries: list, file: Path) -> list[Path | bytes]:
+    """A row's images as files (relative paths from the data file's folder) or encoded bytes:
+    each entry a path, bytes, or datasets' Image value ``{"bytes", "path"}`` (what its
+    Parquet and Arrow files hold); a one-line ValueError (to follow the row's place) for an
+    entry that is none of them."""
+    sources: list[Path | bytes] = []
+    for entry in entries:
+        if isinstance(entry, dict):
+            entry = entry.get("bytes") if entry.get("bytes") is not None else entry.get("path")
+        if isinstance(entry, str):
+            sources.append(file.parent / entry)
+        elif isinstance(entry, bytes):
+            sources.append(entry)
+        else:
+            raise ValueError(": an image must be a file path, the image's bytes or "
+                             "{\"bytes\": ..., \"path\": ...} (datasets' Image); got "
+                             f"{type(entry).__name__}")
+    return sources

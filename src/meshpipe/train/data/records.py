@@ -27,9 +27,11 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
 SUFFIXES = TEXT_SUFFIXES + COLUMNAR_SUFFIXES
 # The columns a row may use besides the text field: a conversation, or a prompt and its
-# completion.
-ROW_COLUMNS = ("messages", "prompt", "completion")
+# completion; and the images a caption or a conversation shows.
+ROW_COLUMNS = ("messages", "prompt", "completion", "images")
 BATCH_ROWS = 1024
+# Rows a Parquet batch holds when they have images (their encoded bytes come along).
+IMAGE_BATCH_ROWS = 64
 BATCH_BYTES = 1 << 20
 KINDS_OF_FILES = ".txt, .jsonl, .parquet or .arrow (datasets' save_to_disk)"
 
@@ -181,7 +183,7 @@ def _columns(file: Path, names: list[str], text_field: str) -> list[str]:
     """The columns of ``names`` a row may use; a one-line error when there are none."""
     wanted = [text_field, *ROW_COLUMNS]
     present = [name for name in wanted if name in names]
-    if not present:
+    if not set(present) - {"images"}:
         raise ValueError(f"{file} has no column \"{text_field}\" nor \"messages\" (nor "
                          f"\"prompt\" and \"completion\"); its columns are "
                          f"{', '.join(names) or 'none'}: name the text column with "
@@ -204,7 +206,8 @@ def _parquet_batches(file: Path, text_field: str):
 
     def batches():
         done = 0
-        for batch in handle.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+        rows_a_batch = IMAGE_BATCH_ROWS if "images" in columns else BATCH_ROWS
+        for batch in handle.iter_batches(batch_size=rows_a_batch, columns=columns):
             done += batch.num_rows
             yield batch, size * done // rows
 

@@ -4,7 +4,9 @@
   document, every token a target. A long document is cut into several sequences.
 - A row with ``messages`` (``role`` and ``content``; an optional system turn, then user and
   assistant turns alternating, ending with the assistant's): rendered with the tokenizer's
-  chat template. With ``--loss-on assistant`` only the assistant's tokens are targets.
+  chat template. With ``--loss-on assistant`` only the assistant's tokens are targets. A
+  content is a string or a list of parts (datasets' layout): text parts only are their text;
+  a user's may show images.
 - A row with ``prompt`` and ``completion``: the prompt (with the tokenizer's special
   tokens) then the completion and EOS; with ``--loss-on assistant`` only the completion's.
 
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from meshpipe.models.hf_vision import VISION_MODEL_TYPES
-from meshpipe.train.data.images import ImageInputs, image_paths
+from meshpipe.train.data.images import ImageInputs, image_sources
 from meshpipe.train.data.records import RowBatch, where
 from meshpipe.train.data.tokenizers import Tokenizer
 
@@ -134,24 +136,49 @@ def encode_prepared(prepared: PreparedRows, tokenizer: Tokenizer,
 
 
 def _row_images(kind: str, content: Any, value: Any, file: Path,
-                images: ImageInputs | None) -> list[Path]:
-    """The paths of the images a row shows (none for a plain text); a one-line error when
-    the run's model takes no images."""
+                images: ImageInputs | None) -> list[Path | bytes]:
+    """The images a row shows (none for a plain text), files or bytes; a one-line error when
+    the run's model takes no images. A chat's image part names its image, or takes the next
+    of the row's ``images`` (datasets' layout: ``{"type": "image"}`` parts, the images in a
+    column of their own)."""
     if kind == "captions":
-        paths = image_paths(value["images"], file)
+        entries = _listed_images(value)
     elif kind == "chats":
-        paths = image_paths([part["image"] for turn in content if isinstance(turn["content"], list)
-                             for part in turn["content"] if part["type"] == "image"], file)
+        entries = _chat_images(content, value)
     else:
         return []
-    if paths and images is None:
+    if entries and images is None:
         raise ValueError(" shows images, which only a vision-language --model reads "
                          f"({', '.join(VISION_MODEL_TYPES)})")
-    return paths
+    return image_sources(entries, file)
+
+
+def _listed_images(value: Any) -> list:
+    listed = value.get("images")
+    if listed is None:
+        return []
+    if not isinstance(listed, list):
+        raise ValueError(": \"images\" must be a list of images (file paths, or their bytes)")
+    return listed
+
+
+def _chat_images(turns: list[dict], value: Any) -> list:
+    """The images of a chat's image parts in order, the row's ``images`` taken in turn by
+    the parts that name none."""
+    listed = _listed_images(value)
+    parts = [part for turn in turns if isinstance(turn["content"], list)
+             for part in turn["content"] if part["type"] == "image"]
+    unnamed = sum(part.get("image") is None for part in parts)
+    if unnamed != len(listed):
+        raise ValueError(f": its messages show {unnamed} images that name no file and its "
+                         f"\"images\" holds {len(listed)}: each of the row's images is shown "
+                         "by one {\"type\": \"image\"} part, in order")
+    taken = iter(listed)
+    return [next(taken) if part.get("image") is None else part["image"] for part in parts]
 
 
 def _without_paths(turns: list[dict]) -> list[dict]:
-    """The turns as the chat template takes them: an image part without its path."""
+    """The turns as the chat template takes them: an image part without its image."""
     return [turn if isinstance(turn["content"], str) else
             {**turn, "content": [{"type": "image"} if part["type"] == "image" else part
                                  for part in turn["content"]]} for turn in turns]
@@ -185,7 +212,7 @@ def _meaning(value: Any, text_field: str) -> tuple[str, Any]:
     return "texts", text
 
 
-def check_messages(messages: Any) -> list[dict[str, str]]:
+def check_messages(messages: Any) -> list[dict[str, Any]]:
     """``messages`` as a list of {role, content}, or a one-line error (to follow the row's
     place): an optional system turn, then user and assistant turns alternating, the
     assistant's last."""
@@ -195,12 +222,16 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         content = message.get("content") if isinstance(message, dict) else None
-        if role not in ROLES or not (isinstance(content, str) or (
-                role == "user" and _content_parts(content))):
+        parts = _content_parts(content) if isinstance(content, list) else None
+        shows_images = parts is not None and any(part["type"] == "image" for part in parts)
+        if role not in ROLES or not (isinstance(content, str) or parts) or (
+                shows_images and role != "user"):
             raise ValueError(f": message {index} must have a \"role\" of {', '.join(ROLES)} "
-                             "and a string \"content\" (a user's may be a list of "
-                             "{\"type\": \"text\", \"text\"} and {\"type\": \"image\", "
-                             f"\"image\": path}} parts); got {_short(message)}")
+                             "and a string \"content\" or a list of {\"type\": \"text\", "
+                             "\"text\"} parts (a user's also {\"type\": \"image\"} parts, "
+                             f"with or without an \"image\"); got {_short(message)}")
+        if parts is not None:  # a turn of text parts only is its text
+            content = parts if shows_images else "".join(part["text"] for part in parts)
         turns.append({"role": role, "content": content})
     first = 1 if turns[0]["role"] == "system" else 0
     for index, turn in enumerate(turns):
@@ -214,13 +245,15 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
     return turns
 
 
-def _content_parts(content: Any) -> bool:
-    """Whether ``content`` is a list of text and image parts."""
-    return isinstance(content, list) and all(
-        isinstance(part, dict) and (
-            (part.get("type") == "text" and isinstance(part.get("text"), str))
-            or (part.get("type") == "image" and isinstance(part.get("image"), str)))
-        for part in content)
+def _content_parts(content: list) -> list[dict] | None:
+    """``content``'s text and image parts, keys without a value dropped (datasets gives
+    every part of a column the keys of all), or None when it is not a list of them."""
+    parts = [{key: item for key, item in part.items() if item is not None}
+             for part in content if isinstance(part, dict)]
+    valid = len(parts) == len(content) and all(
+        (part.get("type") == "text" and isinstance(part.get("text"), str))
+        or part.get("type") == "image" for part in parts)
+    return parts if valid and parts else None
 
 
 _ORDER = ("a conversation is an optional system turn, then user and assistant turns "
