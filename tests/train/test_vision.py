@@ -41,8 +41,10 @@ def vision_model(request, tmp_path_factory):
 
 
 def vision_config(model, data, tmp_path, **flags):
+    """``data``: a path, or a tuple of PATH:WEIGHT sources."""
     return TrainConfig(**{**for_a_model(VISION), "pp": 2, "model": str(model),
-                          "data": str(data), "out_dir": str(tmp_path), **flags})
+                          "data": data if isinstance(data, tuple) else str(data),
+                          "out_dir": str(tmp_path), **flags})
 
 
 @pytest.mark.distributed
@@ -561,6 +563,65 @@ def test_images_in_parquet_and_save_to_disk_columns_give_the_jsonl_cache(shapes,
     assert expected.images is not None and len(expected.images.grids) > 20
     for path in (tmp_path / f"{kind}.parquet", tmp_path / "saved"):
         assert same_images_and_tokens(expected, data_sources.tokenized(config, str(path)))
+
+
+def a_mixture(shapes, folder):
+    """Three --data sources: the captions, the same pictures asked about in chats (as
+    Parquet, datasets' layout) and plain text without images."""
+    datasets = pytest.importorskip("datasets")
+    chats = chats_of(shapes, shapes.parent / "chats-for-a-mixture.jsonl")
+    rows = as_datasets_keeps_them(shapes, chats)["chats"]
+    datasets.Dataset.from_list(rows).cast_column(
+        "images", datasets.List(datasets.Image())).to_parquet(str(folder / "chats.parquet"))
+    text = write_rows(folder / "text.jsonl", [
+        {"text": "the circle is red and the square is blue. " * (1 + index % 4)}
+        for index in range(30)])
+    return (f"{shapes}:0.5", f"{folder / 'chats.parquet'}:0.3", f"{text}:0.2")
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
+def test_a_mixture_with_and_without_images_gives_every_sequence_its_pictures(shapes, tmp_path,
+                                                                              pack):
+    """Each sequence of a mixture's batch has its own source's pictures (a source without
+    images: none, of the images' width) and length, and its targets their source; the tower's
+    cost counts each source's patches per token in its weight's share."""
+    from meshpipe.train.loop.batches import RankBatches
+
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    config = vision_config(model, a_mixture(shapes, tmp_path), tmp_path, pp=1,
+                           microbatch_size=4, pack=pack, seq_len=256)
+    sources.check_sources(config)
+    mixture = data_sources.samplers(config, 0)[0]
+    batch = mixture.batch(0)
+    assert set(batch.sources) == {0, 1, 2} and len(batch.pictures) == len(batch.lengths) == 8
+    assert pack or max(batch.lengths) < config.seq_len  # microbatches cut to their rows
+    chosen, within = mixture.assignment(range(8))
+    for row, (source, number) in enumerate(zip(chosen, within)):
+        alone = mixture.samplers[source].sequences([int(number)])
+        assert batch.lengths[row] == alone.lengths[0]
+        pieces, expected = batch.pictures[row], alone.pictures[0]
+        assert len(pieces) == len(expected)
+        assert all(torch.equal(a.pixels, b.pixels) and torch.equal(a.grids, b.grids)
+                   for a, b in zip(pieces, expected))
+        if source == 2:
+            assert all(piece.pixels.shape == (0, pieces[0].pixels.shape[1]) for piece in pieces)
+    assert any(len(piece.grids) for row in batch.pictures for piece in row)
+    microbatches = RankBatches(config, 0, 0, torch.device("cpu"))(mixture, 0)
+    for targets in microbatches.targets:
+        assert targets.sources.shape == targets.ids.shape
+    captions_alone = sources.tower_cost(vision_config(model, shapes, tmp_path))
+    assert sources.tower_cost(config) == pytest.approx(
+        captions_alone * 0.5 + sources.tower_cost(vision_config(
+            model, tmp_path / "chats.parquet", tmp_path)) * 0.3)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
+def test_check_passes_on_a_mixture_with_and_without_images(shapes, tmp_path, pack):
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    config = vision_config(model, a_mixture(shapes, tmp_path), tmp_path, pack=pack)
+    report = run_distributed(config.world_size, check_first_step, config)[0]
+    assert report["mismatched"] == [] and report["passed"], report
 
 
 @pytest.mark.distributed

@@ -234,7 +234,7 @@ def vision_info(path: Path, config, skeleton: nn.Module) -> VisionInfo:
                       merge_size=config.vision_config.spatial_merge_size, **sizes)
 
 
-def tower_cost_in_layers(info: VisionInfo, patches: int, tokens: int) -> float:
+def tower_cost_in_layers(info: VisionInfo, patches: float, tokens: float) -> float:
     """The tower's compute in decoder layers' worth: a product of ``n`` parameters over ``m``
     rows costs ``2nm``, the tower's over the data's image patches, a layer's over its tokens
     (attention's own quadratic term is left out of both)."""

@@ -120,6 +120,13 @@ class DocumentImages:
     grids: np.ndarray  # [images, 3]
     image_offsets: np.ndarray  # [documents + 1]: document d's images are [o[d], o[d + 1])
 
+    @classmethod
+    def none(cls, documents: int, patch_dim: int) -> DocumentImages:
+        """No images for any of ``documents`` documents: a source without images in a
+        mixture whose other sources show some."""
+        return cls(np.zeros((0, patch_dim), dtype=np.float32), np.zeros((0, 3), dtype=np.int64),
+                   np.zeros(documents + 1, dtype=np.int64))
+
     @cached_property
     def patch_starts(self) -> np.ndarray:
         """Where each image's patches start in ``pixels``, and the end."""

@@ -5,7 +5,9 @@ sampler, so a resume continues the same order. The sequences are dealt in rounds
 ``ROUND`` sequences: in every round each source gets its share of the weights (rounded by
 largest remainders, so a source's share is exact to 1 / ``ROUND`` at every round's end) in
 an order shuffled by (seed, round). Source ``s``'s ``k``-th sequence is its own sampler's
-sequence ``k``: every source runs through its own epochs, whatever the others do.
+sequence ``k``: every source runs through its own epochs, whatever the others do. Where the
+sources show images (their samplers built with the images' ``patch_dim``, those without
+images too), a batch carries each sequence's pictures and length.
 """
 
 from __future__ import annotations
@@ -107,15 +109,22 @@ class MixtureSampler:
         tokens = torch.empty((self.batch_size, self._seq_len), dtype=torch.int64)
         targets = torch.empty_like(tokens)
         doc_lens: list = [None] * self.batch_size
+        pictures: list = [None] * self.batch_size
+        lengths: list = [None] * self.batch_size
         for rows, part in parts.values():
             index = torch.from_numpy(rows)
             tokens[index] = part.tokens
             targets[index] = part.targets
-            for row, lengths in zip(rows, part.doc_lens or [None] * len(rows)):
-                doc_lens[row] = lengths
+            for row, pieces in zip(rows, part.doc_lens or [None] * len(rows)):
+                doc_lens[row] = pieces
+            for row, shown, length in zip(rows, part.pictures or (), part.lengths or ()):
+                pictures[row], lengths[row] = shown, length
         packed = self.samplers[0].pack
+        with_pictures = all(part.pictures is not None for _, part in parts.values())
         return TextBatch(tokens, targets, tuple(doc_lens) if packed else None,
-                         tuple(int(source) for source in sources))
+                         tuple(int(source) for source in sources),
+                         tuple(pictures) if with_pictures else None,
+                         tuple(lengths) if with_pictures else None)
 
     @property
     def _seq_len(self) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from meshpipe.train.data.cache import TokenizedData
-from meshpipe.train.data.images import Pictures
+from meshpipe.train.data.images import DocumentImages, Pictures
 
 IGNORE_INDEX = -100
 
@@ -54,10 +54,14 @@ class TextSampler:
     means nothing without its prompt, so the pieces (each sample whole, cut to ``seq_len``)
     fill the sequences in the epoch's order, a piece that does not fit starting the next,
     and the rest of a sequence is padding (a document of its own, with no targets).
+
+    ``patch_dim``: the patch width of the images a mixture's other sources show; data
+    without images then gives its sequences no pictures of that width, so that every batch
+    of the mixture has them.
     """
 
     def __init__(self, data: TokenizedData, seq_len: int, batch_size: int, *, seed: int = 0,
-                 pack: bool = False, pad_id: int = 0):
+                 pack: bool = False, pad_id: int = 0, patch_dim: int = 0):
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len and batch_size must be positive, got {seq_len} and "
                              f"{batch_size}")
@@ -76,7 +80,8 @@ class TextSampler:
         self._doc_lengths[long] = seq_len
         self._stream_tokens = int(self._doc_lengths.sum())
         self._mask = data.mask
-        self._images = data.images
+        self._images = (DocumentImages.none(data.num_documents, patch_dim)
+                        if data.images is None and patch_dim else data.images)
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._whole = pack and data.kinds is not None
         if self._whole or not pack:
@@ -154,12 +159,16 @@ class TextSampler:
         return self._with_pictures(TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets),
                                              None), placed)
 
-    def _with_pictures(self, batch: TextBatch, placed: list[list[int]]) -> TextBatch:
+    def _with_pictures(self, batch: TextBatch, placed: list[list[int]] | None) -> TextBatch:
         """``batch`` with the images of the pieces ``placed`` in each sequence and the
-        sequences' lengths, where the data has images."""
+        sequences' lengths, where the data has images (None: the packed stream of data
+        without images, every sequence full)."""
         if self._images is None:
             return batch
         empty = Pictures.joined([], self._images.patch_dim)
+        if placed is None:
+            return replace(batch, pictures=tuple((empty,) * len(lens) for lens in batch.doc_lens),
+                           lengths=(self.seq_len,) * len(batch.doc_lens))
         pictures = tuple(tuple(self._images.of(int(self._piece_docs[piece])) for piece in row)
                          for row in placed)
         lengths = tuple(int(self._piece_lengths[row].sum()) for row in placed)
@@ -242,7 +251,8 @@ class TextSampler:
             self._leave_out_untrained(targets[row, :-1], index[1:])
             targets[row, np.cumsum(lengths) - 1] = IGNORE_INDEX
             doc_lens.append(tuple(int(n) for n in lengths))
-        return TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets), tuple(doc_lens))
+        return self._with_pictures(TextBatch(torch.from_numpy(tokens), torch.from_numpy(targets),
+                                             tuple(doc_lens)), None)
 
     def _window(self, begin: int) -> tuple[np.ndarray, np.ndarray]:
         """The document pieces of stream tokens ``[begin, begin + seq_len)``: where each

@@ -79,7 +79,10 @@ class RankBatches:
         sourced = []
         for index, (mine, columns) in enumerate(zip(targets, held)):
             of_rows = rows[index * size:(index + 1) * size].reshape(mine.shape[0], -1)
-            sources = self._held(of_rows, columns).contiguous()
+            # Without context parallelism a rank holds a microbatch's first columns (all of
+            # them, or as many as its longest sequence with images).
+            sources = (of_rows[:, columns] if self._slices
+                       else of_rows[:, :mine.shape[1]]).contiguous()
             sourced.append(SourcedTargets(mine, to_device(sources, self.device)))
         return sourced
 

@@ -147,12 +147,14 @@ def samplers(config: TrainConfig, dp_rank: int) -> tuple[Any, Any]:
         return tuple(CorpusSampler(tokens, config.seq_len, batch, seed=seed, split=name)
                      for name in ("train", "val"))
     pad = tokenizer(config).pad_id
+    parts = splits(config)
+    patch_dim = max((data.images.patch_dim for data, _ in parts if data.images is not None),
+                    default=0)
 
     def sampler(data: TokenizedData, sampler_seed: int) -> TextSampler:
         return TextSampler(data, config.seq_len, batch, seed=sampler_seed, pack=config.pack,
-                           pad_id=pad)
+                           pad_id=pad, patch_dim=patch_dim if len(parts) > 1 else 0)
 
-    parts = splits(config)
     weights = [weight for _, weight in sources(config)]
     seeds = [seed + index * SOURCE_SEED_STRIDE for index in range(len(parts))]
     train = [sampler(data, source_seed) for (data, _), source_seed in zip(parts, seeds)]

@@ -69,9 +69,14 @@ def tower_cost(config: TrainConfig) -> float:
         return 0.0
     from meshpipe.models.hf_vision import parse_parts, tower_cost_in_layers
 
-    data = [tokenized(config, path) for path, _ in data_sources.sources(config)]
-    patches = sum(part.images.patches() for part in data if part.images is not None)
-    cost = tower_cost_in_layers(vision, patches, sum(part.num_tokens for part in data))
+    weighted = [(tokenized(config, path), weight)
+                for path, weight in data_sources.sources(config)]
+    # A mixture's sequences come from each source in its weight's share: its patches per
+    # token count in that share.
+    patches_per_token = sum(weight * part.images.patches() / max(part.num_tokens, 1)
+                            for part, weight in weighted if part.images is not None) / sum(
+        weight for _, weight in weighted)
+    cost = tower_cost_in_layers(vision, patches_per_token, 1)
     # A frozen tower runs its forward only: a third of a forward and backward.
     return cost / 3 if "vision" in parse_parts(config.freeze) else cost
 
@@ -139,13 +144,10 @@ def lr_scale_of(config: TrainConfig, name: str) -> float:
 
 def _check_vision_layout(config: TrainConfig) -> None:
     """What a vision-language model does not run with yet, refused in one line."""
-    unsupported = [flag for flag, given in (
-        ("--sequence-parallel", config.sequence_parallel),
-        ("a mixture of several --data sources", len(config.data) > 1)) if given]
-    if unsupported:
+    if config.sequence_parallel:
         raise ValueError(f"--model {config.model} is a vision-language model, which meshpipe "
-                         f"does not run with {' or '.join(unsupported)} yet: drop it (pp, vpp, "
-                         "dp, tp and cp all run)")
+                         "does not run with --sequence-parallel yet: drop it (pp, vpp, dp, tp "
+                         "and cp all run)")
 
 
 def check_tensor_parallel(config: TrainConfig, tp: int) -> None:
