@@ -181,9 +181,6 @@ def test_bad_models_and_layouts_are_refused_in_one_line(vision_model, shapes, tm
                                        "model_type": "idefics9"}))
     with pytest.raises(ValueError, match="vision-language ones: qwen2_vl, qwen2_5_vl, llava"):
         hf.inspect_model(bare)
-    with pytest.raises(ValueError, match="does not run with --sequence-parallel yet"):
-        sources.check_sources(vision_config(vision_model, shapes, tmp_path, tp=2,
-                                            sequence_parallel=True))
 
 
 def boundary_bytes(rank, world_size, config):
@@ -371,12 +368,40 @@ def test_frozen_parts_stay_and_keep_no_optimizer_state_and_lr_scale_scales(shape
     assert largest["projector"] == pytest.approx(0.5 * largest["language"], rel=0.05)
 
 
-@pytest.mark.distributed
-def test_check_passes_with_tensor_parallelism_on_the_decoder(shapes, tmp_path):
-    """Qwen2-VL at pp 2 x tp 2: the decoder split over the tp ranks, the tower whole on
-    each (its gradient is then whole on each too)."""
+def test_under_sequence_parallelism_a_microbatch_is_a_multiple_of_tp_long(shapes, tmp_path):
+    """Cut to its longest sequence, a microbatch is then rounded up to a multiple of the tp
+    size, which sequence parallelism splits its columns over."""
+    from meshpipe.train.loop.batches import RankBatches
+
     model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
-    config = vision_config(model, shapes, tmp_path, tp=2)
+    config = vision_config(model, shapes, tmp_path, tp=2, sequence_parallel=True, seq_len=256)
+    sources.check_sources(config)
+    sampler = data_sources.samplers(config, 0)[0]
+    batches = RankBatches(config, 0, 0, torch.device("cpu"))
+    longest = []
+    for step in range(6):
+        batch = sampler.batch(step)
+        for index, inputs in enumerate(batches(sampler, step).inputs):
+            size = config.microbatch_size
+            longest.append(max(batch.lengths[index * size:(index + 1) * size]))
+            assert inputs[0].shape[1] == longest[-1] + longest[-1] % 2
+    assert any(length % 2 for length in longest) and max(longest) < config.seq_len
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("arch,flags", [
+    ("qwen2_vl", dict()), ("qwen2_vl", dict(sequence_parallel=True, seq_len=128, seed=1)),
+    pytest.param("llava", dict(sequence_parallel=True), marks=pytest.mark.slow),
+    pytest.param("qwen2_vl", dict(sequence_parallel=True, cp_ulysses=2, pp=1),
+                 marks=pytest.mark.slow)],
+    ids=["tp", "sequence-parallel", "llava-sequence-parallel", "ulysses-sequence-parallel"])
+def test_check_passes_with_tensor_parallelism_on_the_decoder(shapes, tmp_path, arch, flags):
+    """A vision-language model at pp 2 x tp 2: the decoder split over the tp ranks, the
+    tower whole on each (its gradient is then whole on each too); with sequence parallelism
+    the first stage places the image features over the whole sequence, then each rank keeps
+    its shard (each microbatch's length a multiple of tp)."""
+    model = save_tiny_vision_model(tmp_path / "model", arch)
+    config = vision_config(model, shapes, tmp_path, tp=2, **flags)
     report = run_distributed(config.world_size, check_first_step, config)[0]
     assert report["mismatched"] == [] and report["passed"], report
 

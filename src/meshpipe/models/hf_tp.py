@@ -20,7 +20,10 @@ config with its local head counts.
 new parameter records the slice of the checkpoint tensor it holds (``ROWS_ATTR``), so
 materialising reads only that slice from the safetensors files. Weights applied to the
 local heads only (Qwen3's and Gemma 3's q/k norms) and, with sequence parallelism, the
-norms are tagged so their partial gradients are summed over the tp ranks.
+norms are tagged so their partial gradients are summed over the tp ranks. A vision-language
+model's embedding sums the ranks' rows whole even with sequence parallelism: its stage places
+the image features over the whole sequence, then keeps its shard
+(``hf_vision.VisionChunk``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshpipe.models.hf_moe import HFExperts
-from meshpipe.models.hf_vision import decoder_of
+from meshpipe.models.hf_vision import decoder_of, is_vision_model
 from meshpipe.parallel import (TensorParallelRegion, VocabParallelEmbedding, mark_fused,
                                mark_sequence_parallel)
 from meshpipe.parallel.tensor import _SHARD_ATTR
@@ -177,7 +180,8 @@ def shard_skeleton(model: nn.Module, region: TensorParallelRegion) -> None:
         if name.endswith(REGIONS):
             module.register_forward_pre_hook(_entering(region), with_kwargs=True)
     tied = model.lm_head.weight is base.embed_tokens.weight
-    base.embed_tokens = _vocab_parallel(base.embed_tokens, region)
+    base.embed_tokens = _vocab_parallel(base.embed_tokens, region,
+                                        whole=is_vision_model(model.config.model_type))
     if tied:
         model.lm_head = _TiedHead(base.embed_tokens.weight, region)
     else:
@@ -239,9 +243,12 @@ class _TiedHead(nn.Module):
         return F.linear(self.region.enter(x), self.weight)
 
 
-def _vocab_parallel(embedding: nn.Embedding, region: TensorParallelRegion) -> nn.Module:
+def _vocab_parallel(embedding: nn.Embedding, region: TensorParallelRegion, *,
+                    whole: bool = False) -> nn.Module:
+    """``embedding`` split by vocabulary rows; ``whole``: its output is the whole sequence
+    even under sequence parallelism."""
     scale = getattr(embedding, "scalar_embed_scale", None)
-    options = dict(sequence_parallel=region.sequence_parallel,
+    options = dict(sequence_parallel=region.sequence_parallel and not whole,
                    padding_idx=embedding.padding_idx, device="meta",
                    dtype=embedding.weight.dtype)
     layer = (VocabParallelEmbedding(embedding.num_embeddings, embedding.embedding_dim,

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from meshpipe.models.vision_positions import image_rows
+from meshpipe.parallel.tp_comm import scatter_to_sequence
 from meshpipe.runtime.substeps import run_steps
 
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -275,15 +276,18 @@ def real_buffers(model: nn.Module) -> None:
 class VisionChunk(nn.Module):
     """A stage of a vision-language model: the decoder chunk ``decoder`` (an ``HFChunk``)
     with, on the first stage, the vision tower whose features replace the image
-    placeholders' embeddings."""
+    placeholders' embeddings. ``sequence_group``: the tp group under sequence parallelism,
+    whose ranks each keep their shard of the sequence once the features are in place (the
+    tower's gradient is then whole on each, as without)."""
 
     def __init__(self, decoder: nn.Module, tower: nn.Module | None, image_token_id: int,
-                 rope_3d: bool = False):
+                 rope_3d: bool = False, sequence_group=None):
         super().__init__()
         self.decoder = decoder
         self.tower = tower
         self.image_token_id = image_token_id
         self.rope_3d = rope_3d
+        self.sequence_group = sequence_group
         self.is_first, self.is_last = decoder.is_first, decoder.is_last
 
     @property
@@ -300,7 +304,11 @@ class VisionChunk(nn.Module):
                       doc_ids: Tensor | None = None, rope: Tensor | None = None,
                       pixels: Tensor | None = None, grids: Tensor | None = None,
                       rows: Tensor | None = None):
-        hidden = self._embedded(x, pixels, grids, rows) if self.is_first else x
+        hidden = x
+        if self.is_first:
+            hidden = self._embedded(x, pixels, grids, rows)
+            if self.sequence_group is not None:
+                hidden = scatter_to_sequence(hidden, self.sequence_group)
         out = yield from self.decoder.decoder_steps(hidden, x, positions, doc_ids, None,
                                                     rope=rope, rope_3d=self.rope_3d)
         return out if self.is_last else (*out, rope)
@@ -322,11 +330,12 @@ class VisionChunk(nn.Module):
         return f"vision={self.tower is not None}"
 
 
-def split_vision_model(model: nn.Module, chunks: list[nn.Module],
-                       image_token_id: int) -> list[VisionChunk]:
-    """The decoder's chunks as vision-language stages, the tower on the first."""
+def split_vision_model(model: nn.Module, chunks: list[nn.Module], image_token_id: int,
+                       sequence_group=None) -> list[VisionChunk]:
+    """The decoder's chunks as vision-language stages, the tower on the first;
+    ``sequence_group``: the tp group under sequence parallelism."""
     architecture = ARCHITECTURES[model.config.model_type]
     tower = architecture.tower(model)
     return [VisionChunk(chunk, tower if index == 0 else None, image_token_id,
-                        architecture.rope_3d)
+                        architecture.rope_3d, sequence_group)
             for index, chunk in enumerate(chunks)]

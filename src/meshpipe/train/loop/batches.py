@@ -110,7 +110,8 @@ class RankBatches:
             pieces = [piece for row in batch.pictures[rows] for piece in row]
             pictures = Pictures.joined(pieces, batch.pictures[0][0].pixels.shape[1])
             if batch.doc_lens is None:
-                length = batch.tokens.shape[1] if self._slices else max(batch.lengths[rows])
+                length = batch.tokens.shape[1] if self._slices else self._rows_length(
+                    max(batch.lengths[rows]))
                 tokens, row_targets = batch.tokens[rows, :length], batch.targets[rows, :length]
                 doc_lens, held = None, self.positions if self._slices else None
                 positions, doc_ids = self._device_positions, None
@@ -135,6 +136,12 @@ class RankBatches:
             targets.append(to_device(row_targets, device))
             helds.append(torch.arange(tokens.shape[1]) if held is None else held)
         return inputs, targets, helds
+
+    def _rows_length(self, longest: int) -> int:
+        """A microbatch's columns: its longest sequence, rounded up to a multiple of the tp
+        size under sequence parallelism (which splits them evenly over the tp ranks)."""
+        shards = self.config.tp if self.config.sequence_parallel else 1
+        return -(-longest // shards) * shards
 
     def _packed(self, batch) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
         """Each microbatch's inputs and targets, as one row, and the columns of it this rank

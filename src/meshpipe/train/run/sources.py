@@ -91,8 +91,6 @@ def check_sources(config: TrainConfig) -> list[str]:
         hf.check_sequence_length(model_info(config.model), config.seq_len)
     _check_parts(config)
     if config.model:
-        if model_info(config.model).vision is not None:
-            _check_vision_layout(config)
         hf.check_experts(model_info(config.model), ep=config.ep,
                          capacity_factor=config.moe_capacity_factor)
     if not config.data:
@@ -140,14 +138,6 @@ def lr_scale_of(config: TrainConfig, name: str) -> float:
 
     part = part_of(model_info(config.model).model_type, name)
     return parse_lr_scales(config.lr_scale).get(part, 1.0)
-
-
-def _check_vision_layout(config: TrainConfig) -> None:
-    """What a vision-language model does not run with yet, refused in one line."""
-    if config.sequence_parallel:
-        raise ValueError(f"--model {config.model} is a vision-language model, which meshpipe "
-                         "does not run with --sequence-parallel yet: drop it (pp, vpp, dp, tp "
-                         "and cp all run)")
 
 
 def check_tensor_parallel(config: TrainConfig, tp: int) -> None:
@@ -291,7 +281,9 @@ def _hf_parts(config: TrainConfig, layers: list[int], attention, my_stages, *,
                             sequence_shards=region.sequence_shards)
     vision = model_info(config.model).vision
     if vision is not None:
-        chunks = hf_vision.split_vision_model(skeleton, chunks, vision.image_token_id)
+        chunks = hf_vision.split_vision_model(
+            skeleton, chunks, vision.image_token_id,
+            tp_group if region.sequence_parallel and region.size > 1 else None)
     shared = shared_parameters(chunks)
     meta_names = hf.full_names(skeleton)
     real = hf.materialize(skeleton, [chunks[s] for s in my_stages], config.model)
