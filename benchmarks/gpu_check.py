@@ -188,6 +188,9 @@ LAYOUTS = [
            "the tower on stage 0, each microbatch at its own length"),
     Layout("vl-qwen2-vl-pp2-bf16", ("--pp", "2", "--model", "{qwen2_vl}", "--dtype", "bf16",
                                     *VISION)),
+    Layout("vl-qwen2-vl-pp2-tp2-sp", ("--pp", "2", "--tp", "2", "--sequence-parallel",
+                                      "--model", "{qwen2_vl}", *VISION),
+           "the image features placed over the whole sequence, then sequence-sharded"),
     Layout("vl-llava-pp2-packed", ("--pp", "2", "--model", "{llava}", "--pack", *VISION),
            "CLIP tower, samples packed whole"),
 ]
