@@ -19,7 +19,8 @@ from torch import nn
 
 from meshpipe.parallel import (ColumnParallelLinear, RowParallelLinear,
                                VocabParallelEmbedding, copy_to_tp, gather_from_sequence,
-                               gather_to_replicate, is_sequence_parallel_param, mark_sequence_parallel,
+                               gather_rows_to_replicate, gather_to_replicate,
+                               is_sequence_parallel_param, mark_sequence_parallel,
                                reduce_from_tp, reduce_scatter_to_sequence,
                                scatter_to_sequence, shard, shard_dim, tp_rank_and_size,
                                unshard, vocab_parallel_cross_entropy)
@@ -155,10 +156,33 @@ def test_collectives_forward_and_backward_match_their_definitions(world):
                                            msg=_where(f"{where} backward"))
 
 
+# Rows each rank has of ``gather_rows_to_replicate``'s input: uneven, one rank none.
+ROWS = (3, 0, 5)
+
+
+def _gathered_rows(rank: int, world_size: int, dtype: torch.dtype):
+    x = _randn(200 + rank, ROWS[rank], D).to(dtype).requires_grad_()
+    y = gather_rows_to_replicate(x, dist.group.WORLD)
+    y.backward(_randn(300, sum(ROWS), D).to(dtype))  # the same gradient on every rank
+    return y.detach(), x.grad
+
+
+@pytest.mark.distributed
+def test_gathered_rows_of_uneven_counts_are_every_ranks_and_the_gradient_its_own():
+    for dtype in (torch.float32, torch.bfloat16):
+        whole = torch.cat([_randn(200 + rank, count, D) for rank, count in enumerate(ROWS)])
+        grad = _randn(300, sum(ROWS), D).to(dtype)
+        for rank, (out, x_grad) in enumerate(run_distributed(len(ROWS), _gathered_rows,
+                                                             dtype)):
+            torch.testing.assert_close(out, whole.to(dtype), rtol=0, atol=0)
+            start = sum(ROWS[:rank])
+            torch.testing.assert_close(x_grad, grad[start:start + ROWS[rank]], rtol=0, atol=0)
+
+
 def test_collectives_are_identities_without_a_group():
     x = torch.randn(B, S, D, requires_grad=True)
     for fn in (copy_to_tp, reduce_from_tp, scatter_to_sequence, gather_from_sequence,
-               gather_to_replicate, reduce_scatter_to_sequence):
+               gather_to_replicate, gather_rows_to_replicate, reduce_scatter_to_sequence):
         assert fn(x, None) is x
     assert tp_rank_and_size(None) == (0, 1)
 

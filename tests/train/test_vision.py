@@ -368,6 +368,57 @@ def test_frozen_parts_stay_and_keep_no_optimizer_state_and_lr_scale_scales(shape
     assert largest["projector"] == pytest.approx(0.5 * largest["language"], rel=0.05)
 
 
+def test_the_tp_ranks_share_the_images_out_in_order_by_their_patches():
+    from meshpipe.models.hf_vision import image_share
+
+    assert [image_share([4, 4, 4, 4], rank, 2) for rank in range(2)] == [(0, 2), (2, 4)]
+    assert [image_share([16, 1, 1], rank, 2) for rank in range(2)] == [(0, 1), (1, 3)]
+    assert [image_share([9], rank, 2) for rank in range(2)] == [(0, 0), (0, 1)]
+    assert image_share([], 0, 2) == (0, 0)
+    generator = np.random.default_rng(0)
+    for _ in range(200):
+        patches = generator.integers(1, 50, size=generator.integers(1, 12)).tolist()
+        size = int(generator.integers(1, 5))
+        shares = [image_share(patches, rank, size) for rank in range(size)]
+        taken = [index for first, last in shares for index in range(first, last)]
+        assert taken == list(range(len(patches)))  # every image once, in order
+        most = max(sum(patches[first:last]) for first, last in shares)
+        assert most <= sum(patches) / size + max(patches)  # within an image of even
+
+
+def tower_patches(rank, world_size, config):
+    """The patches this rank's tower ran on in the first step's --check, and the report."""
+    from meshpipe.models.hf_vision import VisionChunk
+    from meshpipe.train.loop.trainer import Trainer
+
+    trainer = Trainer(config)
+    seen = []
+    for stage in trainer.stages.values():
+        for module in stage.module.modules():
+            if isinstance(module, VisionChunk) and module.tower is not None:
+                run = module.tower.forward
+                module.tower.forward = lambda pixels, grids, run=run: (
+                    seen.append(pixels.shape[0]) or run(pixels, grids))
+    report = trainer.check_first_step()
+    return sum(seen), report
+
+
+@pytest.mark.distributed
+def test_each_tp_rank_runs_the_tower_on_its_share_of_the_images(shapes, tmp_path):
+    """Qwen2-VL at tp 2 (the decoder's): the tp ranks' towers together see each image of
+    the step once, each about half of the patches, and the step equals one process's."""
+    model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
+    config = vision_config(model, shapes, tmp_path, tp=2, pp=1)
+    sources.check_sources(config)
+    batch = data_sources.samplers(config, 0)[0].batch(0)
+    patches = sum(piece.pixels.shape[0] for row in batch.pictures for piece in row)
+    results = run_distributed(config.world_size, tower_patches, config)
+    shares = [seen for seen, _ in results]
+    assert sum(shares) == patches and min(shares) > 0, (shares, patches)
+    report = results[0][1]
+    assert report["mismatched"] == [] and report["passed"], report
+
+
 def test_under_sequence_parallelism_a_microbatch_is_a_multiple_of_tp_long(shapes, tmp_path):
     """Cut to its longest sequence, a microbatch is then rounded up to a multiple of the tp
     size, which sequence parallelism splits its columns over."""

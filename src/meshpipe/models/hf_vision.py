@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from meshpipe.models.vision_positions import image_rows
-from meshpipe.parallel.tp_comm import scatter_to_sequence
+from meshpipe.parallel import (gather_rows_to_replicate, mark_sequence_parallel,
+                               scatter_to_sequence, tp_rank_and_size)
 from meshpipe.runtime.substeps import run_steps
 
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -61,6 +62,12 @@ class QwenTower(nn.Module):
         out = self.visual(pixels.to(next(self.visual.parameters()).dtype), grid_thw=grids)
         return getattr(out, "pooler_output", out)
 
+    @staticmethod
+    def patches_per_image(pixels: Tensor, grids: Tensor) -> list[int]:
+        """Each image's patches, in order (a host read of the grids, which the tower itself
+        reads too)."""
+        return grids.prod(dim=-1).tolist()
+
 
 class LlavaTower(nn.Module):
     """A LLaVA model's CLIP or SigLIP tower and its projector: the hidden states of the
@@ -89,6 +96,11 @@ class LlavaTower(nn.Module):
             chosen = [hidden[:, 1:] for hidden in chosen]
         features = self.projector(torch.cat(chosen, dim=-1))
         return features.reshape(-1, features.shape[-1])
+
+    def patches_per_image(self, pixels: Tensor, grids: Tensor) -> list[int]:
+        """Each image's patches, in order: every image is the processor's size."""
+        patches = self.side * self.side
+        return [patches] * (pixels.shape[0] // patches)
 
 
 QWEN = Architecture(file_prefixes=(("model.language_model.", "model."),
@@ -276,18 +288,24 @@ def real_buffers(model: nn.Module) -> None:
 class VisionChunk(nn.Module):
     """A stage of a vision-language model: the decoder chunk ``decoder`` (an ``HFChunk``)
     with, on the first stage, the vision tower whose features replace the image
-    placeholders' embeddings. ``sequence_group``: the tp group under sequence parallelism,
-    whose ranks each keep their shard of the sequence once the features are in place (the
-    tower's gradient is then whole on each, as without)."""
+    placeholders' embeddings.
+
+    Over the ranks of ``tp_group`` (tensor parallelism on the decoder) each rank runs the
+    tower on its share of the microbatch's images (``image_share``) and the ranks gather the
+    features, each then having all of them; its gradient is partial (its images' only) and
+    summed over the group (the tower's weights are tagged so by ``split_vision_model``).
+    With ``sequence_parallel`` each rank keeps its shard of the sequence once the features
+    are in place."""
 
     def __init__(self, decoder: nn.Module, tower: nn.Module | None, image_token_id: int,
-                 rope_3d: bool = False, sequence_group=None):
+                 rope_3d: bool = False, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
         self.decoder = decoder
         self.tower = tower
         self.image_token_id = image_token_id
         self.rope_3d = rope_3d
-        self.sequence_group = sequence_group
+        self.tp_group = tp_group if tp_rank_and_size(tp_group)[1] > 1 else None
+        self.sequence_parallel = sequence_parallel and self.tp_group is not None
         self.is_first, self.is_last = decoder.is_first, decoder.is_last
 
     @property
@@ -307,8 +325,8 @@ class VisionChunk(nn.Module):
         hidden = x
         if self.is_first:
             hidden = self._embedded(x, pixels, grids, rows)
-            if self.sequence_group is not None:
-                hidden = scatter_to_sequence(hidden, self.sequence_group)
+            if self.sequence_parallel:
+                hidden = scatter_to_sequence(hidden, self.tp_group)
         out = yield from self.decoder.decoder_steps(hidden, x, positions, doc_ids, None,
                                                     rope=rope, rope_3d=self.rope_3d)
         return out if self.is_last else (*out, rope)
@@ -320,22 +338,55 @@ class VisionChunk(nn.Module):
         hidden = self.decoder.embed_tokens(tokens)
         if pixels is None or not pixels.shape[0]:
             return hidden
-        features = self.tower(pixels, grids).to(hidden.dtype)
+        features = self._features(pixels, grids, hidden)
         if rows is None:
             rows = image_rows(tokens, self.image_token_id)
         shown = (rows >= 0).unsqueeze(-1)
         return torch.where(shown, features[rows.clamp(min=0)], hidden)
 
+    def _features(self, pixels: Tensor, grids: Tensor, hidden: Tensor) -> Tensor:
+        """The images' features in order, in ``hidden``'s dtype: the tower's over all of
+        them, or over the tp ranks each its share, gathered."""
+        if self.tp_group is None:
+            return self.tower(pixels, grids).to(hidden.dtype)
+        patches = self.tower.patches_per_image(pixels, grids)
+        first, last = image_share(patches, *tp_rank_and_size(self.tp_group))
+        if last > first:
+            start, stop = sum(patches[:first]), sum(patches[:last])
+            mine = self.tower(pixels[start:stop], grids[first:last]).to(hidden.dtype)
+        else:
+            mine = hidden.new_zeros((0, hidden.shape[-1]))
+        return gather_rows_to_replicate(mine, self.tp_group)
+
     def extra_repr(self) -> str:
         return f"vision={self.tower is not None}"
 
 
+def image_share(patches: list[int], rank: int, size: int) -> tuple[int, int]:
+    """The images ``[first, last)`` of ``rank`` of ``size`` ranks sharing images of
+    ``patches`` patches each: consecutive images, each to the rank its middle patch falls
+    in, so that the ranks' patches are about even (a rank may have none)."""
+    total = sum(patches)
+    if not total:
+        return 0, 0
+    owners, before = [], 0
+    for count in patches:
+        owners.append(min(size - 1, (2 * before + count) * size // (2 * total)))
+        before += count
+    mine = [index for index, owner in enumerate(owners) if owner == rank]
+    return (mine[0], mine[-1] + 1) if mine else (0, 0)
+
+
 def split_vision_model(model: nn.Module, chunks: list[nn.Module], image_token_id: int,
-                       sequence_group=None) -> list[VisionChunk]:
-    """The decoder's chunks as vision-language stages, the tower on the first;
-    ``sequence_group``: the tp group under sequence parallelism."""
+                       tp_group=None, sequence_parallel: bool = False) -> list[VisionChunk]:
+    """The decoder's chunks as vision-language stages, the tower on the first; with a
+    ``tp_group`` of several ranks the tower's weights are tagged for their gradients' sum
+    over it (``VisionChunk``: each rank runs the tower on its share of the images)."""
     architecture = ARCHITECTURES[model.config.model_type]
     tower = architecture.tower(model)
+    if tp_rank_and_size(tp_group)[1] > 1:
+        for param in tower.parameters():
+            mark_sequence_parallel(param)
     return [VisionChunk(chunk, tower if index == 0 else None, image_token_id,
-                        architecture.rope_3d, sequence_group)
+                        architecture.rope_3d, tp_group, sequence_parallel)
             for index, chunk in enumerate(chunks)]

@@ -160,6 +160,26 @@ class _GatherToReplicate(torch.autograd.Function):
         return _seq_chunk(grad, ctx.group), None
 
 
+class _GatherRowsToReplicate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        counts = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+        every = [torch.empty_like(counts) for _ in range(dist.get_world_size(group))]
+        ops.all_gather(every, counts, group)
+        rows = [int(count) for count in torch.cat(every).tolist()]
+        rank = dist.get_rank(group)
+        ctx.group, ctx.start, ctx.rows = group, sum(rows[:rank]), rows[rank]
+        padded = x.new_zeros((max(rows), *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        gathered = [torch.empty_like(padded) for _ in rows]
+        ops.all_gather(gathered, padded, group)
+        return torch.cat([part[:count] for part, count in zip(gathered, rows)])
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad[ctx.start:ctx.start + ctx.rows], None
+
+
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -222,6 +242,17 @@ def gather_to_replicate(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     _check_seq_divisible(x, 1, "gather_to_replicate")  # only needs a dim 1
     _check_same_shapes(x, group, "gather_to_replicate")
     return _GatherToReplicate.apply(x, group)
+
+
+@graph_break
+def gather_rows_to_replicate(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """All-gather along dim 0 of as many rows as each rank has (any number, none too)
+    forward, this rank's rows of the gradient backward: the ranks each compute a share of
+    rows (a vision tower's images) that every rank then uses whole, so that the gradient is
+    the same on every rank. One small all-gather of the counts first (a host read)."""
+    if _tp_size(group) == 1:
+        return x
+    return _GatherRowsToReplicate.apply(x, group)
 
 
 @graph_break
