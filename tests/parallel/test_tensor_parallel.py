@@ -19,7 +19,8 @@ from torch import nn
 
 from meshpipe.parallel import (ColumnParallelLinear, RowParallelLinear,
                                VocabParallelEmbedding, copy_to_tp, gather_from_sequence,
-                               gather_rows_to_replicate, gather_to_replicate,
+                               gather_rows_summing_gradients, gather_rows_to_replicate,
+                               gather_to_replicate,
                                is_sequence_parallel_param, mark_sequence_parallel,
                                reduce_from_tp, reduce_scatter_to_sequence,
                                scatter_to_sequence, shard, shard_dim, tp_rank_and_size,
@@ -156,33 +157,42 @@ def test_collectives_forward_and_backward_match_their_definitions(world):
                                            msg=_where(f"{where} backward"))
 
 
-# Rows each rank has of ``gather_rows_to_replicate``'s input: uneven, one rank none.
+# Rows each rank has of the row gathers' input: uneven, one rank none.
 ROWS = (3, 0, 5)
 
 
 def _gathered_rows(rank: int, world_size: int, dtype: torch.dtype):
-    x = _randn(200 + rank, ROWS[rank], D).to(dtype).requires_grad_()
-    y = gather_rows_to_replicate(x, dist.group.WORLD)
-    y.backward(_randn(300, sum(ROWS), D).to(dtype))  # the same gradient on every rank
-    return y.detach(), x.grad
+    out = {}
+    for gather in (gather_rows_to_replicate, gather_rows_summing_gradients):
+        x = _randn(200 + rank, ROWS[rank], D).to(dtype).requires_grad_()
+        y = gather(x, dist.group.WORLD)
+        y.backward(_randn(300 + rank, sum(ROWS), D).to(dtype))
+        out[gather.__name__] = y.detach(), x.grad
+    return out
 
 
 @pytest.mark.distributed
-def test_gathered_rows_of_uneven_counts_are_every_ranks_and_the_gradient_its_own():
+def test_gathered_rows_of_uneven_counts_are_every_ranks_with_their_gradients():
+    """Forward: every rank's rows in rank order. Backward: this rank's rows of its own
+    gradient (replicated use), or of the ranks' gradients summed (partial use)."""
     for dtype in (torch.float32, torch.bfloat16):
         whole = torch.cat([_randn(200 + rank, count, D) for rank, count in enumerate(ROWS)])
-        grad = _randn(300, sum(ROWS), D).to(dtype)
-        for rank, (out, x_grad) in enumerate(run_distributed(len(ROWS), _gathered_rows,
-                                                             dtype)):
-            torch.testing.assert_close(out, whole.to(dtype), rtol=0, atol=0)
-            start = sum(ROWS[:rank])
-            torch.testing.assert_close(x_grad, grad[start:start + ROWS[rank]], rtol=0, atol=0)
+        grads = [_randn(300 + rank, sum(ROWS), D).to(dtype) for rank in range(len(ROWS))]
+        summed = sum(grad.float() for grad in grads).to(dtype)
+        for rank, got in enumerate(run_distributed(len(ROWS), _gathered_rows, dtype)):
+            mine = slice(sum(ROWS[:rank]), sum(ROWS[:rank + 1]))
+            for name, grad in (("gather_rows_to_replicate", grads[rank]),
+                               ("gather_rows_summing_gradients", summed)):
+                out, x_grad = got[name]
+                torch.testing.assert_close(out, whole.to(dtype), rtol=0, atol=0)
+                torch.testing.assert_close(x_grad, grad[mine], msg=_where(f"{rank} {name}"))
 
 
 def test_collectives_are_identities_without_a_group():
     x = torch.randn(B, S, D, requires_grad=True)
     for fn in (copy_to_tp, reduce_from_tp, scatter_to_sequence, gather_from_sequence,
-               gather_to_replicate, gather_rows_to_replicate, reduce_scatter_to_sequence):
+               gather_to_replicate, gather_rows_to_replicate, gather_rows_summing_gradients,
+               reduce_scatter_to_sequence):
         assert fn(x, None) is x
     assert tp_rank_and_size(None) == (0, 1)
 

@@ -404,11 +404,14 @@ def tower_patches(rank, world_size, config):
 
 
 @pytest.mark.distributed
-def test_each_tp_rank_runs_the_tower_on_its_share_of_the_images(shapes, tmp_path):
-    """Qwen2-VL at tp 2 (the decoder's): the tp ranks' towers together see each image of
-    the step once, each about half of the patches, and the step equals one process's."""
+@pytest.mark.parametrize("flags", [dict(tp=2), dict(cp_ring=2, pack=True),
+                                   dict(tp=2, cp_ulysses=2)],
+                         ids=["tp", "ring-packed", "tp-ulysses"])
+def test_each_rank_runs_the_tower_on_its_share_of_the_images(shapes, tmp_path, flags):
+    """Qwen2-VL over tp and context-parallel ranks: their towers together see each image of
+    the step once, each rank some, and the step equals one process's."""
     model = save_tiny_vision_model(tmp_path / "model", "qwen2_vl")
-    config = vision_config(model, shapes, tmp_path, tp=2, pp=1)
+    config = vision_config(model, shapes, tmp_path, pp=1, **flags)
     sources.check_sources(config)
     batch = data_sources.samplers(config, 0)[0].batch(0)
     patches = sum(piece.pixels.shape[0] for row in batch.pictures for piece in row)

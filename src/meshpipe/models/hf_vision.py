@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from meshpipe.models.vision_positions import image_rows
-from meshpipe.parallel import (gather_rows_to_replicate, mark_sequence_parallel,
-                               scatter_to_sequence, tp_rank_and_size)
+from meshpipe.parallel import (gather_rows_summing_gradients, gather_rows_to_replicate,
+                               mark_sequence_parallel, scatter_to_sequence, tp_rank_and_size)
 from meshpipe.runtime.substeps import run_steps
 
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -290,21 +290,25 @@ class VisionChunk(nn.Module):
     with, on the first stage, the vision tower whose features replace the image
     placeholders' embeddings.
 
-    Over the ranks of ``tp_group`` (tensor parallelism on the decoder) each rank runs the
-    tower on its share of the microbatch's images (``image_share``) and the ranks gather the
-    features, each then having all of them; its gradient is partial (its images' only) and
-    summed over the group (the tower's weights are tagged so by ``split_vision_model``).
-    With ``sequence_parallel`` each rank keeps its shard of the sequence once the features
-    are in place."""
+    The ranks that hold the stage's tokens share the tower's work out: each runs it on its
+    share of the microbatch's images (``image_share``: the context-parallel ranks of
+    ``cp_group`` each a share, which its tp ranks of ``tp_group`` share again) and the ranks
+    gather the features, each then having all of them. A rank's tower gradient is then its
+    images' only: summed over the tp ranks (the tower's weights are tagged so by
+    ``split_vision_model``) and, as every weight's, over the context-parallel ranks. With
+    ``sequence_parallel`` each rank keeps its shard of the sequence once the features are in
+    place."""
 
     def __init__(self, decoder: nn.Module, tower: nn.Module | None, image_token_id: int,
-                 rope_3d: bool = False, tp_group=None, sequence_parallel: bool = False):
+                 rope_3d: bool = False, tp_group=None, sequence_parallel: bool = False,
+                 cp_group=None):
         super().__init__()
         self.decoder = decoder
         self.tower = tower
         self.image_token_id = image_token_id
         self.rope_3d = rope_3d
         self.tp_group = tp_group if tp_rank_and_size(tp_group)[1] > 1 else None
+        self.cp_group = cp_group if tp_rank_and_size(cp_group)[1] > 1 else None
         self.sequence_parallel = sequence_parallel and self.tp_group is not None
         self.is_first, self.is_last = decoder.is_first, decoder.is_last
 
@@ -346,17 +350,23 @@ class VisionChunk(nn.Module):
 
     def _features(self, pixels: Tensor, grids: Tensor, hidden: Tensor) -> Tensor:
         """The images' features in order, in ``hidden``'s dtype: the tower's over all of
-        them, or over the tp ranks each its share, gathered."""
-        if self.tp_group is None:
+        them, or each rank's over its share, gathered (the tp ranks' first, then the
+        context-parallel ranks', whose tokens each use some of them)."""
+        if self.tp_group is None and self.cp_group is None:
             return self.tower(pixels, grids).to(hidden.dtype)
         patches = self.tower.patches_per_image(pixels, grids)
-        first, last = image_share(patches, *tp_rank_and_size(self.tp_group))
+        first, last = 0, len(patches)
+        for group in (self.cp_group, self.tp_group):
+            if group is not None:
+                low, high = image_share(patches[first:last], *tp_rank_and_size(group))
+                first, last = first + low, first + high
         if last > first:
             start, stop = sum(patches[:first]), sum(patches[:last])
             mine = self.tower(pixels[start:stop], grids[first:last]).to(hidden.dtype)
         else:
             mine = hidden.new_zeros((0, hidden.shape[-1]))
-        return gather_rows_to_replicate(mine, self.tp_group)
+        mine = gather_rows_to_replicate(mine, self.tp_group)
+        return gather_rows_summing_gradients(mine, self.cp_group)
 
     def extra_repr(self) -> str:
         return f"vision={self.tower is not None}"
@@ -378,7 +388,8 @@ def image_share(patches: list[int], rank: int, size: int) -> tuple[int, int]:
 
 
 def split_vision_model(model: nn.Module, chunks: list[nn.Module], image_token_id: int,
-                       tp_group=None, sequence_parallel: bool = False) -> list[VisionChunk]:
+                       tp_group=None, sequence_parallel: bool = False,
+                       cp_group=None) -> list[VisionChunk]:
     """The decoder's chunks as vision-language stages, the tower on the first; with a
     ``tp_group`` of several ranks the tower's weights are tagged for their gradients' sum
     over it (``VisionChunk``: each rank runs the tower on its share of the images)."""
@@ -388,5 +399,5 @@ def split_vision_model(model: nn.Module, chunks: list[nn.Module], image_token_id
         for param in tower.parameters():
             mark_sequence_parallel(param)
     return [VisionChunk(chunk, tower if index == 0 else None, image_token_id,
-                        architecture.rope_3d, tp_group, sequence_parallel)
+                        architecture.rope_3d, tp_group, sequence_parallel, cp_group)
             for index, chunk in enumerate(chunks)]

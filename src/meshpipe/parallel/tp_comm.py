@@ -160,15 +160,17 @@ class _GatherToReplicate(torch.autograd.Function):
         return _seq_chunk(grad, ctx.group), None
 
 
-class _GatherRowsToReplicate(torch.autograd.Function):
+class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, group: dist.ProcessGroup,
+                summed: bool) -> Tensor:
         counts = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
         every = [torch.empty_like(counts) for _ in range(dist.get_world_size(group))]
         ops.all_gather(every, counts, group)
         rows = [int(count) for count in torch.cat(every).tolist()]
         rank = dist.get_rank(group)
-        ctx.group, ctx.start, ctx.rows = group, sum(rows[:rank]), rows[rank]
+        ctx.group, ctx.summed = group, summed
+        ctx.start, ctx.rows = sum(rows[:rank]), rows[rank]
         padded = x.new_zeros((max(rows), *x.shape[1:]))
         padded[:x.shape[0]] = x
         gathered = [torch.empty_like(padded) for _ in rows]
@@ -176,8 +178,10 @@ class _GatherRowsToReplicate(torch.autograd.Function):
         return torch.cat([part[:count] for part, count in zip(gathered, rows)])
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
-        return grad[ctx.start:ctx.start + ctx.rows], None
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
+        if ctx.summed:
+            grad = _all_reduce_sum(grad, ctx.group)
+        return grad[ctx.start:ctx.start + ctx.rows], None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -252,7 +256,17 @@ def gather_rows_to_replicate(x: Tensor, group: dist.ProcessGroup | None) -> Tens
     the same on every rank. One small all-gather of the counts first (a host read)."""
     if _tp_size(group) == 1:
         return x
-    return _GatherRowsToReplicate.apply(x, group)
+    return _GatherRows.apply(x, group, False)
+
+
+@graph_break
+def gather_rows_summing_gradients(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``gather_rows_to_replicate`` for rows each rank then uses in part (a vision tower's
+    features under context parallelism: each rank's tokens take some), so that a row's
+    gradient is the sum of the ranks' (an all-reduce backward, then this rank's rows)."""
+    if _tp_size(group) == 1:
+        return x
+    return _GatherRows.apply(x, group, True)
 
 
 @graph_break

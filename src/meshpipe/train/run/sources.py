@@ -64,8 +64,8 @@ def vocab_size(config: TrainConfig) -> int:
 def tower_cost(config: TrainConfig) -> float:
     """A vision-language model's tower in decoder layers' worth of compute on the run's
     data (``hf_vision.tower_cost_in_layers``); 0 for a decoder or data without images. The
-    first stage's tp ranks share the images out as they share its layers' products, so the
-    ratio holds at any tp."""
+    first stage's tp and context-parallel ranks share the images out as they share its
+    layers' work, so the ratio holds at any tp and cp."""
     vision = model_info(config.model).vision if config.model else None
     if vision is None or not config.data:
         return 0.0
@@ -284,7 +284,7 @@ def _hf_parts(config: TrainConfig, layers: list[int], attention, my_stages, *,
     vision = model_info(config.model).vision
     if vision is not None:
         chunks = hf_vision.split_vision_model(skeleton, chunks, vision.image_token_id,
-                                              tp_group, region.sequence_parallel)
+                                              tp_group, region.sequence_parallel, token_group)
     shared = shared_parameters(chunks)
     meta_names = hf.full_names(skeleton)
     real = hf.materialize(skeleton, [chunks[s] for s in my_stages], config.model)
