@@ -405,7 +405,8 @@ def tower_patches(rank, world_size, config):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("flags", [dict(tp=2), dict(cp_ring=2, pack=True),
-                                   dict(tp=2, cp_ulysses=2)],
+                                   pytest.param(dict(tp=2, cp_ulysses=2),
+                                                marks=pytest.mark.slow)],
                          ids=["tp", "ring-packed", "tp-ulysses"])
 def test_each_rank_runs_the_tower_on_its_share_of_the_images(shapes, tmp_path, flags):
     """Qwen2-VL over tp and context-parallel ranks: their towers together see each image of
