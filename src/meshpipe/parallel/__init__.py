@@ -16,11 +16,11 @@ from .tp_comm import (TensorParallelRegion, copy_to_tp, gather_from_sequence,
                       scatter_to_sequence, tp_rank_and_size)
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "TensorParallelRegion", "VocabParallelEmbedding", "copy_to_tp",
-    "gather_from_sequence", "gather_rows_summing_gradients", "gather_rows_to_replicate",
-    "gather_to_replicate",
-    "is_sequence_parallel_param", "mark_fused",
-    "mark_sequence_parallel", "own_shard", "reduce_from_tp", "reduce_scatter_to_sequence",
-    "scatter_to_sequence", "shard", "shard_dim", "shard_linear", "shard_parts",
-    "tp_rank_and_size", "unshard", "vocab_parallel_cross_entropy",
+    "ColumnParallelLinear", "RowParallelLinear", "TensorParallelRegion",
+    "VocabParallelEmbedding", "copy_to_tp", "gather_from_sequence",
+    "gather_rows_summing_gradients", "gather_rows_to_replicate", "gather_to_replicate",
+    "is_sequence_parallel_param", "mark_fused", "mark_sequence_parallel", "own_shard",
+    "reduce_from_tp", "reduce_scatter_to_sequence", "scatter_to_sequence", "shard",
+    "shard_dim", "shard_linear", "shard_parts", "tp_rank_and_size", "unshard",
+    "vocab_parallel_cross_entropy",
 ]
