@@ -363,8 +363,10 @@ class VisionChunk(nn.Module):
         if last > first:
             start, stop = sum(patches[:first]), sum(patches[:last])
             mine = self.tower(pixels[start:stop], grids[first:last]).to(hidden.dtype)
-        else:
-            mine = hidden.new_zeros((0, hidden.shape[-1]))
+        else:  # in the graph as the others' shares are, so that every rank's backward
+            # joins the gather's (an all-reduce over the cp ranks)
+            mine = hidden.new_zeros((0, hidden.shape[-1])).requires_grad_(
+                torch.is_grad_enabled() and any(p.requires_grad for p in self.tower.parameters()))
         mine = gather_rows_to_replicate(mine, self.tp_group)
         return gather_rows_summing_gradients(mine, self.cp_group)
 
